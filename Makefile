@@ -1,0 +1,35 @@
+# The two commands a newcomer runs: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint types unit setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first, so NIXL's torch dependency does not pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvxferd demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvxferd tests
+	$(VENV)/bin/ruff format --check kvxferd tests
+
+types: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint types unit
+
+clean:
+	rm -rf $(VENV) build *.egg-info
