@@ -1,0 +1,229 @@
+"""Typed, validated settings for each role: defaults < TOML file < environment < CLI flags.
+
+Every timeout and limit is a named field with its unit in the name (``_ms``,
+``_bytes``) and its default here, in one place. Environment variables use the
+``KVXFERD_`` prefix and ``__`` for nesting (``KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS``);
+``num_threads`` also reads ``TRTLLM_KV_TRANSFER_NUM_THREADS``, the name engine
+operators already know.
+
+Deadlines (milliseconds)::
+
+    send_timeout_ms          100   a send on a shared socket (listener/API callers)
+    worker_send_timeout_ms  1000   a worker's result send to a receiver
+    xfer_stall_timeout_ms  10000   one NIXL WRITE still in progress -> STALLED, in doubt
+    kv_transfer_timeout_ms 60000   a receiver waiting for a request's result
+    register_timeout_ms     5000   a receiver waiting for a sender's REGISTER reply
+    publish_ttl_ms        120000   a published request nobody fetched -> EXPIRED
+    pending_fetch_ttl_ms   60000   upper bound on a fetch waiting for its publish
+    cancel_fence_ms         5000   waiting for a cancel acknowledgement -> in doubt
+    drain_timeout_ms       10000   in-flight work at shutdown
+    shutdown_timeout_ms    15000   the whole shutdown, joins included
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from kvxferd.errors import ConfigError
+
+THREADS_ENV = "TRTLLM_KV_TRANSFER_NUM_THREADS"
+DEFAULT_NUM_THREADS = 4
+
+Dtype = Literal["uint8", "int8", "float16", "bfloat16", "float32"]
+DTYPE_BYTES: dict[str, int] = {"uint8": 1, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PoolSettings(_Frozen):
+    """The paged KV pool: ``num_layers x num_blocks`` blocks of ``block_elems`` elements."""
+
+    num_layers: int = Field(8, ge=1, le=4096)
+    num_blocks: int = Field(2048, ge=1, le=1 << 22)
+    block_elems: int = Field(8192, ge=1, le=1 << 26)
+    dtype: Dtype = "float16"
+    device: Literal["cpu", "cuda"] = "cpu"
+    cuda_device: int = Field(0, ge=0)
+    shm_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,200}$", description="POSIX shm name; None = generated"
+    )
+    aux_slots: int = Field(256, ge=1, le=1 << 20)
+    aux_slot_bytes: int = Field(4096, ge=64, le=1 << 20)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_elems * DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.block_bytes
+
+
+class DataPlaneSettings(_Frozen):
+    """NIXL agent settings. The defaults keep UCX's dead-peer detection on."""
+
+    backend: Literal["UCX"] = "UCX"
+    ucx_error_handling_mode: Literal["peer", "none"] = "peer"
+    ucx_num_workers: int = Field(1, ge=1, le=64)
+    ucx_tls: str | None = Field(None, description="sets UCX_TLS for the agent, e.g. 'shm'")
+    progress_thread: bool = Field(False, description="NIXL's own progress thread spins a core")
+    sync_mode: Literal["strict", "rw", "none", "default"] = "strict"
+
+
+class Deadlines(_Frozen):
+    """Every deadline, in milliseconds (see the module docstring for what each bounds)."""
+
+    send_timeout_ms: int = Field(100, ge=1)
+    worker_send_timeout_ms: int = Field(1000, ge=1)
+    xfer_stall_timeout_ms: int = Field(10_000, ge=1)
+    kv_transfer_timeout_ms: int = Field(60_000, ge=1)
+    register_timeout_ms: int = Field(5_000, ge=1)
+    publish_ttl_ms: int = Field(120_000, ge=1)
+    pending_fetch_ttl_ms: int = Field(60_000, ge=1)
+    cancel_fence_ms: int = Field(5_000, ge=1)
+    drain_timeout_ms: int = Field(10_000, ge=0)
+    shutdown_timeout_ms: int = Field(15_000, ge=1)
+
+    @model_validator(mode="after")
+    def _drain_fits_shutdown(self) -> Deadlines:
+        if self.drain_timeout_ms >= self.shutdown_timeout_ms:
+            raise ValueError("drain_timeout_ms must be below shutdown_timeout_ms")
+        return self
+
+
+class Limits(_Frozen):
+    """Bounds on tables and frames, so no peer can grow this process without limit."""
+
+    max_frame_bytes: int = Field(4 << 20, ge=4096)
+    max_blocks_per_request: int = Field(65_536, ge=1)
+    max_peers: int = Field(256, ge=1)
+    max_live_sessions: int = Field(16_384, ge=1)
+    max_pending_fetches: int = Field(4_096, ge=0)
+    max_fetches_in_flight: int = Field(4_096, ge=1)
+    sndhwm: int = Field(10_000, ge=1)
+
+
+def _toml_source_for(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource | None:
+    path = _TOML_PATH.get()
+    if path is None:
+        return None
+    return TomlConfigSettingsSource(settings_cls, toml_file=path)
+
+
+_TOML_PATH: ContextVar[Path | None] = ContextVar("kvxferd_toml_path", default=None)
+
+
+class _RoleSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVXFERD_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="forbid",
+        populate_by_name=True,
+    )
+
+    pool: PoolSettings = PoolSettings()
+    dataplane: DataPlaneSettings = DataPlaneSettings()
+    deadlines: Deadlines = Deadlines()
+    limits: Limits = Limits()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = _toml_source_for(settings_cls)
+        return (init_settings, env_settings) + ((toml,) if toml else ())
+
+
+class SenderSettings(_RoleSettings):
+    """The context-side process: a ROUTER listener, N workers, the published requests."""
+
+    name: str = Field("kvxferd-sender", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    listen: str = Field("tcp://127.0.0.1:5555", pattern=r"^(tcp|ipc)://.{1,240}$")
+    num_threads: int = Field(
+        DEFAULT_NUM_THREADS,
+        ge=1,
+        le=256,
+        validation_alias=AliasChoices("num_threads", THREADS_ENV, "KVXFERD_NUM_THREADS"),
+        description=f"sender worker threads; also read from {THREADS_ENV}",
+    )
+
+
+class ReceiverSettings(_RoleSettings):
+    """The generation-side process: fetches requests into its own blocks."""
+
+    name: str = Field("kvxferd-receiver", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    result_endpoint: str = Field("tcp://127.0.0.1:0", pattern=r"^(tcp|ipc)://.{1,240}$")
+
+
+S = TypeVar("S", bound=_RoleSettings)
+
+
+def _check_threads_env() -> None:
+    raw = os.environ.get(THREADS_ENV)
+    if raw is None:
+        return
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{THREADS_ENV}={raw!r} is not a number; set it to an integer >= 1") from None
+    if value < 1:
+        raise ConfigError(f"{THREADS_ENV}={value} is below 1; set it to an integer >= 1")
+
+
+def _load(cls: type[S], toml_path: str | Path | None, overrides: dict[str, Any]) -> S:
+    if cls is SenderSettings and "num_threads" not in overrides:
+        _check_threads_env()
+    path = Path(toml_path) if toml_path else None
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    token = _TOML_PATH.set(path)
+    try:
+        return cls(**overrides)
+    except ValidationError as e:
+        lines = [
+            f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+            for err in e.errors()
+        ]
+        raise ConfigError(f"invalid {cls.__name__}:\n" + "\n".join(lines)) from None
+    finally:
+        _TOML_PATH.reset(token)
+
+
+def load_sender_settings(
+    toml_path: str | Path | None = None, **overrides: Any
+) -> SenderSettings:
+    """The effective sender settings; raises ConfigError with a readable message."""
+    return _load(SenderSettings, toml_path, overrides)
+
+
+def load_receiver_settings(
+    toml_path: str | Path | None = None, **overrides: Any
+) -> ReceiverSettings:
+    """The effective receiver settings; raises ConfigError with a readable message."""
+    return _load(ReceiverSettings, toml_path, overrides)

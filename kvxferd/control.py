@@ -1,0 +1,140 @@
+"""The control plane's sockets: one zmq.Context per process, bounded sends, a guarded dealer pool.
+
+ZMQ sockets are not thread-safe. The rules kvxferd keeps:
+
+* every socket has one owner thread, named where it is created, except the
+  dealers of :class:`SharedDealerPool`, which any thread may use through
+  :meth:`SharedDealerPool.send` (the pool lock covers get-or-connect; each
+  dealer's own lock serialises its sends, so a peer that stops reading stalls
+  only senders to that peer);
+* every send has a deadline (``SNDTIMEO``); a send that times out raises
+  :class:`~kvxferd.errors.SendTimeout` and is counted, it never blocks forever;
+* ``LINGER`` is 0 and ``close_all`` refuses new sends before it closes a dealer,
+  under that dealer's lock, so no socket is closed during a send on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import zmq
+
+from kvxferd.errors import SendTimeout
+
+_context_lock = threading.Lock()
+_context: zmq.Context[zmq.Socket[bytes]] | None = None
+
+
+def process_context() -> zmq.Context[zmq.Socket[bytes]]:
+    """The one zmq.Context of this process (contexts are thread-safe; never terminated early)."""
+    global _context
+    with _context_lock:
+        if _context is None or _context.closed:
+            _context = zmq.Context()
+        return _context
+
+
+@dataclass(frozen=True, slots=True)
+class SocketLimits:
+    max_frame_bytes: int
+    sndhwm: int
+
+
+def _common(sock: zmq.Socket[bytes], limits: SocketLimits) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+    sock.setsockopt(zmq.SNDHWM, limits.sndhwm)
+    sock.setsockopt(zmq.RCVHWM, limits.sndhwm)
+
+
+def bind_router(endpoint: str, limits: SocketLimits) -> tuple[zmq.Socket[bytes], str]:
+    """A ROUTER bound at ``endpoint`` (``:0`` picks a free port); returns the bound address.
+
+    ROUTER_MANDATORY makes a send to a gone peer fail loudly instead of dropping silently;
+    its sends are always NOBLOCK (the owner thread never waits on a peer).
+    """
+    sock = process_context().socket(zmq.ROUTER)
+    _common(sock, limits)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        endpoint = endpoint[:-2] + ":*"
+    sock.bind(endpoint)
+    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return sock, bound.decode() if isinstance(bound, bytes) else str(bound)
+
+
+def connect_dealer(
+    endpoint: str, limits: SocketLimits, send_timeout_ms: int, identity: bytes | None = None
+) -> zmq.Socket[bytes]:
+    """A DEALER connected to ``endpoint`` whose sends give up after ``send_timeout_ms``."""
+    sock = process_context().socket(zmq.DEALER)
+    _common(sock, limits)
+    sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+    sock.setsockopt(zmq.IMMEDIATE, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def send_bounded(sock: zmq.Socket[bytes], frame: bytes) -> None:
+    """Send one frame on a socket with SNDTIMEO set; SendTimeout when the peer is not reading."""
+    try:
+        sock.send(frame, copy=len(frame) < 65536)
+    except zmq.Again:
+        raise SendTimeout("peer is not reading (send timed out)") from None
+
+
+def router_reply(sock: zmq.Socket[bytes], routing_id: bytes, frame: bytes) -> bool:
+    """Reply on a ROUTER without ever blocking; False when the peer is gone or full."""
+    try:
+        sock.send_multipart([routing_id, frame], flags=zmq.NOBLOCK)
+        return True
+    except (zmq.Again, zmq.ZMQError):
+        return False
+
+
+class _SharedDealer:
+    __slots__ = ("lock", "sock", "closed")
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.lock = threading.Lock()  # serialises sends and close on this socket
+        self.sock = sock
+        self.closed = False
+
+
+class SharedDealerPool:
+    """DEALERs shared by several threads, one per endpoint, each guarded by its own lock."""
+
+    def __init__(self, limits: SocketLimits, send_timeout_ms: int) -> None:
+        self._limits = limits
+        self._timeout_ms = send_timeout_ms
+        self._lock = threading.Lock()  # guards _dealers and _closed (get-or-connect)
+        self._dealers: dict[str, _SharedDealer] = {}
+        self._closed = False
+
+    def send(self, endpoint: str, frame: bytes) -> None:
+        """Send one frame to ``endpoint``; SendTimeout within the deadline, or when closed."""
+        with self._lock:
+            if self._closed:
+                raise SendTimeout("dealer pool is closed")
+            dealer = self._dealers.get(endpoint)
+            if dealer is None:
+                sock = connect_dealer(endpoint, self._limits, self._timeout_ms)
+                dealer = self._dealers[endpoint] = _SharedDealer(sock)
+        with dealer.lock:
+            if dealer.closed:
+                raise SendTimeout("dealer pool is closed")
+            send_bounded(dealer.sock, frame)
+
+    def close_all(self) -> None:
+        """Refuse new sends, then close each dealer once its current send (bounded) ends."""
+        with self._lock:
+            self._closed = True
+            dealers = list(self._dealers.values())
+            self._dealers.clear()
+        for dealer in dealers:
+            with dealer.lock:
+                dealer.closed = True
+                dealer.sock.close(linger=0)

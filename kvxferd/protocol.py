@@ -1,0 +1,200 @@
+"""The wire protocol: typed, versioned, bounded messages; msgpack via msgspec, never pickle.
+
+Every message is exactly one ZMQ frame (a ROUTER additionally sees the routing
+id frame in front of it)::
+
+    frame = b"KX" + version(1 byte) + msgpack(tagged map)
+
+The map's ``"t"`` key names the message type. Decoding checks the frame count,
+the frame size, the header, the tag and every field's bounds; anything else is
+a :class:`~kvxferd.errors.ProtocolError` with a reason code, never an
+exception that could kill a thread. ``docs/protocol.md`` is the full
+description, complete enough to write a compatible peer.
+
+Direction and socket::
+
+    receiver DEALER -> sender ROUTER   Register, RequestData, Cancel
+    sender ROUTER  -> receiver DEALER  RegisterReply, Result (listener refusals), CancelAck, Reject
+    sender worker DEALER -> receiver ROUTER (result endpoint)   Result, CancelAck
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvxferd.errors import ProtocolError, Reason
+from kvxferd.layout import Layout
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KX"
+HEADER = MAGIC + bytes([PROTOCOL_VERSION])
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+PeerId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Endpoint = Annotated[str, Meta(max_length=256, pattern=r"^(tcp|ipc)://.+$")]
+U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+U31 = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Text = Annotated[str, Meta(max_length=1024)]
+BlockIds = Annotated[list[U31], Meta(max_length=1 << 20)]
+Dtype = Literal["uint8", "int8", "float16", "bfloat16", "float32"]
+Status = Literal["done", "failed", "in_doubt"]
+
+
+class WireLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A pool's shape, declared at registration."""
+
+    num_layers: Annotated[int, Meta(ge=1, le=4096)]
+    num_blocks: Annotated[int, Meta(ge=1, le=1 << 22)]
+    block_bytes: Annotated[int, Meta(ge=1, le=1 << 30)]
+    dtype: Dtype
+    aux_slots: Annotated[int, Meta(ge=1, le=1 << 20)]
+    aux_slot_bytes: Annotated[int, Meta(ge=64, le=1 << 20)]
+
+    def to_layout(self) -> Layout:
+        return Layout(**msgspec.structs.asdict(self))
+
+    @classmethod
+    def of(cls, layout: Layout) -> WireLayout:
+        return cls(
+            num_layers=layout.num_layers,
+            num_blocks=layout.num_blocks,
+            block_bytes=layout.block_bytes,
+            dtype=layout.dtype,  # type: ignore[arg-type]
+            aux_slots=layout.aux_slots,
+            aux_slot_bytes=layout.aux_slot_bytes,
+        )
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=True):
+    pass
+
+
+class Register(_Msg, tag="register"):
+    """Receiver -> sender: who I am, where my results go, my NIXL agent and pool."""
+
+    receiver_id: PeerId
+    result_endpoint: Endpoint
+    agent_metadata: Annotated[bytes, Meta(max_length=1 << 20)]
+    layout: WireLayout
+    kv_base: U63  # address of the receiver's KV region (block 0 of layer 0)
+    aux_base: U63  # address of the receiver's aux region (slot 0)
+    device: Literal["DRAM", "VRAM"] = "DRAM"
+    device_id: Annotated[int, Meta(ge=0, le=1024)] = 0
+
+
+class RegisterReply(_Msg, tag="register_reply"):
+    """Sender -> receiver: accepted, or refused with a reason."""
+
+    ok: bool
+    sender_id: PeerId
+    reason: Reason | None = None
+    detail: Text = ""
+
+
+class RequestData(_Msg, tag="request_data"):
+    """Receiver -> sender: write request ``request_id`` into these blocks of mine.
+
+    ``dst_blocks[i]`` receives the sender's i-th published block, for each layer in
+    ``[layer_begin, layer_end)``. ``aux_slot`` (or -1) receives the auxiliary payload.
+    """
+
+    request_id: RequestId
+    fetch_id: U63
+    dst_blocks: BlockIds
+    layer_begin: U31 = 0
+    layer_end: U31 = 0  # 0 means "all layers"
+    aux_slot: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
+    timeout_ms: Annotated[int, Meta(ge=1, le=3_600_000)] = 60_000
+
+
+class Cancel(_Msg, tag="cancel"):
+    """Receiver -> sender: stop ``fetch_id``; acknowledge once no write to it is in flight."""
+
+    request_id: RequestId
+    fetch_id: U63
+
+
+class Result(_Msg, tag="result"):
+    """Sender -> receiver: the one final result of a fetch."""
+
+    request_id: RequestId
+    fetch_id: U63
+    status: Status
+    reason: Reason | None = None
+    detail: Text = ""
+    nbytes: U63 = 0
+    aux_bytes: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+
+
+class CancelAck(_Msg, tag="cancel_ack"):
+    """Sender -> receiver: no write toward ``fetch_id`` is in flight (unless ``in_doubt``)."""
+
+    request_id: RequestId
+    fetch_id: U63
+    in_doubt: bool = False
+
+
+class Reject(_Msg, tag="reject"):
+    """Sender -> receiver: a message that could not be taken (malformed, unknown peer...)."""
+
+    reason: Reason
+    detail: Text = ""
+
+
+ToSender = Register | RequestData | Cancel
+ToReceiver = RegisterReply | Result | CancelAck | Reject
+
+_encoder = msgspec.msgpack.Encoder()
+_to_sender = msgspec.msgpack.Decoder(ToSender)
+_to_receiver = msgspec.msgpack.Decoder(ToReceiver)
+
+
+def encode(msg: _Msg) -> bytes:
+    """One frame: header + msgpack body."""
+    return HEADER + _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, frames: list[bytes], max_bytes: int) -> object:
+    if len(frames) != 1:
+        raise ProtocolError(Reason.MALFORMED, f"expected 1 frame, got {len(frames)}")
+    frame = frames[0]
+    if len(frame) > max_bytes:
+        raise ProtocolError(Reason.TOO_LARGE, f"frame of {len(frame)} bytes > {max_bytes}")
+    if len(frame) < 3 or frame[:2] != MAGIC:
+        raise ProtocolError(Reason.MALFORMED, "missing KX header")
+    if frame[2] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            Reason.UNSUPPORTED_VERSION, f"version {frame[2]}, this peer speaks {PROTOCOL_VERSION}"
+        )
+    try:
+        return decoder.decode(memoryview(frame)[3:])
+    except msgspec.ValidationError as e:
+        text = str(e)
+        reason = Reason.UNKNOWN_MESSAGE if "Invalid value" in text and "$.t" in text else Reason.MALFORMED
+        raise ProtocolError(reason, text[:300]) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(Reason.MALFORMED, str(e)[:300]) from None
+
+
+def decode_to_sender(frames: list[bytes], max_bytes: int) -> ToSender:
+    """Decode a frame received by a sender, or raise ProtocolError."""
+    return _decode(_to_sender, frames, max_bytes)  # type: ignore[return-value]
+
+
+def decode_to_receiver(frames: list[bytes], max_bytes: int) -> ToReceiver:
+    """Decode a frame received by a receiver, or raise ProtocolError."""
+    return _decode(_to_receiver, frames, max_bytes)  # type: ignore[return-value]
+
+
+def check_compatible(sender: Layout, receiver: WireLayout) -> str | None:
+    """Why a receiver's pool cannot take this sender's blocks, or None when it can."""
+    if receiver.dtype != sender.dtype:
+        return f"dtype {receiver.dtype} != {sender.dtype}"
+    if receiver.block_bytes != sender.block_bytes:
+        return f"block_bytes {receiver.block_bytes} != {sender.block_bytes}"
+    if receiver.num_layers != sender.num_layers:
+        return f"num_layers {receiver.num_layers} != {sender.num_layers}"
+    return None

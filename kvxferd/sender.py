@@ -1,0 +1,742 @@
+"""The sender (context side): a ROUTER listener, N workers, and the requests the engine published.
+
+Threads and what each owns::
+
+    thread              owns                                does
+    ------------------  ----------------------------------  -------------------------------------------
+    kvxferd-listener    the ROUTER socket                   decodes and validates every message; REGISTER
+                                                            (compatibility, NIXL metadata); REQUEST_DATA
+                                                            (attach to a session or park until publish,
+                                                            enqueue on worker hash(request, peer) % N);
+                                                            CANCEL (end admission, ack through the worker);
+                                                            expires pending fetches and unfetched requests
+    kvxferd-worker-i    its queue, its own DEALER per       admits each write (or refuses it), posts the
+                        receiver result endpoint            NIXL WRITE, waits with a stall deadline, sends
+                                                            exactly one Result per slice on its own DEALER
+    API callers         nothing long-lived                  publish / cancel / close / shutdown; send to
+                                                            peers only through the SharedDealerPool
+
+``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
+``_pending`` and ``_peers``. Session state has its own lock (see session.py);
+the registry lock is never taken while a session lock is held.
+
+All work of one (request, receiver) goes to one worker, so its results (and a
+CancelAck after them) reach the receiver in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import re
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from kvxferd import protocol as wire
+from kvxferd.config import SenderSettings
+from kvxferd.control import (
+    SharedDealerPool,
+    SocketLimits,
+    bind_router,
+    connect_dealer,
+    router_reply,
+    send_bounded,
+)
+from kvxferd.dataplane import DataPlane, NixlDataPlane, Xfer, wait_xfer
+from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
+from kvxferd.layout import Layout, aux_descriptors, check_blocks, check_layers, write_descriptors
+from kvxferd.pool import IdAllocator, KvPool
+from kvxferd.session import Slice, TxOutcome, TxSession
+from kvxferd.stats import Stats
+
+log = logging.getLogger("kvxferd.sender")
+
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+_TICK_S = 0.05  # listener/worker housekeeping period
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A registered receiver."""
+
+    receiver_id: str
+    routing_id: bytes
+    result_endpoint: str
+    nixl_name: str
+    layout: Layout
+    kv_base: int
+    aux_base: int
+    mem_type: str
+    device_id: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A REQUEST_DATA that arrived before its request was published."""
+
+    peer: Peer
+    msg: wire.RequestData
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteTask:
+    session: TxSession
+    slice: Slice
+    peer: Peer
+
+
+@dataclass(frozen=True, slots=True)
+class _AckTask:
+    session: TxSession
+    peer: Peer
+    fetch_id: int
+
+
+@dataclass(slots=True)
+class _Stalled:
+    session: TxSession
+    slice: Slice
+    xfer: Xfer
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownReport:
+    """What a shutdown achieved within its bound."""
+
+    drained: bool  # every admitted write returned before the deadline
+    writes_in_doubt: int  # writes still in flight (their memory was kept registered)
+    threads_joined: bool
+    elapsed_s: float
+
+
+_STOP = object()
+
+
+class TxHandle:
+    """The engine's handle on a published request."""
+
+    def __init__(self, sender: Sender, session: TxSession) -> None:
+        self._sender = sender
+        self.session = session
+
+    @property
+    def request_id(self) -> str:
+        return self.session.request_id
+
+    def wait(self, timeout: float | None = None) -> TxOutcome | None:
+        """The outcome once the request ended, or None after ``timeout`` seconds."""
+        return self.session.completion.wait(timeout)
+
+    async def wait_async(self, timeout: float | None = None) -> TxOutcome | None:
+        """Like ``wait``, on the calling task's own event loop."""
+        return await self.session.completion.wait_async(timeout)
+
+    def cancel(self) -> bool:
+        """End the request; queued writes are refused, writes in flight finish."""
+        return self.session.cancel(Reason.CANCELLED, "cancelled by the engine")
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Cancel if still open, wait for in-flight writes; True when the source blocks may be reused."""
+        return self._sender._close_session(self.session, timeout)
+
+
+class _Worker:
+    """One sender worker thread: its queue, its DEALERs, its stalled writes."""
+
+    def __init__(self, sender: Sender, index: int) -> None:
+        self.sender = sender
+        self.index = index
+        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}  # owned by this thread only
+        self._stalled: list[_Stalled] = []
+        self.last_progress = time.monotonic()
+        self.thread = threading.Thread(
+            target=self._run, name=f"kvxferd-worker-{index}", daemon=True
+        )
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    task = self.queue.get(timeout=_TICK_S)
+                except queue.Empty:
+                    task = None
+                self.last_progress = time.monotonic()
+                if self._stalled:
+                    self._recheck_stalled()
+                if task is _STOP:
+                    break
+                if task is None:
+                    continue
+                try:
+                    if isinstance(task, _WriteTask):
+                        self._write_slice(task)
+                    elif isinstance(task, _AckTask):
+                        self._ack_cancel(task)
+                except Exception:  # a bug must not kill the worker; the slice still reports
+                    log.exception("worker %d: task failed", self.index)
+                    if isinstance(task, _WriteTask):
+                        task.session.fail_slice(task.slice, Reason.TRANSFER_ERROR, "internal error")
+                        self._report(task)
+        finally:
+            for sock in self._dealers.values():
+                sock.close(linger=0)
+            self._dealers.clear()
+
+    # -- one slice ---------------------------------------------------------------
+    def _write_slice(self, task: _WriteTask) -> None:
+        s, sl, peer = task.session, task.slice, task.peer
+        ok = self._one_write(task, "kv")
+        if ok and s.aux_len > 0 and sl.aux_slot >= 0:
+            ok = self._one_write(task, "aux")
+        if ok:
+            s.slice_written(sl)
+        self._report(task)
+        if s.drained:
+            self.sender._session_drained(s)
+        del peer
+
+    def _build(self, task: _WriteTask, kind: str) -> tuple[np.ndarray, np.ndarray, str, str, int]:
+        snd, s, sl, peer = self.sender, task.session, task.slice, task.peer
+        if kind == "kv":
+            src, dst = write_descriptors(
+                snd.pool.layout,
+                snd.pool.kv_base,
+                s.block_ids,
+                peer.kv_base,
+                sl.dst_blocks,
+                sl.layer_begin,
+                sl.layer_end,
+                src_dev=snd.pool.device_id,
+                dst_dev=peer.device_id,
+            )
+            return src, dst, snd.pool.mem_type, peer.mem_type, int(src[:, 1].sum())
+        src, dst = aux_descriptors(
+            snd.pool.layout, snd.pool.aux_base, s.aux_slot, peer.layout, peer.aux_base,
+            sl.aux_slot, s.aux_len,
+        )
+        return src, dst, "DRAM", "DRAM", s.aux_len
+
+    def _one_write(self, task: _WriteTask, kind: str) -> bool:
+        """Admit, post and wait for one WRITE; True when its bytes are in place."""
+        snd, s, sl = self.sender, task.session, task.slice
+        if s.admit_write(sl) is not None:
+            snd.stats.add("writes_refused")
+            return False
+        try:
+            src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
+            xfer, state = snd.dataplane.post_write(task.peer.nixl_name, src, dst, src_mem, dst_mem)
+        except Exception as e:  # nothing was posted: give the admission back first
+            s.release_admission(sl, f"{kind} write not built: {e}")
+            snd.stats.add("writes_build_failed")
+            return False
+        deadline = time.monotonic() + snd.settings.deadlines.xfer_stall_timeout_ms / 1000
+        final = wait_xfer(xfer, state, deadline)
+        if final == "STALLED":
+            s.write_stalled(sl, f"{kind} write in progress past xfer_stall_timeout")
+            self._stalled.append(_Stalled(s, sl, xfer))
+            snd.stats.add("writes_stalled")
+            return False
+        xfer.release()
+        ok = final == "DONE"
+        s.finish_write(sl, ok, nbytes if ok else 0, "" if ok else f"NIXL reported an error ({kind})")
+        snd.stats.add("bytes_written" if ok else "writes_failed", nbytes if ok else 1)
+        return ok
+
+    def _recheck_stalled(self) -> None:
+        still: list[_Stalled] = []
+        for st in self._stalled:
+            state = st.xfer.poll()
+            if state == "PROC":
+                still.append(st)
+                continue
+            st.xfer.release()
+            st.session.finish_write(st.slice, state == "DONE")
+            if st.session.drained:
+                self.sender._session_drained(st.session)
+        self._stalled = still
+
+    # -- results -----------------------------------------------------------------
+    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._dealers.get(endpoint)
+        if sock is None:
+            snd = self.sender
+            sock = connect_dealer(
+                endpoint, snd.socket_limits, snd.settings.deadlines.worker_send_timeout_ms
+            )
+            self._dealers[endpoint] = sock
+        return sock
+
+    def _send(self, endpoint: str, msg: wire.Result | wire.CancelAck) -> None:
+        try:
+            send_bounded(self._dealer(endpoint), wire.encode(msg))
+            self.sender.stats.add(f"sent_{msg.__struct_config__.tag}")
+        except SendTimeout:
+            self.sender.stats.add("send_timeouts")
+            log.warning("result for fetch %d dropped: receiver not reading", msg.fetch_id)
+
+    def _report(self, task: _WriteTask) -> None:
+        rep = task.session.take_report(task.slice)
+        if rep is None:
+            return
+        self.sender.stats.add(f"slices_{rep.status}")
+        self._send(
+            rep.result_endpoint,
+            wire.Result(
+                request_id=task.session.request_id,
+                fetch_id=rep.fetch_id,
+                status=rep.status,  # type: ignore[arg-type]
+                reason=rep.reason,
+                detail=rep.detail[:1024],
+                nbytes=rep.nbytes,
+                aux_bytes=task.session.aux_len if rep.status == "done" and task.slice.aux_slot >= 0 else 0,
+            ),
+        )
+
+    def _ack_cancel(self, task: _AckTask) -> None:
+        sl = task.session.slice((task.peer.receiver_id, task.fetch_id))
+        in_doubt = sl is not None and sl.writes_in_flight > 0
+        self._send(
+            task.peer.result_endpoint,
+            wire.CancelAck(
+                request_id=task.session.request_id, fetch_id=task.fetch_id, in_doubt=in_doubt
+            ),
+        )
+
+
+class Sender:
+    """The context-side service: publish requests, serve fetches, shut down within a bound."""
+
+    def __init__(
+        self,
+        settings: SenderSettings,
+        *,
+        pool: KvPool | None = None,
+        dataplane: DataPlane | None = None,
+    ) -> None:
+        self.settings = settings
+        self.stats = Stats()
+        self.sender_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
+        self.pool = pool or KvPool(settings.pool, owner="tx")
+        self._owns_pool = pool is None
+        self.dataplane: DataPlane = dataplane or NixlDataPlane(
+            self.sender_id, settings.dataplane, self.pool
+        )
+        self.socket_limits = SocketLimits(settings.limits.max_frame_bytes, settings.limits.sndhwm)
+        self.aux_slots = IdAllocator(settings.pool.aux_slots)
+        self._shared = SharedDealerPool(self.socket_limits, settings.deadlines.send_timeout_ms)
+        self._lock = threading.Lock()
+        self._live: dict[str, TxSession] = {}  # request id -> open session (at most one)
+        self._sessions: dict[int, TxSession] = {}  # session id -> every session not yet removed
+        self._fetches: dict[tuple[str, int], TxSession] = {}  # (peer, fetch id) -> session
+        self._pending: dict[str, list[_Pending]] = {}
+        self._pending_count = 0
+        self._peers: dict[bytes, Peer] = {}  # routing id -> peer
+        self._session_ids = itertools.count(1)
+        self._draining = threading.Event()
+        self._stopping = threading.Event()
+        self._router, self.endpoint = bind_router(settings.listen, self.socket_limits)
+        self.listener_progress = time.monotonic()
+        self._listener = threading.Thread(target=self._listen, name="kvxferd-listener", daemon=True)
+        self._workers = [_Worker(self, i) for i in range(settings.num_threads)]
+        self._started = False
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> Sender:
+        if not self._started:
+            self._started = True
+            for w in self._workers:
+                w.thread.start()
+            self._listener.start()
+        return self
+
+    def __enter__(self) -> Sender:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def worker_progress(self) -> list[float]:
+        return [w.last_progress for w in self._workers]
+
+    def queue_depths(self) -> list[int]:
+        return [w.queue.qsize() for w in self._workers]
+
+    def writes_in_flight(self) -> int:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return sum(s.writes_in_flight for s in sessions)
+
+    def session_count(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # -- engine API --------------------------------------------------------------------
+    def publish(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        aux: bytes | None = None,
+        expected_fetches: int = 1,
+    ) -> TxHandle:
+        """Offer a finished request's blocks to receivers; RejectedError with a reason if refused."""
+        if self._draining.is_set():
+            self.stats.add("rejected_shutting_down")
+            raise RejectedError(Reason.SHUTTING_DOWN, "sender is draining")
+        if not _REQUEST_ID.match(request_id):
+            raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
+        if expected_fetches < 1:
+            raise RejectedError(Reason.MALFORMED, "expected_fetches must be >= 1")
+        blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if blocks.size > self.settings.limits.max_blocks_per_request:
+            raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")
+        check_blocks(self.pool.layout, blocks, "published blocks")
+        aux_slot, aux_len = -1, 0
+        if aux:
+            if len(aux) > self.pool.layout.aux_slot_bytes:
+                raise RejectedError(Reason.TOO_LARGE, f"aux of {len(aux)} bytes > aux_slot_bytes")
+            aux_slot, aux_len = int(self.aux_slots.take(1)[0]), len(aux)
+            self.pool.aux[aux_slot, :aux_len].copy_(_bytes_tensor(aux))
+        session = TxSession(
+            next(self._session_ids),
+            request_id,
+            blocks,
+            expected_fetches=expected_fetches,
+            aux_slot=aux_slot,
+            aux_len=aux_len,
+            ttl_s=self.settings.deadlines.publish_ttl_ms / 1000,
+        )
+        with self._lock:
+            error: RejectedError | None = None
+            if self._draining.is_set():
+                error = RejectedError(Reason.SHUTTING_DOWN, "sender is draining")
+            elif request_id in self._live:
+                error = RejectedError(Reason.DUPLICATE, f"request {request_id} is already published")
+            elif len(self._sessions) >= self.settings.limits.max_live_sessions:
+                error = RejectedError(Reason.BUSY, "max_live_sessions reached")
+            if error is None:
+                self._live[request_id] = session
+                self._sessions[session.session_id] = session
+                parked = self._pending.pop(request_id, [])
+                self._pending_count -= len(parked)
+        if error is not None:
+            if aux_slot >= 0:
+                self.aux_slots.give_back([aux_slot])
+            self.stats.add(f"rejected_{error.reason}")
+            raise error
+        self.stats.add("published")
+        for p in parked:
+            self._attach(session, p.peer, p.msg, reply=self._reply_shared)
+        return TxHandle(self, session)
+
+    def _close_session(self, session: TxSession, timeout: float | None) -> bool:
+        session.cancel(Reason.CANCELLED, "closed by the engine")
+        if timeout is None:
+            timeout = self.settings.deadlines.drain_timeout_ms / 1000
+        drained = session.drained_event.wait(timeout)
+        with self._lock:
+            if self._live.get(session.request_id) is session:
+                del self._live[session.request_id]
+        if drained:
+            self._session_drained(session, remove=True)
+        return drained
+
+    def _session_drained(self, session: TxSession, remove: bool = False) -> None:
+        """Forget a drained session once the engine closed it (or it was never going to)."""
+        with self._lock:
+            closed = self._live.get(session.request_id) is not session
+            if not (remove or closed) or session.session_id not in self._sessions:
+                return
+            del self._sessions[session.session_id]
+            for sl in session.slices():
+                self._fetches.pop(sl.key, None)
+        if session.aux_slot >= 0:
+            self.aux_slots.give_back([session.aux_slot])
+            session.aux_slot = -1
+
+    # -- listener ----------------------------------------------------------------------
+    def _listen(self) -> None:
+        """Owner of the ROUTER socket; never blocks on a peer."""
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        max_bytes = self.settings.limits.max_frame_bytes
+        try:
+            while not self._stopping.is_set():
+                self.listener_progress = time.monotonic()
+                events = dict(poller.poll(int(_TICK_S * 1000)))
+                if self._router in events:
+                    for _ in range(256):  # bounded batch, then housekeeping
+                        try:
+                            frames = self._router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(frames, max_bytes)
+                self._housekeeping(time.monotonic())
+        finally:
+            self._router.close(linger=0)
+
+    def _handle(self, frames: list[bytes], max_bytes: int) -> None:
+        routing_id, body = frames[0], frames[1:]
+        try:
+            msg = wire.decode_to_sender(body, max_bytes)
+        except ProtocolError as e:
+            self.stats.add(f"rejected_{e.reason}")
+            router_reply(self._router, routing_id, wire.encode(wire.Reject(reason=e.reason, detail=e.detail[:1024])))
+            return
+        try:
+            if isinstance(msg, wire.Register):
+                self._on_register(routing_id, msg)
+            elif isinstance(msg, wire.RequestData):
+                self._on_request(routing_id, msg)
+            else:
+                self._on_cancel(routing_id, msg)
+        except Exception:  # a bug on one message must not kill the listener
+            log.exception("listener: message failed")
+            self.stats.add("listener_errors")
+
+    def _reply(self, routing_id: bytes, msg: wire._Msg) -> None:
+        if not router_reply(self._router, routing_id, wire.encode(msg)):
+            self.stats.add("reply_dropped")
+
+    def _reply_shared(self, peer: Peer, msg: wire._Msg) -> None:
+        try:
+            self._shared.send(peer.result_endpoint, wire.encode(msg))
+        except SendTimeout:
+            self.stats.add("send_timeouts")
+
+    def _on_register(self, routing_id: bytes, msg: wire.Register) -> None:
+        def refuse(reason: Reason, detail: str) -> None:
+            self.stats.add(f"rejected_{reason}")
+            self._reply(routing_id, wire.RegisterReply(ok=False, sender_id=self.sender_id, reason=reason, detail=detail))
+
+        if self._draining.is_set():
+            return refuse(Reason.SHUTTING_DOWN, "sender is draining")
+        why = wire.check_compatible(self.pool.layout, msg.layout)
+        if why:
+            return refuse(Reason.INCOMPATIBLE, why)
+        with self._lock:
+            known = self._peers.get(routing_id)
+            full = known is None and len(self._peers) >= self.settings.limits.max_peers
+        if known is not None and known.receiver_id == msg.receiver_id:
+            self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
+            return
+        if full:
+            return refuse(Reason.BUSY, "max_peers reached")
+        try:
+            nixl_name = self.dataplane.add_peer(msg.agent_metadata)
+        except Exception as e:
+            return refuse(Reason.INCOMPATIBLE, f"NIXL metadata not accepted: {e}"[:1024])
+        peer = Peer(
+            msg.receiver_id, routing_id, msg.result_endpoint, nixl_name, msg.layout.to_layout(),
+            msg.kv_base, msg.aux_base, msg.device, msg.device_id,
+        )
+        with self._lock:
+            self._peers[routing_id] = peer
+        self.stats.add("peers_registered")
+        log.info("receiver %s registered (results at %s)", msg.receiver_id, msg.result_endpoint)
+        self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
+
+    def _on_request(self, routing_id: bytes, msg: wire.RequestData) -> None:
+        with self._lock:
+            peer = self._peers.get(routing_id)
+        if peer is None:
+            return self._refuse_fetch(routing_id, None, msg, Reason.UNKNOWN_PEER, "REGISTER first")
+        if self._draining.is_set():
+            return self._refuse_fetch(routing_id, peer, msg, Reason.SHUTTING_DOWN, "sender is draining")
+        dst = np.asarray(msg.dst_blocks, dtype=np.int64)
+        try:
+            if dst.size > self.settings.limits.max_blocks_per_request:
+                raise RejectedError(Reason.TOO_LARGE, "too many blocks")
+            check_blocks(peer.layout, dst, "destination blocks")
+            check_layers(self.pool.layout, msg.layer_begin, msg.layer_end or self.pool.layout.num_layers)
+            if msg.aux_slot >= peer.layout.aux_slots:
+                raise RejectedError(Reason.BAD_BLOCKS, "aux slot outside the receiver's pool")
+        except RejectedError as e:
+            return self._refuse_fetch(routing_id, peer, msg, e.reason, e.detail)
+        now = time.monotonic()
+        with self._lock:
+            if (peer.receiver_id, msg.fetch_id) in self._fetches:
+                session: TxSession | None = None
+                dup = True
+            else:
+                dup = False
+                session = self._live.get(msg.request_id)
+                if session is None:
+                    if self._pending_count >= self.settings.limits.max_pending_fetches:
+                        full = True
+                    else:
+                        full = False
+                        ttl = min(msg.timeout_ms, self.settings.deadlines.pending_fetch_ttl_ms) / 1000
+                        self._pending.setdefault(msg.request_id, []).append(_Pending(peer, msg, now + ttl))
+                        self._pending_count += 1
+        if dup:
+            return self._refuse_fetch(routing_id, peer, msg, Reason.DUPLICATE, "fetch id in use")
+        if session is None:
+            if full:
+                return self._refuse_fetch(routing_id, peer, msg, Reason.BUSY, "max_pending_fetches reached")
+            self.stats.add("fetches_parked")
+            return None
+        self._attach(session, peer, msg, reply=lambda p, m: self._reply(routing_id, m))
+        return None
+
+    def _refuse_fetch(
+        self, routing_id: bytes, peer: Peer | None, msg: wire.RequestData, reason: Reason, detail: str
+    ) -> None:
+        self.stats.add(f"rejected_{reason}")
+        result = wire.Result(
+            request_id=msg.request_id, fetch_id=msg.fetch_id, status="failed", reason=reason, detail=detail[:1024]
+        )
+        self._reply(routing_id, result)
+
+    def _attach(self, session: TxSession, peer: Peer, msg: wire.RequestData, reply) -> None:  # type: ignore[no-untyped-def]
+        """Attach a fetch to a published session and queue it on its worker (any thread)."""
+        layer_end = msg.layer_end or self.pool.layout.num_layers
+        dst = np.asarray(msg.dst_blocks, dtype=np.int64)
+        deadline = time.monotonic() + msg.timeout_ms / 1000
+        sl = Slice(peer.receiver_id, msg.fetch_id, peer.result_endpoint, dst, msg.layer_begin, layer_end, msg.aux_slot, deadline)
+        try:
+            if dst.size != session.block_ids.size:
+                raise RejectedError(
+                    Reason.BAD_BLOCKS, f"{dst.size} destination blocks for {session.block_ids.size} published"
+                )
+            session.add_slice(sl)
+        except RejectedError as e:
+            self.stats.add(f"rejected_{e.reason}")
+            reply(peer, wire.Result(request_id=msg.request_id, fetch_id=msg.fetch_id, status="failed", reason=e.reason, detail=e.detail[:1024]))
+            return
+        with self._lock:
+            self._fetches[sl.key] = session
+        self._worker_for(session.request_id, peer.receiver_id).queue.put(_WriteTask(session, sl, peer))
+
+    def _worker_for(self, request_id: str, peer_id: str) -> _Worker:
+        h = zlib.crc32(f"{request_id}\x00{peer_id}".encode())
+        return self._workers[h % len(self._workers)]
+
+    def _on_cancel(self, routing_id: bytes, msg: wire.Cancel) -> None:
+        with self._lock:
+            peer = self._peers.get(routing_id)
+            if peer is None:
+                session = None
+            else:
+                session = self._fetches.get((peer.receiver_id, msg.fetch_id))
+                parked = self._pending.get(msg.request_id, [])
+                for p in parked:
+                    if p.peer is peer and p.msg.fetch_id == msg.fetch_id:
+                        parked.remove(p)
+                        self._pending_count -= 1
+                        break
+                else:
+                    p = None  # type: ignore[assignment]
+        if peer is None:
+            self.stats.add(f"rejected_{Reason.UNKNOWN_PEER}")
+            self._reply(routing_id, wire.Reject(reason=Reason.UNKNOWN_PEER, detail="CANCEL before REGISTER"))
+            return
+        self.stats.add("cancels")
+        if session is None:
+            if p is not None:
+                self._reply(routing_id, wire.Result(request_id=msg.request_id, fetch_id=msg.fetch_id, status="failed", reason=Reason.CANCELLED, detail="cancelled by the receiver"))
+            # Nothing of ours is in flight toward that fetch.
+            self._reply(routing_id, wire.CancelAck(request_id=msg.request_id, fetch_id=msg.fetch_id))
+            return
+        session.cancel(Reason.CANCELLED, "cancelled by the receiver")
+        # The ack goes after the slice's own result, from the worker that owns the pair.
+        self._worker_for(session.request_id, peer.receiver_id).queue.put(_AckTask(session, peer, msg.fetch_id))
+
+    def _housekeeping(self, now: float) -> None:
+        expired: list[_Pending] = []
+        with self._lock:
+            for rid in list(self._pending):
+                keep = [p for p in self._pending[rid] if p.deadline > now]
+                expired.extend(p for p in self._pending[rid] if p.deadline <= now)
+                if keep:
+                    self._pending[rid] = keep
+                else:
+                    del self._pending[rid]
+            self._pending_count -= len(expired)
+            live = list(self._live.values())
+        for p in expired:
+            self.stats.add(f"rejected_{Reason.EXPIRED}")
+            self._reply(p.peer.routing_id, wire.Result(request_id=p.msg.request_id, fetch_id=p.msg.fetch_id, status="failed", reason=Reason.EXPIRED, detail="request was not published in time"))
+        for s in live:
+            if s.expire(now):
+                self.stats.add("sessions_expired")
+
+    # -- shutdown ----------------------------------------------------------------------
+    def shutdown(self, timeout: float | None = None) -> ShutdownReport:
+        """Stop admitting, drain up to drain_timeout, fail the rest, join, deregister; bounded."""
+        t0 = time.monotonic()
+        d = self.settings.deadlines
+        total = d.shutdown_timeout_ms / 1000 if timeout is None else timeout
+        deadline = t0 + total
+        drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline)
+        with self._lock:  # publish checks the flag under this lock: no session slips past
+            self._draining.set()
+        # 1. let fetches already attached finish, up to the drain deadline
+        while time.monotonic() < drain_deadline:
+            with self._lock:
+                busy = any(
+                    sl.state in ("queued", "writing")
+                    for s in self._sessions.values()
+                    for sl in s.slices()
+                )
+            if not busy:
+                break
+            time.sleep(0.005)  # poll: no event covers "every slice of every session"
+        # 2. end every session; queued writes are refused and reported by their workers
+        with self._lock:
+            sessions = list(self._sessions.values())
+            parked = [p for ps in self._pending.values() for p in ps]
+            self._pending.clear()
+            self._pending_count = 0
+        for s in sessions:
+            s.cancel(Reason.SHUTTING_DOWN, "sender is shutting down")
+        for p in parked:
+            if time.monotonic() >= deadline:
+                break
+            self._reply_shared(p.peer, wire.Result(request_id=p.msg.request_id, fetch_id=p.msg.fetch_id, status="failed", reason=Reason.SHUTTING_DOWN, detail="sender is shutting down"))
+        # 3. stop threads, each join bounded by what is left
+        for w in self._workers:
+            w.queue.put(_STOP)
+        self._stopping.set()
+        joined = True
+        for t in [self._listener, *(w.thread for w in self._workers)]:
+            if t.is_alive() or not self._started:
+                if self._started:
+                    t.join(max(0.0, deadline - time.monotonic()))
+                joined = joined and not t.is_alive()
+        if not self._started:
+            self._router.close(linger=0)
+        self._shared.close_all()
+        # 4. deregister only when no write can touch the memory
+        # Workers still inside a bounded send cannot post: every session refuses admission now.
+        in_flight = sum(s.writes_in_flight for s in sessions)
+        if in_flight == 0:
+            self.dataplane.close()
+            if self._owns_pool:
+                self.pool.close()
+        report = ShutdownReport(
+            drained=in_flight == 0, writes_in_doubt=in_flight, threads_joined=joined,
+            elapsed_s=time.monotonic() - t0,
+        )
+        log.info("sender shutdown: %s", report)
+        return report
+
+
+def _bytes_tensor(data: bytes):  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -1,0 +1,478 @@
+"""Session state machines, without I/O: what one published request (sender) or one fetch (receiver) may do next.
+
+Sender side, one :class:`TxSession` per published request::
+
+    PUBLISHED --first admitted write--> TRANSFERRING --expected fetches done--> COMPLETE
+        |                                   |
+        | ttl passes                        +-- a write fails or stalls --> FAILED
+        v                                   |
+     EXPIRED      engine cancel / peer CANCEL (any non-terminal state) --> CANCELLED
+
+    lock: ``TxSession._lock`` guards state, outcome, writes_in_flight and every slice.
+
+* The terminal outcome is committed once, under the lock; later outcomes never
+  overwrite it (a completion never replaces a failure).
+* ``admit_write`` runs under the same lock: a write is admitted before any
+  ending is visible (then ``writes_in_flight`` > 0 and the session is not
+  drained), or refused with the terminal reason. It never reopens an ended session.
+* ``writes_in_flight`` rises at admission and falls when the NIXL call returns
+  (``finish_write``) or when a write that was never posted gives its admission
+  back (``release_admission``). ``drained = ended and writes_in_flight == 0``;
+  the source blocks may be reused only once drained.
+* A write still in progress past its stall deadline stays counted in flight:
+  the session fails IN DOUBT and keeps its memory until NIXL returns.
+
+Each slice (one receiver's fetch) has one final result on every path:
+``QUEUED -> WRITING -> DONE | FAILED | IN_DOUBT``; ``take_report`` hands it
+out exactly once.
+
+Receiver side, one :class:`RxSession` per fetch::
+
+    REQUESTED --Result done--> DONE
+        |-- Result failed/in_doubt --> FAILED
+        |-- kv_transfer_timeout ----> TIMED_OUT  (fence: CANCEL sent, await CancelAck)
+        +-- cancel() ---------------> CANCELLED  (fence: CANCEL sent, await CancelAck)
+
+    fence: NONE (no write can come) | FENCED (a write may come) -> RELEASED | IN_DOUBT
+
+    lock: ``RxSession._lock`` guards state and fence.
+
+The destination blocks are safe to reuse once the fence is NONE or RELEASED; a
+fence that passes its deadline without an acknowledgement ends IN_DOUBT.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from kvxferd.errors import Reason, RejectedError
+from kvxferd.waiters import Completion
+
+
+class TxState(StrEnum):
+    PUBLISHED = "published"
+    TRANSFERRING = "transferring"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+TX_TERMINAL = frozenset({TxState.COMPLETE, TxState.FAILED, TxState.CANCELLED, TxState.EXPIRED})
+
+
+class SliceState(StrEnum):
+    QUEUED = "queued"
+    WRITING = "writing"
+    DONE = "done"
+    FAILED = "failed"
+    IN_DOUBT = "in_doubt"
+
+
+@dataclass(frozen=True, slots=True)
+class TxOutcome:
+    """How a published request ended."""
+
+    state: TxState
+    reason: Reason | None = None
+    detail: str = ""
+    in_doubt: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TxState.COMPLETE
+
+
+@dataclass(slots=True)
+class Slice:
+    """One receiver's fetch of a published request (one REQUEST_DATA)."""
+
+    peer_id: str
+    fetch_id: int
+    result_endpoint: str
+    dst_blocks: np.ndarray
+    layer_begin: int
+    layer_end: int
+    aux_slot: int
+    deadline: float  # monotonic: no write starts after it
+    state: SliceState = SliceState.QUEUED
+    reason: Reason | None = None
+    detail: str = ""
+    nbytes: int = 0
+    writes_in_flight: int = 0
+    reported: bool = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.peer_id, self.fetch_id)
+
+
+@dataclass(frozen=True, slots=True)
+class SliceReport:
+    """The one final result of a slice, handed out once by ``TxSession.take_report``."""
+
+    fetch_id: int
+    peer_id: str
+    result_endpoint: str
+    status: str  # "done" | "failed" | "in_doubt"
+    reason: Reason | None
+    detail: str
+    nbytes: int
+
+
+class TxSession:
+    """A published request on the sender: its blocks, its slices, its single outcome."""
+
+    def __init__(
+        self,
+        session_id: int,
+        request_id: str,
+        block_ids: np.ndarray,
+        *,
+        expected_fetches: int = 1,
+        aux_slot: int = -1,
+        aux_len: int = 0,
+        ttl_s: float = 120.0,
+    ) -> None:
+        self.session_id = session_id  # never reused; the key for this session's state
+        self.request_id = request_id
+        self.block_ids = block_ids
+        self.expected_fetches = expected_fetches
+        self.aux_slot = aux_slot
+        self.aux_len = aux_len
+        self.created = time.monotonic()
+        self.ttl_deadline = self.created + ttl_s
+        self._lock = threading.Lock()
+        self._state = TxState.PUBLISHED
+        self._outcome: TxOutcome | None = None
+        self._writes_in_flight = 0
+        self._done_fetches = 0
+        self._slices: dict[tuple[str, int], Slice] = {}
+        self.completion: Completion[TxOutcome] = Completion()
+        self.drained_event = threading.Event()
+
+    # -- views -----------------------------------------------------------------
+    @property
+    def state(self) -> TxState:
+        return self._state
+
+    @property
+    def outcome(self) -> TxOutcome | None:
+        return self._outcome
+
+    @property
+    def ended(self) -> bool:
+        return self._state in TX_TERMINAL
+
+    @property
+    def writes_in_flight(self) -> int:
+        return self._writes_in_flight
+
+    @property
+    def drained(self) -> bool:
+        with self._lock:
+            return self._drained_locked()
+
+    def slice(self, key: tuple[str, int]) -> Slice | None:
+        with self._lock:
+            return self._slices.get(key)
+
+    def slices(self) -> list[Slice]:
+        with self._lock:
+            return list(self._slices.values())
+
+    # -- internals (lock held) -------------------------------------------------
+    def _drained_locked(self) -> bool:
+        return self._state in TX_TERMINAL and self._writes_in_flight == 0
+
+    def _commit_locked(self, outcome: TxOutcome) -> bool:
+        """Commit the terminal outcome once; later commits change nothing."""
+        if self._state in TX_TERMINAL:
+            return False
+        self._state, self._outcome = outcome.state, outcome
+        return True
+
+    def _after(self, committed: bool) -> None:
+        """Publish effects of a transition (called without the lock)."""
+        if committed and self._outcome is not None:
+            self.completion.set(self._outcome)
+        if self.drained:
+            self.drained_event.set()
+
+    def _refusal_reason(self) -> Reason:
+        assert self._outcome is not None
+        if self._outcome.state is TxState.FAILED:
+            return Reason.SESSION_FAILED
+        if self._outcome.state is TxState.COMPLETE:
+            return Reason.DUPLICATE
+        return self._outcome.reason or Reason.CANCELLED
+
+    # -- transitions -----------------------------------------------------------
+    def add_slice(self, sl: Slice) -> None:
+        """Attach a fetch; RejectedError if the session ended or the fetch is known."""
+        with self._lock:
+            if self._state in TX_TERMINAL:
+                raise RejectedError(self._refusal_reason(), f"request is {self._state}")
+            if sl.key in self._slices:
+                raise RejectedError(Reason.DUPLICATE, f"fetch {sl.fetch_id} already attached")
+            if len(self._slices) >= self.expected_fetches:
+                raise RejectedError(
+                    Reason.DUPLICATE, f"request expects {self.expected_fetches} fetch(es)"
+                )
+            self._slices[sl.key] = sl
+
+    def admit_write(self, sl: Slice, now: float | None = None) -> Reason | None:
+        """Admit one write of ``sl`` (None) or refuse it with a reason; atomic with endings."""
+        with self._lock:
+            if self._state in TX_TERMINAL:
+                reason = self._refusal_reason()
+            elif sl.state not in (SliceState.QUEUED, SliceState.WRITING):
+                reason = sl.reason or Reason.SESSION_FAILED
+            elif (now if now is not None else time.monotonic()) > sl.deadline:
+                reason = Reason.TIMEOUT
+            else:
+                self._writes_in_flight += 1
+                sl.writes_in_flight += 1
+                sl.state = SliceState.WRITING
+                self._state = TxState.TRANSFERRING
+                return None
+            self._fail_slice_locked(sl, reason, "write refused: " + str(reason))
+        self._after(False)
+        return reason
+
+    def release_admission(self, sl: Slice, detail: str) -> None:
+        """A write that was admitted but never posted gives its admission back, then fails."""
+        with self._lock:
+            self._writes_in_flight -= 1
+            sl.writes_in_flight -= 1
+            self._fail_slice_locked(sl, Reason.BUILD_FAILED, detail)
+            committed = self._commit_locked(
+                TxOutcome(TxState.FAILED, Reason.BUILD_FAILED, detail)
+            )
+        self._after(committed)
+
+    def finish_write(self, sl: Slice, ok: bool, nbytes: int = 0, detail: str = "") -> None:
+        """The NIXL call of one admitted write returned (``ok``: its bytes are in place)."""
+        committed = False
+        with self._lock:
+            self._writes_in_flight -= 1
+            sl.writes_in_flight -= 1
+            if ok:
+                sl.nbytes += nbytes
+            elif sl.state is SliceState.IN_DOUBT:
+                pass  # a stalled write returned late; the slice already reported in doubt
+            else:
+                self._fail_slice_locked(sl, Reason.TRANSFER_ERROR, detail)
+                committed = self._commit_locked(
+                    TxOutcome(TxState.FAILED, Reason.TRANSFER_ERROR, detail)
+                )
+        self._after(committed)
+
+    def write_stalled(self, sl: Slice, detail: str) -> None:
+        """A write is still in progress past its stall deadline: in doubt, memory kept."""
+        with self._lock:
+            if sl.state in (SliceState.QUEUED, SliceState.WRITING):
+                sl.state, sl.reason, sl.detail = SliceState.IN_DOUBT, Reason.STALLED, detail
+            committed = self._commit_locked(
+                TxOutcome(TxState.FAILED, Reason.STALLED, detail, in_doubt=True)
+            )
+        self._after(committed)
+
+    def slice_written(self, sl: Slice) -> None:
+        """Every write of ``sl`` returned OK: the slice is done; maybe the session too."""
+        committed = False
+        with self._lock:
+            if sl.state is SliceState.WRITING and sl.writes_in_flight == 0:
+                sl.state = SliceState.DONE
+                self._done_fetches += 1
+                if self._done_fetches >= self.expected_fetches:
+                    committed = self._commit_locked(TxOutcome(TxState.COMPLETE))
+        self._after(committed)
+
+    def fail_slice(self, sl: Slice, reason: Reason, detail: str) -> None:
+        """A slice fails before any write of it was admitted (e.g. its peer is gone)."""
+        with self._lock:
+            self._fail_slice_locked(sl, reason, detail)
+        self._after(False)
+
+    def _fail_slice_locked(self, sl: Slice, reason: Reason, detail: str) -> None:
+        if sl.state in (SliceState.QUEUED, SliceState.WRITING):
+            sl.state, sl.reason, sl.detail = SliceState.FAILED, reason, detail
+
+    def fail(self, reason: Reason, detail: str = "") -> bool:
+        """Commit FAILED unless the session already ended."""
+        with self._lock:
+            committed = self._commit_locked(TxOutcome(TxState.FAILED, reason, detail))
+        self._after(committed)
+        return committed
+
+    def cancel(self, reason: Reason = Reason.CANCELLED, detail: str = "") -> bool:
+        """Commit CANCELLED unless the session already ended; queued writes will be refused."""
+        with self._lock:
+            committed = self._commit_locked(TxOutcome(TxState.CANCELLED, reason, detail))
+        self._after(committed)
+        return committed
+
+    def expire(self, now: float) -> bool:
+        """Commit EXPIRED when the TTL passed and no fetch ever arrived."""
+        with self._lock:
+            if self._slices or now < self.ttl_deadline:
+                return False
+            committed = self._commit_locked(
+                TxOutcome(TxState.EXPIRED, Reason.EXPIRED, "no receiver fetched it in time")
+            )
+        self._after(committed)
+        return committed
+
+    def take_report(self, sl: Slice) -> SliceReport | None:
+        """The slice's final result, once it has one and only the first time it is asked."""
+        with self._lock:
+            if sl.reported or sl.state in (SliceState.QUEUED, SliceState.WRITING):
+                return None
+            if sl.state is SliceState.DONE:
+                status = "done"
+            elif sl.state is SliceState.IN_DOUBT:
+                status = "in_doubt"
+            else:
+                status = "failed"
+            sl.reported = True
+            return SliceReport(
+                sl.fetch_id, sl.peer_id, sl.result_endpoint, status, sl.reason, sl.detail, sl.nbytes
+            )
+
+
+class RxState(StrEnum):
+    REQUESTED = "requested"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+RX_TERMINAL = frozenset({RxState.DONE, RxState.FAILED, RxState.CANCELLED, RxState.TIMED_OUT})
+
+
+class Fence(StrEnum):
+    NONE = "none"  # no write toward our blocks can come (final result seen, or never asked)
+    FENCED = "fenced"  # a write may still come; waiting for a CancelAck
+    RELEASED = "released"  # the sender acknowledged: nothing in flight
+    IN_DOUBT = "in_doubt"  # no acknowledgement in time, or the sender said in doubt
+
+
+@dataclass(frozen=True, slots=True)
+class RxOutcome:
+    """How a fetch ended, as the engine sees it."""
+
+    state: RxState
+    reason: Reason | None = None
+    detail: str = ""
+    nbytes: int = 0
+    aux: bytes | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state is RxState.DONE
+
+
+@dataclass(slots=True)
+class RxSession:
+    """One fetch on the receiver: a request's KV into our blocks."""
+
+    fetch_id: int
+    request_id: str
+    sender_endpoint: str
+    dst_blocks: np.ndarray
+    layer_begin: int
+    layer_end: int
+    aux_slot: int
+    deadline: float  # monotonic
+    sent: bool = False  # REQUEST_DATA has left (a write may come from now on)
+    state: RxState = RxState.REQUESTED
+    fence: Fence = Fence.NONE
+    fence_deadline: float = 0.0
+    outcome: RxOutcome | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    completion: Completion[RxOutcome] = field(default_factory=Completion)
+    fence_done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in RX_TERMINAL
+
+    @property
+    def blocks_reusable(self) -> bool:
+        """True once no write toward our blocks can still come."""
+        return self.ended and self.fence in (Fence.NONE, Fence.RELEASED)
+
+    def _finish(self, outcome: RxOutcome) -> bool:
+        if self.state in RX_TERMINAL:
+            return False
+        self.state, self.outcome = outcome.state, outcome
+        return True
+
+    def _publish(self, committed: bool) -> None:
+        if committed and self.outcome is not None:
+            self.completion.set(self.outcome)
+        if self.state in RX_TERMINAL and self.fence is not Fence.FENCED:
+            self.fence_done.set()
+
+    def mark_sent(self) -> None:
+        with self._lock:
+            self.sent = True
+
+    def on_result(
+        self, status: str, reason: Reason | None, detail: str, nbytes: int, aux: bytes | None
+    ) -> bool:
+        """The sender's final result for this fetch; True if it decided the outcome."""
+        with self._lock:
+            if status == "done":
+                committed = self._finish(RxOutcome(RxState.DONE, None, "", nbytes, aux))
+            else:
+                committed = self._finish(
+                    RxOutcome(RxState.FAILED, reason or Reason.TRANSFER_ERROR, detail)
+                )
+            # A final result means the sender's writes for this fetch returned,
+            # except an in-doubt one, which only a CancelAck can clear.
+            if status == "in_doubt":
+                if self.fence is not Fence.IN_DOUBT:
+                    self.fence = Fence.FENCED if self.fence is Fence.FENCED else Fence.IN_DOUBT
+            elif self.fence is Fence.FENCED:
+                self.fence = Fence.RELEASED
+        self._publish(committed)
+        return committed
+
+    def end_locally(self, state: RxState, reason: Reason, detail: str, fence_s: float) -> bool:
+        """Cancel or time out; if a write may still come, fence the blocks until acknowledged."""
+        with self._lock:
+            committed = self._finish(RxOutcome(state, reason, detail))
+            if committed and self.sent:
+                self.fence = Fence.FENCED
+                self.fence_deadline = time.monotonic() + fence_s
+        self._publish(committed)
+        return committed
+
+    def fail(self, reason: Reason, detail: str) -> bool:
+        """Fail before any write could start (never sent, or the sender refused it)."""
+        with self._lock:
+            committed = self._finish(RxOutcome(RxState.FAILED, reason, detail))
+        self._publish(committed)
+        return committed
+
+    def on_cancel_ack(self, in_doubt: bool) -> None:
+        with self._lock:
+            if self.fence is Fence.FENCED:
+                self.fence = Fence.IN_DOUBT if in_doubt else Fence.RELEASED
+        self._publish(False)
+
+    def fence_expired(self, now: float) -> bool:
+        with self._lock:
+            if self.fence is not Fence.FENCED or now < self.fence_deadline:
+                return False
+            self.fence = Fence.IN_DOUBT
+        self._publish(False)
+        return True

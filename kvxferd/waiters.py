@@ -1,0 +1,74 @@
+"""Deliver one completion to every waiter: threads, and asyncio tasks on any number of loops.
+
+Each asyncio waiter is woken on its *own* loop (``call_soon_threadsafe`` on the
+loop that created its future); a loop that has stopped or closed is skipped, so
+it cannot strand waiters on other loops. See seed 001: waking every waiter on
+the first waiter's loop left consumers on other loops blocked forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def _resolve(fut: asyncio.Future[T], value: T) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+class Completion(Generic[T]):
+    """A value set once; ``wait`` blocks a thread, ``wait_async`` suspends a task on its own loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards _value, _set and _futures
+        self._event = threading.Event()
+        self._set = False
+        self._value: T | None = None
+        self._futures: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[T]]] = []
+
+    def done(self) -> bool:
+        return self._set
+
+    def value(self) -> T | None:
+        return self._value
+
+    def set(self, value: T) -> bool:
+        """Set the value once; False (and nothing changes) if it was already set."""
+        with self._lock:
+            if self._set:
+                return False
+            self._value, self._set = value, True
+            futures, self._futures = self._futures, []
+        self._event.set()
+        for loop, fut in futures:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, value)
+            except RuntimeError:  # that loop is closed; its waiters are gone with it
+                pass
+        return True
+
+    def wait(self, timeout: float | None) -> T | None:
+        """The value, or None if ``timeout`` seconds passed first."""
+        if self._event.wait(timeout):
+            return self._value
+        return None
+
+    async def wait_async(self, timeout: float | None = None) -> T | None:
+        """The value, awaited on the running loop; None after ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._set:
+                return self._value
+            fut: asyncio.Future[T] = loop.create_future()
+            self._futures.append((loop, fut))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            return None
+        finally:
+            with self._lock:
+                self._futures = [(lp, f) for lp, f in self._futures if f is not fut]
