@@ -16,7 +16,9 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -79,6 +81,16 @@ def wait_xfer(xfer: Xfer, state: XferState, deadline: float) -> XferState | Lite
     return state
 
 
+def _quiet_nixl_logger() -> None:
+    """NIXL's Python logger prints INFO lines to stdout; stdout belongs to the program."""
+    nixl_log = logging.getLogger("nixl")
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        nixl_log.setLevel(logging.WARNING)
+    for h in nixl_log.handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
+
+
 class _NixlXfer:
     __slots__ = ("_agent", "_handle", "_released")
 
@@ -108,6 +120,8 @@ class NixlDataPlane:
         if settings.ucx_tls:
             os.environ["UCX_TLS"] = settings.ucx_tls
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        _quiet_nixl_logger()
 
         sync = {
             "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,

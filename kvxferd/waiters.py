@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,6 +29,7 @@ class Completion(Generic[T]):
         self._event = threading.Event()
         self._set = False
         self._value: T | None = None
+        self.set_at: float | None = None  # time.monotonic() when the value was set
         self._futures: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[T]]] = []
 
     def done(self) -> bool:
@@ -42,6 +44,7 @@ class Completion(Generic[T]):
             if self._set:
                 return False
             self._value, self._set = value, True
+            self.set_at = time.monotonic()
             futures, self._futures = self._futures, []
         self._event.set()
         for loop, fut in futures:
