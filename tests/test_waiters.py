@@ -1,0 +1,77 @@
+"""Completion delivery to threads and to asyncio tasks on several loops (waiters.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from kvxferd.waiters import Completion
+
+
+def test_each_waiter_wakes_on_its_own_loop() -> None:
+    """Waiters on four loops in four threads all wake, each on its own loop thread."""
+    c: Completion[int] = Completion()
+    ready = threading.Barrier(5, timeout=5)
+    woke: dict[int, tuple[int, int]] = {}
+
+    def run(k: int) -> None:
+        async def main() -> None:
+            task = asyncio.ensure_future(c.wait_async(timeout=5))
+            await asyncio.sleep(0)  # let the task register its future
+            ready.wait()
+            value = await task
+            woke[k] = (value, threading.get_ident())
+
+        asyncio.run(main())
+        assert woke[k][1] == threading.get_ident()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    c.set(42)
+    for t in threads:
+        t.join(5)
+    assert {k: v[0] for k, v in woke.items()} == {0: 42, 1: 42, 2: 42, 3: 42}
+    assert len({v[1] for v in woke.values()}) == 4
+
+
+def test_a_closed_loop_does_not_strand_the_others() -> None:
+    """A waiter whose loop has closed is skipped; waiters on live loops still wake."""
+    c: Completion[str] = Completion()
+    dead = asyncio.new_event_loop()
+    dead.run_until_complete(asyncio.sleep(0))
+    fut = dead.create_future()
+    c._futures.append((dead, fut))  # a waiter that registered, then its loop went away
+    dead.close()
+    got: list[str | None] = []
+    ready = threading.Event()
+
+    def live() -> None:
+        async def main() -> None:
+            task = asyncio.ensure_future(c.wait_async(timeout=5))
+            await asyncio.sleep(0)
+            ready.set()
+            got.append(await task)
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=live)
+    t.start()
+    assert ready.wait(5)
+    c.set("ok")
+    t.join(5)
+    assert got == ["ok"]
+
+
+def test_value_is_set_once() -> None:
+    """The first value wins; a later set changes nothing."""
+    c: Completion[int] = Completion()
+    assert c.set(1)
+    assert not c.set(2)
+    assert c.wait(0) == 1
+
+
+def test_thread_wait_times_out_with_none() -> None:
+    """A blocking wait returns None when its timeout passes first."""
+    assert Completion[int]().wait(0.01) is None
