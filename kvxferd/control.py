@@ -81,7 +81,7 @@ def connect_dealer(
 def send_bounded(sock: zmq.Socket[bytes], frame: bytes) -> None:
     """Send one frame on a socket with SNDTIMEO set; SendTimeout when the peer is not reading."""
     try:
-        sock.send(frame, copy=len(frame) < 65536)
+        sock.send(frame, 0, copy=len(frame) < 65536)
     except zmq.Again:
         raise SendTimeout("peer is not reading (send timed out)") from None
 

@@ -375,10 +375,11 @@ class Receiver:
             log.warning("sender rejected a message: %s %s", msg.reason, msg.detail)
             return
         with self._lock:
-            rx = self._fetches.get(msg.fetch_id)
-        if rx is None or rx.request_id != msg.request_id:
+            found = self._fetches.get(msg.fetch_id)
+        if found is None or found.request_id != msg.request_id:
             self.stats.add("late_messages")
             return
+        rx = found
         if isinstance(msg, wire.CancelAck):
             rx.on_cancel_ack(msg.in_doubt)
             self._maybe_forget(rx)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
-from kvxferd.pool import IdAllocator, KvPool
+from kvxferd.pool import IdAllocator
 
 DEMO_POOL: dict[str, Any] = dict(
     num_layers=8, num_blocks=2048, block_elems=8192, dtype="float16", aux_slots=256
