@@ -9,8 +9,10 @@ ZMQ sockets are not thread-safe. The rules kvxferd keeps:
   only senders to that peer);
 * every send has a deadline (``SNDTIMEO``); a send that times out raises
   :class:`~kvxferd.errors.SendTimeout` and is counted, it never blocks forever;
-* ``LINGER`` is 0 and ``close_all`` refuses new sends before it closes a dealer,
-  under that dealer's lock, so no socket is closed during a send on it.
+* ``LINGER`` is 0 while a socket is open; ``close_all`` refuses new sends, then
+  closes each dealer under its lock (never during a send on it) with a linger of
+  one send timeout, so a final Result queued just before is still delivered (the
+  process context is never terminated, so ``close`` itself never blocks).
 """
 
 from __future__ import annotations
@@ -137,4 +139,5 @@ class SharedDealerPool:
         for dealer in dealers:
             with dealer.lock:
                 dealer.closed = True
-                dealer.sock.close(linger=0)
+                # linger=0 dropped a frame still queued on a fresh connection (a final Result)
+                dealer.sock.close(linger=self._timeout_ms)

@@ -71,11 +71,14 @@ def write_descriptors(
     *,
     src_dev: int = 0,
     dst_dev: int = 0,
+    dst_layer_stride: int | None = None,
     coalesce: bool = True,
 ) -> tuple[Descs, Descs]:
     """Source and destination descriptors for blocks ``src_blocks -> dst_blocks`` of the given layers.
 
-    Both id arrays must already be bounds-checked and of equal length. With
+    Both id arrays must already be bounds-checked and of equal length. The two
+    pools share block size and layer count but may differ in ``num_blocks``:
+    ``dst_layer_stride`` is the destination's bytes per layer (default: ours). With
     ``coalesce``, a run of i, i+1, ... on both sides becomes one descriptor.
     """
     n = src_blocks.size
@@ -89,9 +92,10 @@ def write_descriptors(
     else:
         lengths = np.full(n, bb, dtype=np.int64)
         s_first, d_first = src_blocks, dst_blocks
-    layers = np.arange(layer_begin, layer_end, dtype=np.int64)[:, None] * layout.layer_stride
-    src_addr = (src_base + layers + s_first[None, :] * bb).ravel()
-    dst_addr = (dst_base + layers + d_first[None, :] * bb).ravel()
+    layer_ids = np.arange(layer_begin, layer_end, dtype=np.int64)[:, None]
+    dst_stride = layout.layer_stride if dst_layer_stride is None else dst_layer_stride
+    src_addr = (src_base + layer_ids * layout.layer_stride + s_first[None, :] * bb).ravel()
+    dst_addr = (dst_base + layer_ids * dst_stride + d_first[None, :] * bb).ravel()
     lens = np.broadcast_to(lengths[None, :], (layer_end - layer_begin, lengths.size)).ravel()
     src = np.empty((src_addr.size, 3), dtype=np.int64)
     dst = np.empty((dst_addr.size, 3), dtype=np.int64)

@@ -32,8 +32,10 @@ PROTOCOL_VERSION = 1
 MAGIC = b"KX"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 
-RequestId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
-PeerId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"  # printable ASCII, no spaces
+RequestId = Annotated[str, Meta(min_length=1, max_length=256, pattern=REQUEST_ID_PATTERN)]
+# 128, not 64: a peer id is the configured name (up to 64 chars) + "-" + 12 hex digits.
+PeerId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
 Endpoint = Annotated[str, Meta(max_length=256, pattern=r"^(tcp|ipc)://.+$")]
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 U31 = Annotated[int, Meta(ge=0, le=2**31 - 1)]

@@ -11,8 +11,8 @@ Threads and what each owns::
     API callers     nothing long-lived                    fetch / cancel / close: they enqueue a
                                                           command and wake the io thread (eventfd)
 
-``_lock`` guards ``_fetches`` (fetch id -> RxSession) and ``_commands``; each
-RxSession has its own lock (session.py). Fetch ids are a process-wide counter,
+``_lock`` guards ``_fetches`` (fetch id -> RxSession), ``_forgotten_in_doubt``
+and ``_commands``; each RxSession has its own lock (session.py). Fetch ids are a process-wide counter,
 never reused, so a late result can never land on a newer fetch.
 
 A fetch completes only on the sender's ``done`` Result, which the sender sends
@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -50,6 +51,7 @@ from kvxferd.stats import Stats
 log = logging.getLogger("kvxferd.receiver")
 
 _fetch_ids = itertools.count(1)
+_REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
 
 
@@ -123,10 +125,12 @@ class Receiver:
         )
         self._lock = threading.Lock()
         self._fetches: dict[int, RxSession] = {}
+        self._forgotten_in_doubt = 0  # fetches dropped from _fetches with blocks in doubt
         self._commands: deque[tuple[str, RxSession]] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._links: dict[str, _Link] = {}  # io thread only
         self._by_dealer: dict[zmq.Socket[bytes], _Link] = {}  # io thread only
+        self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self.io_progress = time.monotonic()
@@ -163,6 +167,8 @@ class Receiver:
         """Ask ``sender_endpoint`` to write ``request_id`` into ``block_ids``; returns at once."""
         if self._draining.is_set():
             raise RejectedError(Reason.SHUTTING_DOWN, "receiver is draining")
+        if not _REQUEST_ID.match(request_id):
+            raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if blocks.size > self.settings.limits.max_blocks_per_request:
             raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")
@@ -242,7 +248,13 @@ class Receiver:
         link = self._links.get(endpoint)
         if link is not None:
             return link
-        dealer = connect_dealer(endpoint, self.socket_limits, self.settings.deadlines.send_timeout_ms)
+        # Our identity is our receiver id: a reconnect hands the sender's route over to us.
+        dealer = connect_dealer(
+            endpoint,
+            self.socket_limits,
+            self.settings.deadlines.send_timeout_ms,
+            identity=self.receiver_id.encode(),
+        )
         link = _Link(endpoint, dealer, time.monotonic() + self.settings.deadlines.register_timeout_ms / 1000)
         self._links[endpoint] = link
         self._by_dealer[dealer] = link
@@ -327,9 +339,12 @@ class Receiver:
         """Drop a fetch once no write toward its blocks can come; free its aux slot if safe."""
         if not rx.ended or rx.fence is Fence.FENCED:
             return
+        self._reregistered.discard(rx.fetch_id)
         with self._lock:
             if self._fetches.pop(rx.fetch_id, None) is None:
                 return
+            if rx.fence is Fence.IN_DOUBT:
+                self._forgotten_in_doubt += 1
         if rx.aux_slot >= 0:
             if rx.fence is Fence.IN_DOUBT:
                 self.stats.add("aux_slots_quarantined")
@@ -384,6 +399,20 @@ class Receiver:
             rx.on_cancel_ack(msg.in_doubt)
             self._maybe_forget(rx)
             return
+        if (
+            msg.status == "failed"
+            and msg.reason is Reason.UNKNOWN_PEER
+            and rx.fetch_id not in self._reregistered
+            and not rx.ended
+        ):
+            # The sender forgot us (it restarted): nothing was written; register again, once.
+            self._reregistered.add(rx.fetch_id)
+            self.stats.add("reregistrations")
+            link = self._links.get(rx.sender_endpoint)
+            if link is not None:
+                self._drop_link(link, Reason.PEER_LOST, "sender forgot this receiver")
+            self._start_fetch(rx)
+            return
         aux = None
         if msg.status == "done" and rx.aux_slot >= 0 and msg.aux_bytes:
             n = min(msg.aux_bytes, self.pool.layout.aux_slot_bytes)
@@ -424,6 +453,8 @@ class Receiver:
             if self._started:
                 rx.fence_done.wait(max(0.0, min(deadline, t0 + self.settings.deadlines.drain_timeout_ms / 1000) - time.monotonic()))
             safe = safe and rx.blocks_reusable
+        with self._lock:  # fetches that ended in doubt earlier: a late write may still land
+            safe = safe and self._forgotten_in_doubt == 0
         with self._lock:  # _command writes the eventfd under this lock
             self._stopping.set()
         if self._started:

@@ -26,6 +26,7 @@ CancelAck after them) reach the receiver in order.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import queue
@@ -33,7 +34,6 @@ import re
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -188,8 +188,10 @@ class _Worker:
                         task.session.fail_slice(task.slice, Reason.TRANSFER_ERROR, "internal error")
                         self._report(task)
         finally:
+            # A bounded linger lets the last Results still queued reach their receivers.
+            linger_ms = self.sender.settings.deadlines.worker_send_timeout_ms
             for sock in self._dealers.values():
-                sock.close(linger=0)
+                sock.close(linger=linger_ms)
             self._dealers.clear()
 
     # -- one slice ---------------------------------------------------------------
@@ -240,7 +242,12 @@ class _Worker:
             snd.stats.add("writes_build_failed")
             return False
         deadline = time.monotonic() + snd.settings.deadlines.xfer_stall_timeout_ms / 1000
-        final = wait_xfer(xfer, state, deadline)
+        try:
+            final = wait_xfer(xfer, state, deadline)
+        except Exception as e:  # nixl raises a typed error where its docs say "ERR"
+            final, error = "ERR", f": {e}"
+        else:
+            error = ""
         if final == "STALLED":
             s.write_stalled(sl, f"{kind} write in progress past xfer_stall_timeout")
             self._stalled.append(_Stalled(s, sl, xfer))
@@ -248,14 +255,17 @@ class _Worker:
             return False
         xfer.release()
         ok = final == "DONE"
-        s.finish_write(sl, ok, nbytes if ok else 0, "" if ok else f"NIXL reported an error ({kind})")
+        s.finish_write(sl, ok, nbytes if ok else 0, "" if ok else f"NIXL reported an error ({kind}){error}")
         snd.stats.add("bytes_written" if ok else "writes_failed", nbytes if ok else 1)
         return ok
 
     def _recheck_stalled(self) -> None:
         still: list[_Stalled] = []
         for st in self._stalled:
-            state = st.xfer.poll()
+            try:
+                state = st.xfer.poll()
+            except Exception:  # a raised NIXL error ends the write; it must not end this thread
+                state = "ERR"
             if state == "PROC":
                 still.append(st)
                 continue
@@ -623,7 +633,10 @@ class Sender:
         self._worker_for(session.request_id, peer.receiver_id).queue.put(_WriteTask(session, sl, peer))
 
     def _worker_for(self, request_id: str, peer_id: str) -> _Worker:
-        h = zlib.crc32(f"{request_id}\x00{peer_id}".encode())
+        # Not CRC32: it is affine, so with 2^k workers two receivers' workers differed by a
+        # constant for every request, and 1 pair in 4 always shared one worker.
+        key = f"{request_id}\x00{peer_id}".encode()
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return self._workers[h % len(self._workers)]
 
     def _on_cancel(self, routing_id: bytes, msg: wire.Cancel) -> None:

@@ -19,12 +19,20 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_precedence_is_defaults_toml_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_precedence_is_defaults_toml_env_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A TOML value beats the default, the environment beats TOML, a flag beats both."""
     cfg = tmp_path / "s.toml"
-    cfg.write_text('listen = "tcp://127.0.0.1:7001"\nnum_threads = 2\n[deadlines]\ndrain_timeout_ms = 1234\n')
+    cfg.write_text(
+        'listen = "tcp://127.0.0.1:7001"\nnum_threads = 2\n[deadlines]\ndrain_timeout_ms = 1234\n'
+    )
     s = load_sender_settings(cfg)
-    assert (s.listen, s.num_threads, s.deadlines.drain_timeout_ms) == ("tcp://127.0.0.1:7001", 2, 1234)
+    assert (s.listen, s.num_threads, s.deadlines.drain_timeout_ms) == (
+        "tcp://127.0.0.1:7001",
+        2,
+        1234,
+    )
     monkeypatch.setenv("KVXFERD_LISTEN", "tcp://127.0.0.1:7002")
     monkeypatch.setenv("KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS", "999")
     s = load_sender_settings(cfg)
@@ -67,7 +75,11 @@ def test_print_config_prints_effective_json() -> None:
     env = {"TRTLLM_KV_TRANSFER_NUM_THREADS": "3", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [sys.executable, "-m", "kvxferd", "print-config", "--role", "sender"],
-        capture_output=True, text=True, timeout=60, env=env, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
     )
     cfg = json.loads(out.stdout)
     assert cfg["num_threads"] == 3
@@ -79,7 +91,10 @@ def test_bad_thread_variable_stops_the_cli_with_its_name() -> None:
     env = {"TRTLLM_KV_TRANSFER_NUM_THREADS": "0", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [sys.executable, "-m", "kvxferd", "sender", "--listen", "tcp://127.0.0.1:0"],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert out.returncode == 2
     assert "TRTLLM_KV_TRANSFER_NUM_THREADS" in out.stderr

@@ -16,8 +16,21 @@ def test_demo_moves_every_byte_with_two_receivers(tmp_path: Path) -> None:
     """A small demo with two receivers finishes with no failure, no mismatch and several workers busy."""
     out = tmp_path / "demo.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvxferd", "demo", "--requests", "40", "--receivers", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=220,
+        [
+            sys.executable,
+            "-m",
+            "kvxferd",
+            "demo",
+            "--requests",
+            "40",
+            "--receivers",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())

@@ -10,14 +10,18 @@ from hypothesis import strategies as st
 from kvxferd.errors import Reason, RejectedError
 from kvxferd.layout import Layout, check_blocks, check_layers, write_descriptors
 
-L = Layout(num_layers=3, num_blocks=32, block_bytes=128, dtype="uint8", aux_slots=4, aux_slot_bytes=64)
+L = Layout(
+    num_layers=3, num_blocks=32, block_bytes=128, dtype="uint8", aux_slots=4, aux_slot_bytes=64
+)
 
 
 def _expand(descs: np.ndarray) -> list[tuple[int, int]]:
     """Byte ranges covered by descriptors, split into single blocks."""
     out = []
     for addr, length, _ in descs.tolist():
-        out.extend((addr + k * L.block_bytes, L.block_bytes) for k in range(length // L.block_bytes))
+        out.extend(
+            (addr + k * L.block_bytes, L.block_bytes) for k in range(length // L.block_bytes)
+        )
     return out
 
 
@@ -72,3 +76,11 @@ def test_bad_layer_ranges_are_refused(rng: tuple[int, int]) -> None:
     """Empty, reversed or out-of-pool layer ranges are refused."""
     with pytest.raises(RejectedError):
         check_layers(L, *rng)
+
+
+def test_destination_layers_use_the_destination_pool_stride() -> None:
+    """A receiver pool with more blocks per layer gets each layer at its own layer offset."""
+    big = 64 * L.block_bytes  # the destination pool holds 64 blocks per layer, ours 32
+    src, dst = write_descriptors(L, 0, np.array([1]), 0, np.array([2]), 0, 3, dst_layer_stride=big)
+    assert dst[:, 0].tolist() == [2 * 128, big + 2 * 128, 2 * big + 2 * 128]
+    assert src[:, 0].tolist() == [128, 32 * 128 + 128, 64 * 128 + 128]
