@@ -1380,7 +1380,9 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("GB/s (median of repetitions; whiskers min-max)")
-    ax.set_title(f"kvxferd bench ({report['preset']}): {report['dataplane_text']}", fontsize=8)
+    ax.set_title(
+        f"kvxferd bench ({report['preset']} preset)\n{report['dataplane_text']}", fontsize=8
+    )
     ax.grid(axis="y", which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

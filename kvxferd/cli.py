@@ -79,7 +79,9 @@ def _serve(role: str, settings: Any) -> int:
         report = svc.shutdown()
         return 0 if report.drained and report.threads_joined else EXIT_NOT_DRAINED
     rsvc = Receiver(settings).start()
-    print(json.dumps({"event": "ready", "role": role, "endpoint": rsvc.result_endpoint}), flush=True)
+    print(
+        json.dumps({"event": "ready", "role": role, "endpoint": rsvc.result_endpoint}), flush=True
+    )
     while not stop.wait(1.0):
         pass
     return 0 if rsvc.shutdown() else EXIT_NOT_DRAINED
@@ -91,12 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "sender":
             return _serve(
                 "sender",
-                load_sender_settings(args.config, **_overrides(args, ("listen", "num_threads", "name", "log_level"))),
+                load_sender_settings(
+                    args.config, **_overrides(args, ("listen", "num_threads", "name", "log_level"))
+                ),
             )
         if args.cmd == "receiver":
             return _serve(
                 "receiver",
-                load_receiver_settings(args.config, **_overrides(args, ("result_endpoint", "name", "log_level"))),
+                load_receiver_settings(
+                    args.config, **_overrides(args, ("result_endpoint", "name", "log_level"))
+                ),
             )
         if args.cmd == "print-config":
             load = load_sender_settings if args.role == "sender" else load_receiver_settings
@@ -106,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.cmd == "demo":
             spec = workload.Spec(
-                requests=args.requests, receivers=args.receivers, inflight=args.inflight, seed=args.seed
+                requests=args.requests,
+                receivers=args.receivers,
+                inflight=args.inflight,
+                seed=args.seed,
             )
             return workload.run_demo(spec, args.json_path)
         spec = workload.Spec(**json.loads(args.spec))

@@ -186,7 +186,9 @@ def _check_threads_env() -> None:
     try:
         value = int(raw.strip())
     except ValueError:
-        raise ConfigError(f"{THREADS_ENV}={raw!r} is not a number; set it to an integer >= 1") from None
+        raise ConfigError(
+            f"{THREADS_ENV}={raw!r} is not a number; set it to an integer >= 1"
+        ) from None
     if value < 1:
         raise ConfigError(f"{THREADS_ENV}={value} is below 1; set it to an integer >= 1")
 
@@ -215,9 +217,7 @@ def _load(cls: type[S], toml_path: str | Path | None, overrides: dict[str, Any])
         _TOML_PATH.reset(token)
 
 
-def load_sender_settings(
-    toml_path: str | Path | None = None, **overrides: Any
-) -> SenderSettings:
+def load_sender_settings(toml_path: str | Path | None = None, **overrides: Any) -> SenderSettings:
     """The effective sender settings; raises ConfigError with a readable message."""
     return _load(SenderSettings, toml_path, overrides)
 

@@ -59,6 +59,9 @@ def bind_router(endpoint: str, limits: SocketLimits) -> tuple[zmq.Socket[bytes],
     sock = process_context().socket(zmq.ROUTER)
     _common(sock, limits)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(
+        zmq.ROUTER_HANDOVER, 1
+    )  # a peer that reconnects with its id takes its route back
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
     sock.bind(endpoint)

@@ -35,7 +35,9 @@ class Reason(StrEnum):
     SHUTTING_DOWN = "shutting_down"  # the process is draining or stopping
     # Outcomes of a transfer.
     CANCELLED = "cancelled"  # cancelled by the engine or by the peer
-    EXPIRED = "expired"  # a published request nobody fetched, or a fetch for a request never published
+    EXPIRED = (
+        "expired"  # a published request nobody fetched, or a fetch for a request never published
+    )
     TIMEOUT = "timeout"  # the receiver's kv_transfer_timeout passed
     TRANSFER_ERROR = "transfer_error"  # NIXL reported an error for the write
     BUILD_FAILED = "build_failed"  # the write could not be built (descriptors, peer)

@@ -105,7 +105,13 @@ def write_descriptors(
 
 
 def aux_descriptors(
-    src: Layout, src_base: int, src_slot: int, dst: Layout, dst_base: int, dst_slot: int, nbytes: int
+    src: Layout,
+    src_base: int,
+    src_slot: int,
+    dst: Layout,
+    dst_base: int,
+    dst_slot: int,
+    nbytes: int,
 ) -> tuple[Descs, Descs]:
     """One descriptor each for an auxiliary payload of ``nbytes`` between two slots (host memory)."""
     if not (0 <= src_slot < src.aux_slots and 0 <= dst_slot < dst.aux_slots):

@@ -175,7 +175,11 @@ def _decode(decoder: msgspec.msgpack.Decoder, frames: list[bytes], max_bytes: in
         return decoder.decode(memoryview(frame)[3:])
     except msgspec.ValidationError as e:
         text = str(e)
-        reason = Reason.UNKNOWN_MESSAGE if "Invalid value" in text and "$.t" in text else Reason.MALFORMED
+        reason = (
+            Reason.UNKNOWN_MESSAGE
+            if "Invalid value" in text and "$.t" in text
+            else Reason.MALFORMED
+        )
         raise ProtocolError(reason, text[:300]) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(Reason.MALFORMED, str(e)[:300]) from None

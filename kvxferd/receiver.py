@@ -255,7 +255,9 @@ class Receiver:
             self.settings.deadlines.send_timeout_ms,
             identity=self.receiver_id.encode(),
         )
-        link = _Link(endpoint, dealer, time.monotonic() + self.settings.deadlines.register_timeout_ms / 1000)
+        link = _Link(
+            endpoint, dealer, time.monotonic() + self.settings.deadlines.register_timeout_ms / 1000
+        )
         self._links[endpoint] = link
         self._by_dealer[dealer] = link
         reg = wire.Register(
@@ -324,7 +326,10 @@ class Receiver:
                 link.waiting.remove(rx)
             if rx.sent:
                 try:
-                    send_bounded(link.dealer, wire.encode(wire.Cancel(request_id=rx.request_id, fetch_id=rx.fetch_id)))
+                    send_bounded(
+                        link.dealer,
+                        wire.encode(wire.Cancel(request_id=rx.request_id, fetch_id=rx.fetch_id)),
+                    )
                 except SendTimeout:
                     self.stats.add("send_timeouts")  # the fence deadline still bounds the wait
         self._maybe_forget(rx)
@@ -451,7 +456,13 @@ class Receiver:
         safe = True
         for rx in open_fetches:
             if self._started:
-                rx.fence_done.wait(max(0.0, min(deadline, t0 + self.settings.deadlines.drain_timeout_ms / 1000) - time.monotonic()))
+                rx.fence_done.wait(
+                    max(
+                        0.0,
+                        min(deadline, t0 + self.settings.deadlines.drain_timeout_ms / 1000)
+                        - time.monotonic(),
+                    )
+                )
             safe = safe and rx.blocks_reusable
         with self._lock:  # fetches that ended in doubt earlier: a late write may still land
             safe = safe and self._forgotten_in_doubt == 0

@@ -26,6 +26,7 @@ CancelAck after them) reach the receiver in order.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -34,7 +35,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,7 @@ from kvxferd.control import (
     SocketLimits,
     bind_router,
     connect_dealer,
+    process_context,
     router_reply,
     send_bounded,
 )
@@ -84,7 +86,8 @@ class _Pending:
 
     peer: Peer
     msg: wire.RequestData
-    deadline: float
+    deadline: float  # parked until then
+    received: float  # the fetch's own timeout counts from here
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,7 @@ class _Stalled:
 class ShutdownReport:
     """What a shutdown achieved within its bound."""
 
+    drain_complete: bool  # every attached fetch finished before drain_timeout
     drained: bool  # every admitted write returned before the deadline
     writes_in_doubt: int  # writes still in flight (their memory was kept registered)
     threads_joined: bool
@@ -186,6 +190,7 @@ class _Worker:
                     log.exception("worker %d: task failed", self.index)
                     if isinstance(task, _WriteTask):
                         task.session.fail_slice(task.slice, Reason.TRANSFER_ERROR, "internal error")
+                        task.session.fail(Reason.TRANSFER_ERROR, "internal error")
                         self._report(task)
         finally:
             # A bounded linger lets the last Results still queued reach their receivers.
@@ -220,11 +225,17 @@ class _Worker:
                 sl.layer_end,
                 src_dev=snd.pool.device_id,
                 dst_dev=peer.device_id,
+                dst_layer_stride=peer.layout.layer_stride,
             )
             return src, dst, snd.pool.mem_type, peer.mem_type, int(src[:, 1].sum())
         src, dst = aux_descriptors(
-            snd.pool.layout, snd.pool.aux_base, s.aux_slot, peer.layout, peer.aux_base,
-            sl.aux_slot, s.aux_len,
+            snd.pool.layout,
+            snd.pool.aux_base,
+            s.aux_slot,
+            peer.layout,
+            peer.aux_base,
+            sl.aux_slot,
+            s.aux_len,
         )
         return src, dst, "DRAM", "DRAM", s.aux_len
 
@@ -255,7 +266,9 @@ class _Worker:
             return False
         xfer.release()
         ok = final == "DONE"
-        s.finish_write(sl, ok, nbytes if ok else 0, "" if ok else f"NIXL reported an error ({kind}){error}")
+        s.finish_write(
+            sl, ok, nbytes if ok else 0, "" if ok else f"NIXL reported an error ({kind}){error}"
+        )
         snd.stats.add("bytes_written" if ok else "writes_failed", nbytes if ok else 1)
         return ok
 
@@ -293,6 +306,9 @@ class _Worker:
         except SendTimeout:
             self.sender.stats.add("send_timeouts")
             log.warning("result for fetch %d dropped: receiver not reading", msg.fetch_id)
+        except zmq.ZMQError as e:
+            self.sender.stats.add("send_errors")
+            log.warning("result for fetch %d dropped: %s", msg.fetch_id, e)
 
     def _report(self, task: _WriteTask) -> None:
         rep = task.session.take_report(task.slice)
@@ -308,7 +324,9 @@ class _Worker:
                 reason=rep.reason,
                 detail=rep.detail[:1024],
                 nbytes=rep.nbytes,
-                aux_bytes=task.session.aux_len if rep.status == "done" and task.slice.aux_slot >= 0 else 0,
+                aux_bytes=task.session.aux_len
+                if rep.status == "done" and task.slice.aux_slot >= 0
+                else 0,
             ),
         )
 
@@ -350,6 +368,7 @@ class Sender:
         self._fetches: dict[tuple[str, int], TxSession] = {}  # (peer, fetch id) -> session
         self._pending: dict[str, list[_Pending]] = {}
         self._pending_count = 0
+        self._parked_keys: set[tuple[str, int]] = set()  # keys of parked fetches (duplicates)
         self._peers: dict[bytes, Peer] = {}  # routing id -> peer
         self._session_ids = itertools.count(1)
         self._draining = threading.Event()
@@ -435,7 +454,9 @@ class Sender:
             if self._draining.is_set():
                 error = RejectedError(Reason.SHUTTING_DOWN, "sender is draining")
             elif request_id in self._live:
-                error = RejectedError(Reason.DUPLICATE, f"request {request_id} is already published")
+                error = RejectedError(
+                    Reason.DUPLICATE, f"request {request_id} is already published"
+                )
             elif len(self._sessions) >= self.settings.limits.max_live_sessions:
                 error = RejectedError(Reason.BUSY, "max_live_sessions reached")
             if error is None:
@@ -443,14 +464,16 @@ class Sender:
                 self._sessions[session.session_id] = session
                 parked = self._pending.pop(request_id, [])
                 self._pending_count -= len(parked)
+                # Attach under the same lock: a CANCEL must find each fetch parked or attached.
+                attached = [self._attach_locked(session, p.peer, p.msg, p.received) for p in parked]
         if error is not None:
             if aux_slot >= 0:
                 self.aux_slots.give_back([aux_slot])
             self.stats.add(f"rejected_{error.reason}")
             raise error
         self.stats.add("published")
-        for p in parked:
-            self._attach(session, p.peer, p.msg, reply=self._reply_shared)
+        for p, outcome in zip(parked, attached, strict=True):
+            self._dispatch(outcome, functools.partial(self._reply_shared, p.peer))
         return TxHandle(self, session)
 
     def _close_session(self, session: TxSession, timeout: float | None) -> bool:
@@ -505,7 +528,7 @@ class Sender:
             msg = wire.decode_to_sender(body, max_bytes)
         except ProtocolError as e:
             self.stats.add(f"rejected_{e.reason}")
-            router_reply(self._router, routing_id, wire.encode(wire.Reject(reason=e.reason, detail=e.detail[:1024])))
+            self._reply(routing_id, wire.Reject(reason=e.reason, detail=e.detail[:1024]))
             return
         try:
             if isinstance(msg, wire.Register):
@@ -527,15 +550,25 @@ class Sender:
             self._shared.send(peer.result_endpoint, wire.encode(msg))
         except SendTimeout:
             self.stats.add("send_timeouts")
+        except zmq.ZMQError as e:
+            self.stats.add("send_errors")
+            log.warning("message to %s dropped: %s", peer.receiver_id, e)
 
     def _on_register(self, routing_id: bytes, msg: wire.Register) -> None:
         def refuse(reason: Reason, detail: str) -> None:
             self.stats.add(f"rejected_{reason}")
-            self._reply(routing_id, wire.RegisterReply(ok=False, sender_id=self.sender_id, reason=reason, detail=detail))
+            self._reply(
+                routing_id,
+                wire.RegisterReply(
+                    ok=False, sender_id=self.sender_id, reason=reason, detail=detail
+                ),
+            )
 
         if self._draining.is_set():
             return refuse(Reason.SHUTTING_DOWN, "sender is draining")
-        why = wire.check_compatible(self.pool.layout, msg.layout)
+        why = wire.check_compatible(self.pool.layout, msg.layout) or _unusable_endpoint(
+            msg.result_endpoint
+        )
         if why:
             return refuse(Reason.INCOMPATIBLE, why)
         with self._lock:
@@ -551,8 +584,15 @@ class Sender:
         except Exception as e:
             return refuse(Reason.INCOMPATIBLE, f"NIXL metadata not accepted: {e}"[:1024])
         peer = Peer(
-            msg.receiver_id, routing_id, msg.result_endpoint, nixl_name, msg.layout.to_layout(),
-            msg.kv_base, msg.aux_base, msg.device, msg.device_id,
+            msg.receiver_id,
+            routing_id,
+            msg.result_endpoint,
+            nixl_name,
+            msg.layout.to_layout(),
+            msg.kv_base,
+            msg.aux_base,
+            msg.device,
+            msg.device_id,
         )
         with self._lock:
             self._peers[routing_id] = peer
@@ -566,71 +606,111 @@ class Sender:
         if peer is None:
             return self._refuse_fetch(routing_id, None, msg, Reason.UNKNOWN_PEER, "REGISTER first")
         if self._draining.is_set():
-            return self._refuse_fetch(routing_id, peer, msg, Reason.SHUTTING_DOWN, "sender is draining")
+            return self._refuse_fetch(
+                routing_id, peer, msg, Reason.SHUTTING_DOWN, "sender is draining"
+            )
         dst = np.asarray(msg.dst_blocks, dtype=np.int64)
         try:
             if dst.size > self.settings.limits.max_blocks_per_request:
                 raise RejectedError(Reason.TOO_LARGE, "too many blocks")
             check_blocks(peer.layout, dst, "destination blocks")
-            check_layers(self.pool.layout, msg.layer_begin, msg.layer_end or self.pool.layout.num_layers)
+            check_layers(
+                self.pool.layout, msg.layer_begin, msg.layer_end or self.pool.layout.num_layers
+            )
             if msg.aux_slot >= peer.layout.aux_slots:
                 raise RejectedError(Reason.BAD_BLOCKS, "aux slot outside the receiver's pool")
         except RejectedError as e:
             return self._refuse_fetch(routing_id, peer, msg, e.reason, e.detail)
         now = time.monotonic()
+        outcome: _WriteTask | wire.Result | None = None
         with self._lock:
-            if (peer.receiver_id, msg.fetch_id) in self._fetches:
-                session: TxSession | None = None
-                dup = True
+            key = (peer.receiver_id, msg.fetch_id)
+            if key in self._fetches or key in self._parked_keys:
+                refusal: tuple[Reason, str] | None = (Reason.DUPLICATE, "fetch id in use")
+            elif (session := self._live.get(msg.request_id)) is not None:
+                refusal = None
+                outcome = self._attach_locked(session, peer, msg, now)
+            elif self._pending_count >= self.settings.limits.max_pending_fetches:
+                refusal = (Reason.BUSY, "max_pending_fetches reached")
             else:
-                dup = False
-                session = self._live.get(msg.request_id)
-                if session is None:
-                    if self._pending_count >= self.settings.limits.max_pending_fetches:
-                        full = True
-                    else:
-                        full = False
-                        ttl = min(msg.timeout_ms, self.settings.deadlines.pending_fetch_ttl_ms) / 1000
-                        self._pending.setdefault(msg.request_id, []).append(_Pending(peer, msg, now + ttl))
-                        self._pending_count += 1
-        if dup:
-            return self._refuse_fetch(routing_id, peer, msg, Reason.DUPLICATE, "fetch id in use")
-        if session is None:
-            if full:
-                return self._refuse_fetch(routing_id, peer, msg, Reason.BUSY, "max_pending_fetches reached")
+                refusal = None
+                ttl = min(msg.timeout_ms, self.settings.deadlines.pending_fetch_ttl_ms) / 1000
+                self._pending.setdefault(msg.request_id, []).append(
+                    _Pending(peer, msg, now + ttl, now)
+                )
+                self._parked_keys.add(key)
+                self._pending_count += 1
+        if refusal is not None:
+            return self._refuse_fetch(routing_id, peer, msg, *refusal)
+        if outcome is None:
             self.stats.add("fetches_parked")
             return None
-        self._attach(session, peer, msg, reply=lambda p, m: self._reply(routing_id, m))
+        self._dispatch(outcome, lambda m: self._reply(routing_id, m))
         return None
 
     def _refuse_fetch(
-        self, routing_id: bytes, peer: Peer | None, msg: wire.RequestData, reason: Reason, detail: str
+        self,
+        routing_id: bytes,
+        peer: Peer | None,
+        msg: wire.RequestData,
+        reason: Reason,
+        detail: str,
     ) -> None:
         self.stats.add(f"rejected_{reason}")
         result = wire.Result(
-            request_id=msg.request_id, fetch_id=msg.fetch_id, status="failed", reason=reason, detail=detail[:1024]
+            request_id=msg.request_id,
+            fetch_id=msg.fetch_id,
+            status="failed",
+            reason=reason,
+            detail=detail[:1024],
         )
         self._reply(routing_id, result)
 
-    def _attach(self, session: TxSession, peer: Peer, msg: wire.RequestData, reply) -> None:  # type: ignore[no-untyped-def]
-        """Attach a fetch to a published session and queue it on its worker (any thread)."""
+    def _attach_locked(
+        self, session: TxSession, peer: Peer, msg: wire.RequestData, received: float
+    ) -> _WriteTask | wire.Result:
+        """Attach a fetch to a published session (registry lock held); a task, or the refusal."""
         layer_end = msg.layer_end or self.pool.layout.num_layers
         dst = np.asarray(msg.dst_blocks, dtype=np.int64)
-        deadline = time.monotonic() + msg.timeout_ms / 1000
-        sl = Slice(peer.receiver_id, msg.fetch_id, peer.result_endpoint, dst, msg.layer_begin, layer_end, msg.aux_slot, deadline)
+        deadline = received + msg.timeout_ms / 1000  # from when the fetch arrived, parked or not
+        sl = Slice(
+            peer.receiver_id,
+            msg.fetch_id,
+            peer.result_endpoint,
+            dst,
+            msg.layer_begin,
+            layer_end,
+            msg.aux_slot,
+            deadline,
+        )
+        self._parked_keys.discard(sl.key)
         try:
             if dst.size != session.block_ids.size:
                 raise RejectedError(
-                    Reason.BAD_BLOCKS, f"{dst.size} destination blocks for {session.block_ids.size} published"
+                    Reason.BAD_BLOCKS,
+                    f"{dst.size} destination blocks for {session.block_ids.size} published",
                 )
             session.add_slice(sl)
         except RejectedError as e:
-            self.stats.add(f"rejected_{e.reason}")
-            reply(peer, wire.Result(request_id=msg.request_id, fetch_id=msg.fetch_id, status="failed", reason=e.reason, detail=e.detail[:1024]))
+            return wire.Result(
+                request_id=msg.request_id,
+                fetch_id=msg.fetch_id,
+                status="failed",
+                reason=e.reason,
+                detail=e.detail[:1024],
+            )
+        self._fetches[sl.key] = session
+        return _WriteTask(session, sl, peer)
+
+    def _dispatch(
+        self, outcome: _WriteTask | wire.Result, reply: Callable[[wire.Result], None]
+    ) -> None:
+        """Queue an attached fetch on its worker, or send its refusal (registry lock not held)."""
+        if isinstance(outcome, wire.Result):
+            self.stats.add(f"rejected_{outcome.reason}")
+            reply(outcome)
             return
-        with self._lock:
-            self._fetches[sl.key] = session
-        self._worker_for(session.request_id, peer.receiver_id).queue.put(_WriteTask(session, sl, peer))
+        self._worker_for(outcome.session.request_id, outcome.peer.receiver_id).queue.put(outcome)
 
     def _worker_for(self, request_id: str, peer_id: str) -> _Worker:
         # Not CRC32: it is affine, so with 2^k workers two receivers' workers differed by a
@@ -651,23 +731,39 @@ class Sender:
                     if p.peer is peer and p.msg.fetch_id == msg.fetch_id:
                         parked.remove(p)
                         self._pending_count -= 1
+                        self._parked_keys.discard((peer.receiver_id, msg.fetch_id))
                         break
                 else:
                     p = None  # type: ignore[assignment]
         if peer is None:
             self.stats.add(f"rejected_{Reason.UNKNOWN_PEER}")
-            self._reply(routing_id, wire.Reject(reason=Reason.UNKNOWN_PEER, detail="CANCEL before REGISTER"))
+            self._reply(
+                routing_id, wire.Reject(reason=Reason.UNKNOWN_PEER, detail="CANCEL before REGISTER")
+            )
             return
         self.stats.add("cancels")
         if session is None:
             if p is not None:
-                self._reply(routing_id, wire.Result(request_id=msg.request_id, fetch_id=msg.fetch_id, status="failed", reason=Reason.CANCELLED, detail="cancelled by the receiver"))
+                self._reply(
+                    routing_id,
+                    wire.Result(
+                        request_id=msg.request_id,
+                        fetch_id=msg.fetch_id,
+                        status="failed",
+                        reason=Reason.CANCELLED,
+                        detail="cancelled by the receiver",
+                    ),
+                )
             # Nothing of ours is in flight toward that fetch.
-            self._reply(routing_id, wire.CancelAck(request_id=msg.request_id, fetch_id=msg.fetch_id))
+            self._reply(
+                routing_id, wire.CancelAck(request_id=msg.request_id, fetch_id=msg.fetch_id)
+            )
             return
         session.cancel(Reason.CANCELLED, "cancelled by the receiver")
         # The ack goes after the slice's own result, from the worker that owns the pair.
-        self._worker_for(session.request_id, peer.receiver_id).queue.put(_AckTask(session, peer, msg.fetch_id))
+        self._worker_for(session.request_id, peer.receiver_id).queue.put(
+            _AckTask(session, peer, msg.fetch_id)
+        )
 
     def _housekeeping(self, now: float) -> None:
         expired: list[_Pending] = []
@@ -680,10 +776,21 @@ class Sender:
                 else:
                     del self._pending[rid]
             self._pending_count -= len(expired)
+            for p in expired:
+                self._parked_keys.discard((p.peer.receiver_id, p.msg.fetch_id))
             live = list(self._live.values())
         for p in expired:
             self.stats.add(f"rejected_{Reason.EXPIRED}")
-            self._reply(p.peer.routing_id, wire.Result(request_id=p.msg.request_id, fetch_id=p.msg.fetch_id, status="failed", reason=Reason.EXPIRED, detail="request was not published in time"))
+            self._reply(
+                p.peer.routing_id,
+                wire.Result(
+                    request_id=p.msg.request_id,
+                    fetch_id=p.msg.fetch_id,
+                    status="failed",
+                    reason=Reason.EXPIRED,
+                    detail="request was not published in time",
+                ),
+            )
         for s in live:
             if s.expire(now):
                 self.stats.add("sessions_expired")
@@ -699,6 +806,7 @@ class Sender:
         with self._lock:  # publish checks the flag under this lock: no session slips past
             self._draining.set()
         # 1. let fetches already attached finish, up to the drain deadline
+        busy = True
         while time.monotonic() < drain_deadline:
             with self._lock:
                 busy = any(
@@ -714,13 +822,25 @@ class Sender:
             sessions = list(self._sessions.values())
             parked = [p for ps in self._pending.values() for p in ps]
             self._pending.clear()
+            self._parked_keys.clear()
             self._pending_count = 0
         for s in sessions:
             s.cancel(Reason.SHUTTING_DOWN, "sender is shutting down")
+        join_reserve = min(1.0, 0.2 * total)  # refusals must leave time to join the threads
         for p in parked:
-            if time.monotonic() >= deadline:
-                break
-            self._reply_shared(p.peer, wire.Result(request_id=p.msg.request_id, fetch_id=p.msg.fetch_id, status="failed", reason=Reason.SHUTTING_DOWN, detail="sender is shutting down"))
+            if time.monotonic() >= deadline - join_reserve:
+                self.stats.add("shutdown_refusals_skipped")
+                continue
+            self._reply_shared(
+                p.peer,
+                wire.Result(
+                    request_id=p.msg.request_id,
+                    fetch_id=p.msg.fetch_id,
+                    status="failed",
+                    reason=Reason.SHUTTING_DOWN,
+                    detail="sender is shutting down",
+                ),
+            )
         # 3. stop threads, each join bounded by what is left
         for w in self._workers:
             w.queue.put(_STOP)
@@ -742,7 +862,10 @@ class Sender:
             if self._owns_pool:
                 self.pool.close()
         report = ShutdownReport(
-            drained=in_flight == 0, writes_in_doubt=in_flight, threads_joined=joined,
+            drain_complete=not busy,
+            drained=in_flight == 0,
+            writes_in_doubt=in_flight,
+            threads_joined=joined,
             elapsed_s=time.monotonic() - t0,
         )
         log.info("sender shutdown: %s", report)
@@ -753,3 +876,15 @@ def _bytes_tensor(data: bytes):  # type: ignore[no-untyped-def]
     import torch
 
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _unusable_endpoint(endpoint: str) -> str | None:
+    """Why ZMQ cannot connect to ``endpoint`` (checked once, at REGISTER), or None."""
+    sock = process_context().socket(zmq.DEALER)
+    try:
+        sock.connect(endpoint)
+        return None
+    except zmq.ZMQError as e:
+        return f"result_endpoint {endpoint!r}: {e}"
+    finally:
+        sock.close(linger=0)

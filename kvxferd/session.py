@@ -242,7 +242,14 @@ class TxSession:
                 self._state = TxState.TRANSFERRING
                 return None
             self._fail_slice_locked(sl, reason, "write refused: " + str(reason))
-        self._after(False)
+            committed = False
+            if reason is Reason.TIMEOUT:
+                # The receiver gave up on this fetch: the request cannot complete any more,
+                # so end it now rather than hold its source blocks until the engine closes it.
+                committed = self._commit_locked(
+                    TxOutcome(TxState.FAILED, Reason.TIMEOUT, "a fetch passed its deadline")
+                )
+        self._after(committed)
         return reason
 
     def release_admission(self, sl: Slice, detail: str) -> None:
@@ -251,9 +258,7 @@ class TxSession:
             self._writes_in_flight -= 1
             sl.writes_in_flight -= 1
             self._fail_slice_locked(sl, Reason.BUILD_FAILED, detail)
-            committed = self._commit_locked(
-                TxOutcome(TxState.FAILED, Reason.BUILD_FAILED, detail)
-            )
+            committed = self._commit_locked(TxOutcome(TxState.FAILED, Reason.BUILD_FAILED, detail))
         self._after(committed)
 
     def finish_write(self, sl: Slice, ok: bool, nbytes: int = 0, detail: str = "") -> None:

@@ -54,7 +54,9 @@ def request_id(i: int) -> str:
     return f"demo-{i}"
 
 
-def expected_bytes(i: int, nblocks: int, num_layers: int, block_bytes: int, seed: int) -> torch.Tensor:
+def expected_bytes(
+    i: int, nblocks: int, num_layers: int, block_bytes: int, seed: int
+) -> torch.Tensor:
     """The content of request ``i`` as ``[layer, block, byte]``."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + i)
     tile = torch.randint(0, 256, (num_layers, 1, block_bytes), dtype=torch.uint8, generator=g)
@@ -84,7 +86,9 @@ def run_sender(spec: Spec) -> int:
     sender = Sender(settings).start()
     _emit("ready", endpoint=sender.endpoint, num_threads=settings.num_threads)
     layout = sender.pool.layout
-    alloc = IdAllocator(layout.num_blocks, shuffle_seed=spec.seed)  # scattered, like a real allocator
+    alloc = IdAllocator(
+        layout.num_blocks, shuffle_seed=spec.seed
+    )  # scattered, like a real allocator
     kv = sender.pool.kv_bytes_view()
     resident: deque[tuple[Any, np.ndarray]] = deque()
     failures = 0
@@ -103,7 +107,9 @@ def run_sender(spec: Spec) -> int:
         while alloc.free < n or len(resident) >= layout.aux_slots // 2:
             retire_oldest()
         blocks = alloc.take(n)
-        kv[:, torch.from_numpy(blocks)] = expected_bytes(i, n, layout.num_layers, layout.block_bytes, spec.seed)
+        kv[:, torch.from_numpy(blocks)] = expected_bytes(
+            i, n, layout.num_layers, layout.block_bytes, spec.seed
+        )
         resident.append((sender.publish(request_id(i), blocks, aux=aux_bytes(i)), blocks))
     while resident:
         retire_oldest()
@@ -178,7 +184,9 @@ def run_receiver(spec: Spec, endpoint: str, index: int) -> int:
 class _Child:
     def __init__(self, role: str, spec: Spec, *extra: str) -> None:
         cmd = [sys.executable, "-m", "kvxferd", role, json.dumps(asdict(spec)), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+        )
         assert self.proc.stdout is not None
         os.set_blocking(self.proc.stdout.fileno(), True)
         self.role = role
@@ -205,7 +213,9 @@ def run_demo(spec: Spec, json_path: str | None = None, out=sys.stdout) -> int:  
             out.write("demo: sender failed to start\n")
             return 1
         ready = json.loads(line)
-        receivers = [_Child("_demo-receiver", spec, ready["endpoint"], str(k)) for k in range(spec.receivers)]
+        receivers = [
+            _Child("_demo-receiver", spec, ready["endpoint"], str(k)) for k in range(spec.receivers)
+        ]
         children += receivers
         sel = selectors.DefaultSelector()
         for c in children:

@@ -273,12 +273,6 @@ def test_two_receivers_get_every_byte_from_a_multi_worker_sender(peers: Spawn, s
 # -- pools of different sizes ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sender.py _Worker._build passes the sender's layout to write_descriptors, so "
-    "destination layer offsets use the sender's num_blocks: a smaller receiver pool gets "
-    "build_failed, a larger one gets DONE with its bytes in the wrong blocks",
-)
 @pytest.mark.parametrize("rx_blocks", [32, 128])
 def test_receiver_pool_of_another_size_gets_every_byte(
     peers: Spawn, local: Local, rx_blocks: int
