@@ -315,6 +315,7 @@ class _Worker:
         if rep is None:
             return
         self.sender.stats.add(f"slices_{rep.status}")
+        self.sender.stats.add(f"worker_{self.index}_slices")
         self._send(
             rep.result_endpoint,
             wire.Result(

@@ -38,4 +38,5 @@ def test_demo_moves_every_byte_with_two_receivers(tmp_path: Path) -> None:
     assert summary["failures"] == 0 and summary["mismatches"] == 0
     assert summary["bytes"] > 0 and summary["gbps"] > 0
     assert summary["p99_ms"] >= summary["p50_ms"] > 0
+    assert summary["workers_used"] > 1, "the demo should keep more than one sender worker busy"
     assert "40 requests" in proc.stdout

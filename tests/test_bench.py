@@ -1,0 +1,109 @@
+"""`kvxferd bench` machinery: the plan, the content check, and a tiny run of all three paths."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvxferd import bench
+from kvxferd.bench import Options, Plan, Workload
+
+
+def _plan(**kw: object) -> Plan:
+    w = Workload("t", 4, 8, **kw)  # type: ignore[arg-type]
+    return Plan.make(w, Options(rep_bytes=1 << 20, max_requests=50), tag=0)
+
+
+@pytest.mark.parametrize("scattered", [True, False])
+def test_plan_slots_are_disjoint_and_sources_distinct(scattered: bool) -> None:
+    """Requests in flight never share a destination block, and no request repeats a source block."""
+    plan = _plan(scattered=scattered, inflight=4, layers=2)
+    slots = plan.slots()
+    assert slots.shape == (4, 8) and np.unique(slots).size == slots.size
+    src = plan.sources(rep=0, k=0)
+    assert src.shape == (plan.requests, 8)
+    assert all(np.unique(row).size == row.size for row in src)
+    assert src.min() >= 0 and src.max() < plan.num_blocks
+    assert np.array_equal(src, plan.sources(rep=0, k=0))  # every process derives the same plan
+
+
+def test_verify_catches_a_missing_write() -> None:
+    """Poisoned destination blocks fail the check until the right source blocks are copied in."""
+    plan = _plan(inflight=2)
+    shape = (1, plan.num_blocks, plan.workload.block_bytes)
+    src_kv, dst_kv = np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
+    bench.fill_source(src_kv, plan)
+    slots, src = plan.slots(), plan.sources(0, 0)
+    bench.poison(dst_kv, slots)
+    assert not bench.verify(dst_kv, plan, src, count=4)[0]
+    for i in range(4):  # what a correct path does: request i lands in slot i % inflight
+        dst_kv[:, slots[i % 2]] = src_kv[:, src[i]]
+    ok, checked, detail = bench.verify(dst_kv, plan, src, count=4)
+    assert ok, detail
+    assert checked == 2 * 8
+    dst_kv[0, slots[1][3], 100] ^= 0xFF  # one flipped byte in a block body
+    assert not bench.verify(dst_kv, plan, src, count=4)[0]
+
+
+def test_plot_without_matplotlib_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot without matplotlib exits 2 before running anything, naming the extra to install."""
+    monkeypatch.setattr(bench, "plot_available", lambda: False)
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert bench.main_bench(p.parse_args(["--quick", "--plot", "x.png"])) == 2
+    assert "kvxferd[bench]" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_tiny_bench_reports_all_three_paths(tmp_path: Path) -> None:
+    """A tiny run gives every path GB/s, latency and req/s with verified bytes, and both ratios."""
+    workloads = (
+        Workload("tiny-scat", 16, 8, inflight=2, threads=2, target="bulk"),
+        Workload("tiny-2rx", 4, 1, layers=2, scattered=False, receivers=2, inflight=4),
+    )
+    opts = Options(
+        preset="test",
+        workloads=workloads,
+        reps=2,
+        rep_bytes=1 << 20,
+        max_requests=40,
+        child_module="kvxferd.bench",
+        timeout_s=100,
+    )
+    progress = io.StringIO()
+    report = bench.run_bench(opts, progress=progress)
+
+    assert "tiny-2rx: rep 2/2" in progress.getvalue()
+    assert [w["name"] for w in report["workloads"]] == ["tiny-scat", "tiny-2rx"]
+    for w in report["workloads"]:
+        assert set(w["paths"]) == {"kvxferd", "nixl", "zmq"}
+        for name, p in w["paths"].items():
+            assert p["verified"] and p["failures"] == 0, (w["name"], name, p)
+            assert 0 < p["gbps"]["min"] <= p["gbps"]["median"] <= p["gbps"]["max"]
+            assert p["rps"]["median"] > 0
+            assert 0 < p["latency_ms"]["p50"] <= p["latency_ms"]["p99"]
+            assert len(p["reps"]) == 2
+            assert all(r["requests"] == w["requests_per_rep"] * w["receivers"] for r in p["reps"])
+        want = w["paths"]["kvxferd"]["gbps"]["median"] / w["paths"]["nixl"]["gbps"]["median"]
+        assert w["ratio_kvxferd_nixl"] == pytest.approx(want)
+        assert w["ratio_kvxferd_zmq"] > 0
+    assert {t["target"] for t in report["targets"]} == {"bulk", "scatter16k", "small4k", "zmq"}
+    assert next(t for t in report["targets"] if t["target"] == "bulk")["met"] in (True, False)
+    assert report["machine"]["nproc"] >= 1 and report["dataplane"]["backend"] == "UCX"
+
+    out = tmp_path / "bench.json"
+    out.write_text(json.dumps(report))  # everything in the report is plain JSON
+    assert json.loads(out.read_text())["workloads"][1]["receivers"] == 2
+    text = bench.format_report(report)
+    assert "tiny-scat" in text and "kvxferd/NIXL" in text and "bytes verified" in text
+    if bench.plot_available():
+        bench.write_plot(report, str(tmp_path / "bench.png"))
+        assert (tmp_path / "bench.png").stat().st_size > 1000
