@@ -61,6 +61,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import ValidationError
 
 from kvxferd.config import DataPlaneSettings, PoolSettings
 from kvxferd.layout import Layout, write_descriptors
@@ -1432,9 +1433,12 @@ def options_from_args(args: argparse.Namespace, child_module: str = "kvxferd") -
             raise BenchError(f"unknown workload(s) {missing}; known: {sorted(known)}")
         workloads = tuple(known[n] for n in names)
     dp_fields = ("ucx_tls", "ucx_error_handling_mode", "ucx_num_workers", "sync_mode")
-    dp = DataPlaneSettings(
-        **{f: getattr(args, f) for f in dp_fields if getattr(args, f, None) is not None}
-    )
+    try:
+        dp = DataPlaneSettings(
+            **{f: getattr(args, f) for f in dp_fields if getattr(args, f, None) is not None}
+        )
+    except ValidationError as e:
+        raise BenchError(f"invalid data-plane setting: {e.errors()[0]['msg']}") from None
     if args.reps is not None:
         if args.reps < 1:
             raise BenchError("--reps must be >= 1")

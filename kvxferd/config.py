@@ -117,6 +117,23 @@ class Limits(_Frozen):
     sndhwm: int = Field(10_000, ge=1)
 
 
+class ServiceSettings(_Frozen):
+    """The daemon around a sender or receiver: engine socket, probe port, logs."""
+
+    engine_socket: str = Field(
+        "ipc:///run/kvxferd/engine.sock",
+        pattern=r"^(ipc|tcp)://.{1,240}$",
+        description="where local engines connect (ipc:// path, mode 0600); tcp:// for tests only",
+    )
+    probe_host: str = Field("127.0.0.1", description="host of /healthz /readyz /metrics")
+    probe_port: int = Field(9400, ge=0, le=65535, description="0 picks a free port")
+    log_json: bool = Field(False, description="one JSON object per log line")
+    max_client_inflight: int = Field(1024, ge=1, description="engine calls served at once")
+    liveness_stall_ms: int = Field(
+        10_000, ge=100, description="/healthz fails when a worker or the loop made no progress"
+    )
+
+
 def _toml_source_for(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource | None:
     path = _TOML_PATH.get()
     if path is None:
@@ -140,6 +157,7 @@ class _RoleSettings(BaseSettings):
     dataplane: DataPlaneSettings = DataPlaneSettings()
     deadlines: Deadlines = Deadlines()
     limits: Limits = Limits()
+    service: ServiceSettings = ServiceSettings()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @classmethod

@@ -424,6 +424,7 @@ class Receiver:
             aux = bytes(self.pool.aux[rx.aux_slot, :n].numpy().tobytes())
         if rx.on_result(msg.status, msg.reason, msg.detail, msg.nbytes, aux):
             self.stats.add(f"fetches_{rx.state}")
+            self.stats.observe("fetch_seconds", time.monotonic() - rx.started)
             if msg.status == "done":
                 self.stats.add("bytes_received", msg.nbytes)
         self._maybe_forget(rx)

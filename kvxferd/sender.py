@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -95,6 +95,7 @@ class _WriteTask:
     session: TxSession
     slice: Slice
     peer: Peer
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +316,7 @@ class _Worker:
         if rep is None:
             return
         self.sender.stats.add(f"slices_{rep.status}")
+        self.sender.stats.observe("slice_seconds", time.monotonic() - task.queued_at)
         self.sender.stats.add(f"worker_{self.index}_slices")
         self._send(
             rep.result_endpoint,

@@ -396,6 +396,7 @@ class RxSession:
     layer_end: int
     aux_slot: int
     deadline: float  # monotonic
+    started: float = field(default_factory=time.monotonic)
     sent: bool = False  # REQUEST_DATA has left (a write may come from now on)
     state: RxState = RxState.REQUESTED
     fence: Fence = Fence.NONE
