@@ -133,6 +133,7 @@ class Receiver:
         self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
         self._stopping = threading.Event()
         self._draining = threading.Event()
+        self.drain_complete = True  # set by shutdown(): every open fetch ended by itself
         self.io_progress = time.monotonic()
         self._io = threading.Thread(target=self._run, name="kvxferd-rx-io", daemon=True)
         self._started = False
@@ -444,26 +445,31 @@ class Receiver:
 
     # -- shutdown ----------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> bool:
-        """Cancel open fetches, wait for their fences, stop the io thread; True if all blocks are safe."""
+        """Drain, then cancel what is left, wait for fences, stop; True if all blocks are safe.
+
+        Open fetches may finish by themselves until ``drain_timeout_ms``
+        (``drain_complete`` tells whether all did); the rest are cancelled and
+        their fences awaited within the remaining bound.
+        """
         t0 = time.monotonic()
-        total = self.settings.deadlines.shutdown_timeout_ms / 1000 if timeout is None else timeout
+        d = self.settings.deadlines
+        total = d.shutdown_timeout_ms / 1000 if timeout is None else timeout
         deadline = t0 + total
+        drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline - 0.2 * total)
         self._draining.set()
         with self._lock:
             open_fetches = list(self._fetches.values())
+        for rx in open_fetches:
+            if self._started:
+                rx.completion.wait(max(0.0, drain_deadline - time.monotonic()))
+        self.drain_complete = all(rx.ended for rx in open_fetches)
         for rx in open_fetches:
             if not rx.ended:
                 self._command(("cancel", rx))
         safe = True
         for rx in open_fetches:
             if self._started:
-                rx.fence_done.wait(
-                    max(
-                        0.0,
-                        min(deadline, t0 + self.settings.deadlines.drain_timeout_ms / 1000)
-                        - time.monotonic(),
-                    )
-                )
+                rx.fence_done.wait(max(0.0, deadline - 0.1 * total - time.monotonic()))
             safe = safe and rx.blocks_reusable
         with self._lock:  # fetches that ended in doubt earlier: a late write may still land
             safe = safe and self._forgotten_in_doubt == 0

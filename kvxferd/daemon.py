@@ -1,0 +1,251 @@
+"""The daemon: one sender or receiver process with its engine gateway, probe port and systemd notify.
+
+Told top-down, as ``run -> startup -> serve -> drain -> teardown``:
+
+* **startup** builds the Sender or Receiver (pool registered once, sockets
+  bound, NIXL agent up), starts the engine gateway and the probe port, then
+  tells systemd ``READY=1`` and prints one JSON ``ready`` line on stdout.
+* **serve** waits for SIGTERM/SIGINT; meanwhile a watchdog task sends
+  ``WATCHDOG=1`` at half of ``WATCHDOG_USEC`` *only while* the listener and
+  every worker made progress, and a status line every few seconds.
+* **drain** (first signal): ``STOPPING=1``; readiness drops; the gateway
+  refuses new sessions with SHUTTING_DOWN; the service's own shutdown lets
+  in-flight transfers finish up to ``drain_timeout_ms``, fails the rest with
+  reasons sent to peers, joins its threads and deregisters memory only when no
+  write can touch it. It runs in a thread so the loop keeps answering probes.
+* **teardown** stops the gateway and the probe port.
+
+The process always exits within ``shutdown_timeout_ms`` + 1 s: a drain that
+overruns, or a second signal, ends it with :data:`EXIT_NOT_DRAINED`. Exit 0
+means every attached transfer finished and no write was left in flight.
+
+The async side runs on uvloop when it is importable, asyncio otherwise; the
+daemon installs its signal handlers on the loop and removes them on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Literal
+
+from kvxferd import __version__
+from kvxferd.config import ReceiverSettings, SenderSettings
+
+log = logging.getLogger("kvxferd.daemon")
+
+EXIT_OK = 0
+EXIT_NOT_DRAINED = 3
+_STATUS_EVERY_S = 5.0
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (the daemon's loop), the standard loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class Daemon:
+    """A sender or receiver service with everything an operator needs around it."""
+
+    def __init__(
+        self, role: Literal["sender", "receiver"], settings: SenderSettings | ReceiverSettings
+    ) -> None:
+        self.role = role
+        self.settings = settings
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self.drain_started: float | None = None  # monotonic time of the first signal
+        self._forced = threading.Event()
+
+    # -- run ---------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until a signal, then drain; returns the process exit code."""
+        loop = _new_event_loop()
+        try:
+            return loop.run_until_complete(self._main())
+        finally:
+            loop.close()
+
+    async def _main(self) -> int:
+        from kvxferd import logs
+        from kvxferd.notify import Notifier
+
+        logs.configure(self.settings.log_level, self.settings.service.log_json)
+        self._stop = asyncio.Event()
+        self.notifier = Notifier.from_env()
+        await self._startup()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            watchdog = asyncio.create_task(self._watchdog())
+            await self._stop.wait()
+            watchdog.cancel()
+            return await self._drain_and_teardown()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            self.notifier.close()
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            self.drain_started = time.monotonic()
+            log.info("signal %s: draining", signal.Signals(sig).name)
+            self._stop.set()
+        else:
+            log.warning("second signal: forcing a bounded exit")
+            self._forced.set()
+
+    # -- startup -----------------------------------------------------------------------
+    async def _startup(self) -> None:
+        from kvxferd.gateway import Gateway
+        from kvxferd.health import ProbeServer, ReceiverProbe, SenderProbe
+
+        svc = self.settings.service
+        if self.role == "sender":
+            from kvxferd.sender import Sender
+
+            assert isinstance(self.settings, SenderSettings)
+            sender = await asyncio.to_thread(Sender, self.settings)
+            self.service: Any = sender.start()
+            endpoint = sender.endpoint
+            probe: Any = SenderProbe(sender, self.settings)
+        else:
+            from kvxferd.receiver import Receiver
+
+            assert isinstance(self.settings, ReceiverSettings)
+            receiver = await asyncio.to_thread(Receiver, self.settings)
+            self.service = receiver.start()
+            endpoint = receiver.result_endpoint
+            probe = ReceiverProbe(receiver, self.settings)
+        self.gateway = Gateway(
+            self.service, svc.engine_socket, max_inflight=svc.max_client_inflight
+        )
+        engine_socket = await self.gateway.start()
+        self.probe_server = ProbeServer(
+            probe,
+            svc.probe_host,
+            svc.probe_port,
+            build_info={"version": __version__, "role": self.role},
+        )
+        self.probe_port = await self.probe_server.start()
+        self.probe = probe
+        status = f"ready: {self.role} at {endpoint}, engines at {engine_socket}"
+        self.notifier.ready(status)
+        log.info(status)
+        sys.stdout.write(
+            json.dumps(
+                {
+                    "event": "ready",
+                    "role": self.role,
+                    "endpoint": endpoint,
+                    "engine_socket": engine_socket,
+                    "probe_port": self.probe_port,
+                    "pid": os.getpid(),
+                }
+            )
+            + "\n"
+        )
+        sys.stdout.flush()
+
+    # -- serve ---------------------------------------------------------------------------
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 only while the workers make progress; a readable STATUS= now and then."""
+        interval = self.notifier.watchdog_interval_s
+        tick = min(interval, _STATUS_EVERY_S) if interval else _STATUS_EVERY_S
+        last_status = 0.0
+        while True:
+            alive, detail = self.probe.liveness()
+            if interval and alive:
+                self.notifier.watchdog()
+            elif interval:
+                log.error("watchdog withheld: %s", detail)
+            now = time.monotonic()
+            if now - last_status >= _STATUS_EVERY_S:
+                last_status = now
+                self.notifier.status(self._status_line())
+            await asyncio.sleep(tick)
+
+    def _status_line(self) -> str:
+        stats = self.service.stats.snapshot()
+        if self.role == "sender":
+            return (
+                f"serving: {self.service.session_count()} sessions, "
+                f"{self.service.writes_in_flight()} writes in flight, "
+                f"{stats.get('bytes_written', 0) / 1e9:.2f} GB sent"
+            )
+        return (
+            f"serving: {self.service.fetches_in_flight()} fetches in flight, "
+            f"{stats.get('bytes_received', 0) / 1e9:.2f} GB received"
+        )
+
+    # -- drain and teardown ----------------------------------------------------------------
+    async def _drain_and_teardown(self) -> int:
+        from kvxferd.errors import Reason
+
+        d = self.settings.deadlines
+        t0 = time.monotonic()
+        hard_deadline = t0 + d.shutdown_timeout_ms / 1000 + 0.5
+        self.notifier.stopping("draining: finishing in-flight transfers")
+        self.gateway.refuse_new(Reason.SHUTTING_DOWN)
+        # The service's shutdown is bounded by shutdown_timeout_ms; keep a little for teardown.
+        budget = max(0.1, d.shutdown_timeout_ms / 1000 - 0.5)
+        worker = asyncio.get_running_loop().run_in_executor(None, self.service.shutdown, budget)
+        code = EXIT_NOT_DRAINED
+        forced = asyncio.get_running_loop().run_in_executor(None, self._forced.wait, budget + 1)
+        done, _ = await asyncio.wait({worker, forced}, return_when=asyncio.FIRST_COMPLETED)
+        if worker in done:
+            result = worker.result()
+            if self.role == "sender":
+                ok = result.drain_complete and result.drained and result.threads_joined
+            else:
+                ok = bool(result) and self.service.drain_complete
+            code = EXIT_OK if ok else EXIT_NOT_DRAINED
+            log.info("drain %s: %s", "complete" if ok else "incomplete", result)
+        else:
+            log.warning("forced exit before the drain finished")
+        self._forced.set()  # release the waiter thread
+        remaining = max(0.05, hard_deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._teardown(), remaining)
+        except TimeoutError:
+            code = EXIT_NOT_DRAINED
+        log.info("exit %d after %.3f s", code, time.monotonic() - t0)
+        return code
+
+    async def _teardown(self) -> None:
+        await self.gateway.stop(timeout=0.3)
+        await self.probe_server.stop()
+
+
+def serve(role: Literal["sender", "receiver"], settings: SenderSettings | ReceiverSettings) -> int:
+    """Run a daemon to completion and return its exit code, within shutdown_timeout + 1 s."""
+    daemon = Daemon(role, settings)
+    done = threading.Event()
+    bound = settings.deadlines.shutdown_timeout_ms / 1000 + 0.9
+
+    def guard() -> None:
+        # Last line of defence: whatever hangs (a native call, a wedged thread), the process
+        # exits within its bound once a signal started the drain.
+        while not done.wait(0.05):
+            started = daemon.drain_started
+            if started is not None and time.monotonic() > started + bound:
+                sys.stderr.write("kvxferd: shutdown bound reached, exiting\n")
+                sys.stderr.flush()
+                os._exit(EXIT_NOT_DRAINED)
+
+    # The guard outlives run(): interpreter exit joins executor threads, and a forced exit may
+    # leave one inside the service's (bounded) shutdown.
+    threading.Thread(target=guard, name="kvxferd-exit-guard", daemon=True).start()
+    return daemon.run()
