@@ -101,6 +101,7 @@ class Daemon:
         self._signals += 1
         if self._signals == 1:
             self.drain_started = time.monotonic()
+            self.probe_server.draining = True  # readiness drops now, before the drain begins
             log.info("signal %s: draining", signal.Signals(sig).name)
             self._stop.set()
         else:
@@ -138,6 +139,7 @@ class Daemon:
             svc.probe_host,
             svc.probe_port,
             build_info={"version": __version__, "role": self.role},
+            loop_stall_s=svc.liveness_stall_ms / 1000,
         )
         self.probe_port = await self.probe_server.start()
         self.probe = probe
@@ -166,7 +168,7 @@ class Daemon:
         tick = min(interval, _STATUS_EVERY_S) if interval else _STATUS_EVERY_S
         last_status = 0.0
         while True:
-            alive, detail = self.probe.liveness()
+            alive, detail = self.probe_server.liveness()  # workers, listener and this loop
             if interval and alive:
                 self.notifier.watchdog()
             elif interval:
