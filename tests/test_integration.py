@@ -325,7 +325,7 @@ def test_cancel_during_transfer_ends_done_and_exact_or_cancelled_and_fenced(
         else:  # once its first bytes land (or it ended first)
             wait_until(
                 lambda d=dst, w=want, h=h: landed(r, d, w) or h.wait(0) is not None,
-                KV_TIMEOUT_S,
+                KV_TIMEOUT_S + MARGIN_S,
                 "bytes land",
             )
             h.cancel()
@@ -436,7 +436,7 @@ def test_sender_killed_mid_transfer_fails_open_fetches_within_the_timeout(
     handles = [r.fetch(f"d-{i}", ep, dst) for i, dst in enumerate(dsts)]
     wait_until(
         lambda: any(landed(r, d, w) for d, w in zip(dsts, wants, strict=True)),
-        KV_TIMEOUT_S,
+        KV_TIMEOUT_S + MARGIN_S,
         "first bytes land",
     )
     os.kill(tx.pid, signal.SIGKILL)
@@ -549,7 +549,7 @@ def test_frozen_sender_times_out_fetches_and_keeps_their_blocks_in_doubt(
     handles: list[RxHandle] = [r.fetch(f"f-{i}", ep, d) for i, d in enumerate(dsts, start=1)]
     wait_until(
         lambda: any(landed(r, d, w) for d, w in zip(dsts, wants, strict=True)),
-        KV_TIMEOUT_S,
+        KV_TIMEOUT_S + MARGIN_S,
         "first bytes land",
     )
     tx.signal(signal.SIGSTOP)
