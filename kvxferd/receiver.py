@@ -42,7 +42,7 @@ from kvxferd import protocol as wire
 from kvxferd.config import ReceiverSettings
 from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, NixlDataPlane
-from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
+from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.layout import check_blocks, check_layers
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Fence, RxOutcome, RxSession, RxState
@@ -110,6 +110,12 @@ class Receiver:
         pool: KvPool | None = None,
         dataplane: DataPlane | None = None,
     ) -> None:
+        if re.match(r"^tcp://(0\.0\.0\.0|\*|\[::\]):", settings.result_endpoint):
+            # This address is sent to senders as is; a wildcard would point them at themselves.
+            raise ConfigError(
+                f"result_endpoint {settings.result_endpoint!r} is a wildcard; "
+                "give the routable address senders should connect to"
+            )
         self.settings = settings
         self.stats = Stats()
         self.receiver_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"

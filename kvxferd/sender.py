@@ -469,6 +469,9 @@ class Sender:
                 self._pending_count -= len(parked)
                 # Attach under the same lock: a CANCEL must find each fetch parked or attached.
                 attached = [self._attach_locked(session, p.peer, p.msg, p.received) for p in parked]
+                for task in attached:  # queued under the lock too: an ack never overtakes it
+                    if isinstance(task, _WriteTask):
+                        self._dispatch(task, _no_reply)
         if error is not None:
             if aux_slot >= 0:
                 self.aux_slots.give_back([aux_slot])
@@ -476,7 +479,8 @@ class Sender:
             raise error
         self.stats.add("published")
         for p, outcome in zip(parked, attached, strict=True):
-            self._dispatch(outcome, functools.partial(self._reply_shared, p.peer))
+            if isinstance(outcome, wire.Result):
+                self._dispatch(outcome, functools.partial(self._reply_shared, p.peer))
         return TxHandle(self, session)
 
     def _close_session(self, session: TxSession, timeout: float | None) -> bool:
@@ -891,3 +895,7 @@ def _unusable_endpoint(endpoint: str) -> str | None:
         return f"result_endpoint {endpoint!r}: {e}"
     finally:
         sock.close(linger=0)
+
+
+def _no_reply(msg: wire.Result) -> None:  # pragma: no cover - only refusals are replied to
+    raise AssertionError("a queued write has no reply")
