@@ -1025,6 +1025,7 @@ class Rep:
     verified: bool
     detail: str
     lat_us: list[float]
+    sender_stats: dict[str, int] = field(default_factory=dict)  # kvxferd only: Sender counters
 
     @property
     def gbps(self) -> float:
@@ -1121,6 +1122,7 @@ class _Runner:
             verified=not bad,
             detail="; ".join(bad),
             lat_us=[x for r in runs for x in r["lat_us"]],
+            sender_stats=finals[0].get("stats", {}),
         )
 
 
@@ -1149,11 +1151,13 @@ def summarize_workload(plan: Plan, reps: dict[str, list[Rep]]) -> dict[str, Any]
             "failures": sum(r.failures for r in rs),
             "verified": all(r.verified for r in rs),
             "reps": [
-                {k: v for k, v in asdict(r).items() if k != "lat_us"}
+                {k: v for k, v in asdict(r).items() if k not in ("lat_us", "sender_stats")}
                 | {"gbps": r.gbps, "rps": r.rps}
                 for r in rs
             ],
         }
+        if rs and rs[-1].sender_stats:  # cumulative over the workload's repetitions
+            paths[path]["sender_stats"] = rs[-1].sender_stats
         if not paths[path]["verified"]:
             paths[path]["detail"] = "; ".join(r.detail for r in rs if r.detail)
 

@@ -1,4 +1,4 @@
-"""Command line: ``kvxferd sender | receiver | demo | print-config``.
+"""Command line: ``kvxferd sender | receiver | demo | bench | print-config``.
 
 ``sender`` and ``receiver`` run until SIGINT/SIGTERM, then shut down within
 their configured bound; the exit code says whether the drain was complete
@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import signal
 import sys
-import threading
-from typing import Any
+from typing import Any, Literal
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import ConfigError
@@ -54,6 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=1)
     d.add_argument("--json", dest="json_path", help="also write the summary as JSON here")
 
+    from kvxferd.bench import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="kvxferd vs raw NIXL vs a plain ZMQ copy on KV-shaped workloads"
+    )
+    add_bench_arguments(bench)
+    for hidden_bench in ("_bench-tx", "_bench-rx"):
+        sub.add_parser(hidden_bench).add_argument("spec")
+
     for hidden in ("_demo-sender", "_demo-receiver"):
         h = sub.add_parser(hidden)
         h.add_argument("spec")
@@ -61,30 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _serve(role: str, settings: Any) -> int:
-    from kvxferd.receiver import Receiver
-    from kvxferd.sender import Sender
+def _serve(role: Literal["sender", "receiver"], settings: Any) -> int:
+    from kvxferd.daemon import serve
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    if role == "sender":
-        svc = Sender(settings).start()
-        print(json.dumps({"event": "ready", "role": role, "endpoint": svc.endpoint}), flush=True)
-        while not stop.wait(1.0):
-            pass
-        report = svc.shutdown()
-        return 0 if report.drained and report.threads_joined else EXIT_NOT_DRAINED
-    rsvc = Receiver(settings).start()
-    print(
-        json.dumps({"event": "ready", "role": role, "endpoint": rsvc.result_endpoint}), flush=True
-    )
-    while not stop.wait(1.0):
-        pass
-    return 0 if rsvc.shutdown() else EXIT_NOT_DRAINED
+    return serve(role, settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
             load = load_sender_settings if args.role == "sender" else load_receiver_settings
             print(load(args.config).model_dump_json(indent=2))
             return 0
+        if args.cmd == "bench":
+            from kvxferd.bench import main_bench
+
+            return main_bench(args)
+        if args.cmd in ("_bench-tx", "_bench-rx"):
+            from kvxferd.bench import run_child
+
+            return run_child(args.cmd, args.spec)
         from kvxferd import workload
 
         if args.cmd == "demo":

@@ -194,13 +194,12 @@ class Daemon:
 
     # -- drain and teardown ----------------------------------------------------------------
     async def _drain_and_teardown(self) -> int:
-        from kvxferd.errors import Reason
 
         d = self.settings.deadlines
         t0 = time.monotonic()
         hard_deadline = t0 + d.shutdown_timeout_ms / 1000 + 0.5
         self.notifier.stopping("draining: finishing in-flight transfers")
-        self.gateway.refuse_new(Reason.SHUTTING_DOWN)
+        self.gateway.refuse_new("draining")
         # The service's shutdown is bounded by shutdown_timeout_ms; keep a little for teardown.
         budget = max(0.1, d.shutdown_timeout_ms / 1000 - 0.5)
         worker = asyncio.get_running_loop().run_in_executor(None, self.service.shutdown, budget)

@@ -46,4 +46,3 @@ class Stats:
             out = list(q)
             q.clear()
             return out
-

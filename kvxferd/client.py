@@ -1,0 +1,624 @@
+"""The engine side of the engine protocol: drive a local kvxferd daemon without importing its internals.
+
+Errors (both are :class:`~kvxferd.errors.KvxferdError`)::
+
+    EngineError            .reason (EngineReason), .detail
+    ├── EngineRejected     the daemon answered with Error: busy, draining, unknown_handle,
+    │                      bad_blocks, duplicate, malformed, ...
+    └── EngineUnavailable  no answer within the bound (reason timeout), or the client or its
+                           socket is closed / the daemon is not reading (reason peer_lost)
+
+Every call is bounded: a call that waits (``wait``, ``close``) is allowed its own
+timeout plus ``timeout_s``; every other call ``timeout_s``. A dead or stopped
+daemon therefore costs at most that long, then raises EngineUnavailable.
+
+Threads, loops and sockets::
+
+    Client        one DEALER, owned by its io thread "kvxferd-client-io"; callers from any
+                  thread enqueue a frame (under ``_lock``) and wait on their own event, so a
+                  long wait() in one thread never holds up another thread's call.
+    AsyncClient   one zmq.asyncio DEALER per event loop, created on first use in that loop,
+                  with its own reader task and semaphore; a reply resolves a future on the
+                  loop that made the call. ``_lock`` guards only the loop -> connection map.
+
+A handle belongs to the daemon connection that created it: for a Client, any
+thread may use it; for an AsyncClient, use it from the loop that created it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import zmq
+import zmq.asyncio
+
+from kvxferd import engine_protocol as ep
+from kvxferd.control import process_context
+from kvxferd.engine_protocol import EngineReason, Outcome, PoolInfo
+from kvxferd.errors import KvxferdError, ProtocolError
+
+log = logging.getLogger("kvxferd.client")
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "EngineError",
+    "EngineRejected",
+    "EngineUnavailable",
+    "Outcome",
+    "PoolInfo",
+    "PoolMapping",
+    "attach_pool",
+]
+
+DEFAULT_TIMEOUT_S = 5.0  # a round trip to a local daemon; waits add their own timeout
+_IO_TICK_MS = 100
+_call_ids = itertools.count(1)  # process-wide, never reused: a late reply can never match
+
+R = TypeVar("R", bound=ep._Msg)
+
+
+class EngineError(KvxferdError):
+    """A call to the daemon did not succeed; ``reason`` says why."""
+
+    def __init__(self, reason: EngineReason, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else str(reason))
+        self.reason = reason
+        self.detail = detail
+
+
+class EngineRejected(EngineError):
+    """The daemon refused the call (its Error reply)."""
+
+
+class EngineUnavailable(EngineError):
+    """No reply in time (TIMEOUT), or the connection is closed or not reading (PEER_LOST)."""
+
+
+def _dealer_options(sock: zmq.Socket[Any]) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, ep.MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.RCVHWM, 10_000)
+
+
+def _ms(seconds: float) -> int:
+    return max(0, min(int(seconds * 1000), 3_600_000))
+
+
+def _blocks(block_ids: Sequence[int] | np.ndarray) -> list[int]:
+    return np.asarray(block_ids, dtype=np.int64).reshape(-1).tolist()  # type: ignore[no-any-return]
+
+
+def _check(reply: ep.ToEngine, expected: type[R] | tuple[type[Any], ...]) -> Any:
+    if isinstance(reply, ep.Error):
+        raise EngineRejected(reply.reason, reply.detail)
+    if not isinstance(reply, expected):
+        raise EngineError(EngineReason.MALFORMED, f"unexpected reply {type(reply).__name__}")
+    return reply
+
+
+def _fetch_msg(
+    call_id: int,
+    request_id: str,
+    sender_endpoint: str,
+    block_ids: Sequence[int] | np.ndarray,
+    layers: tuple[int, int] | None,
+    timeout_ms: int | None,
+    want_aux: bool,
+) -> ep.Fetch:
+    lb, le = layers if layers is not None else (0, 0)
+    return ep.Fetch(
+        call_id=call_id,
+        request_id=request_id,
+        sender_endpoint=sender_endpoint,
+        block_ids=_blocks(block_ids),
+        layer_begin=lb,
+        layer_end=le,
+        timeout_ms=timeout_ms or 0,
+        want_aux=want_aux,
+    )
+
+
+# -- synchronous client -------------------------------------------------------------------
+@dataclass(slots=True)
+class _Slot:
+    event: threading.Event = field(default_factory=threading.Event)
+    reply: ep.ToEngine | EngineError | None = None
+
+
+class Client:
+    """A thread-safe, synchronous connection to one kvxferd daemon's engine socket."""
+
+    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # guards _pending, _outbox, _closed and the eventfd write
+        self._pending: dict[int, _Slot] = {}
+        self._outbox: deque[tuple[int, bytes]] = deque()
+        self._closed = False
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._sock: zmq.Socket[bytes] = process_context().socket(zmq.DEALER)
+        _dealer_options(self._sock)
+        self._sock.connect(endpoint)
+        self._io = threading.Thread(target=self._run, name="kvxferd-client-io", daemon=True)
+        self._io.start()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_client()
+
+    # -- calls ---------------------------------------------------------------------------
+    def describe(self) -> PoolInfo:
+        """The daemon's role, pool layout, shared-memory name and endpoint."""
+        reply = self._call(lambda c: ep.Describe(call_id=c))
+        return _check(reply, ep.PoolInfo)  # type: ignore[no-any-return]
+
+    def publish(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        aux: bytes | None = None,
+        expected_fetches: int = 1,
+    ) -> int:
+        """Sender daemon: offer these blocks as ``request_id``; the handle id."""
+        blocks = _blocks(block_ids)
+        reply = self._call(
+            lambda c: ep.Publish(
+                call_id=c,
+                request_id=request_id,
+                block_ids=blocks,
+                aux=aux,
+                expected_fetches=expected_fetches,
+            )
+        )
+        return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    def fetch(
+        self,
+        request_id: str,
+        sender_endpoint: str,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        layers: tuple[int, int] | None = None,
+        timeout_ms: int | None = None,
+        want_aux: bool = True,
+    ) -> int:
+        """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``; the handle id."""
+        reply = self._call(
+            lambda c: _fetch_msg(
+                c, request_id, sender_endpoint, block_ids, layers, timeout_ms, want_aux
+            )
+        )
+        return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    def wait(self, handle: int, timeout: float) -> Outcome | None:
+        """The outcome once the transfer ended, or None after ``timeout`` seconds."""
+        reply = self._call(
+            lambda c: ep.Wait(call_id=c, handle_id=handle, timeout_ms=_ms(timeout)), timeout
+        )
+        out = _check(reply, (ep.Outcome, ep.Pending))
+        return out if isinstance(out, ep.Outcome) else None
+
+    def poll(self, handle: int) -> Outcome | None:
+        """The outcome if the transfer ended, else None; never waits on the transfer."""
+        reply = self._call(lambda c: ep.Poll(call_id=c, handle_id=handle))
+        out = _check(reply, (ep.Outcome, ep.Pending))
+        return out if isinstance(out, ep.Outcome) else None
+
+    def cancel(self, handle: int) -> None:
+        """End the transfer; its blocks stay fenced until ``close`` reports them safe."""
+        _check(self._call(lambda c: ep.Cancel(call_id=c, handle_id=handle)), ep.Ok)
+
+    def close(self, handle: int, timeout: float) -> bool:
+        """Cancel if open and wait for in-flight writes; True once the blocks may be reused."""
+        reply = self._call(
+            lambda c: ep.Close(call_id=c, handle_id=handle, timeout_ms=_ms(timeout)), timeout
+        )
+        return bool(_check(reply, ep.Closed).safe)
+
+    def close_client(self) -> None:
+        """Fail calls still waiting, stop the io thread and close the socket (bounded)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.eventfd_write(self._wake, 1)
+            pending, self._pending = self._pending, {}
+        for slot in pending.values():
+            slot.reply = EngineUnavailable(EngineReason.PEER_LOST, "client closed")
+            slot.event.set()
+        self._io.join(2 * _IO_TICK_MS / 1000 + 1.0)
+        if not self._io.is_alive():
+            os.close(self._wake)
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _call(self, build: Callable[[int], ep._Msg], wait_s: float = 0.0) -> ep.ToEngine:
+        call_id = next(_call_ids)
+        frame = ep.encode(build(call_id))
+        slot = _Slot()
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
+            self._pending[call_id] = slot
+            self._outbox.append((call_id, frame))
+            os.eventfd_write(self._wake, 1)
+        bound = max(0.0, wait_s) + self.timeout_s
+        if not slot.event.wait(bound):
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise EngineUnavailable(
+                EngineReason.TIMEOUT, f"no reply from {self.endpoint} within {bound:.1f}s"
+            )
+        reply = slot.reply
+        if isinstance(reply, EngineError):
+            raise reply
+        assert reply is not None
+        return reply
+
+    def _finish(self, call_id: int, reply: ep.ToEngine | EngineError) -> None:
+        with self._lock:
+            slot = self._pending.pop(call_id, None)
+        if slot is not None:
+            slot.reply = reply
+            slot.event.set()
+
+    def _run(self) -> None:
+        """The io thread: sole owner of the DEALER."""
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(_IO_TICK_MS))
+                if self._wake in events:
+                    try:
+                        os.eventfd_read(self._wake)
+                    except BlockingIOError:
+                        pass
+                with self._lock:
+                    if self._closed:
+                        return
+                    out = list(self._outbox)
+                    self._outbox.clear()
+                for call_id, frame in out:
+                    try:
+                        sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                    except zmq.ZMQError as e:  # Again: the daemon is not reading
+                        self._finish(
+                            call_id,
+                            EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}"),
+                        )
+                if sock in events:
+                    self._drain(sock)
+        finally:
+            sock.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket[bytes]) -> None:
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = ep.decode_to_engine(frames)
+            except ProtocolError as e:
+                log.warning("undecodable reply from %s: %s", self.endpoint, e)
+                continue
+            self._finish(reply.call_id, reply)
+
+
+# -- asyncio client -----------------------------------------------------------------------
+class _LoopConn:
+    """One event loop's DEALER, reader task and in-flight calls; touched only on that loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: str, max_inflight: int) -> None:
+        self.loop = loop
+        ctx = zmq.asyncio.Context.shadow(process_context().underlying)
+        self.sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
+        _dealer_options(self.sock)
+        self.sock.connect(endpoint)
+        self.endpoint = endpoint
+        self.sem = asyncio.Semaphore(max_inflight)
+        self.pending: dict[int, asyncio.Future[ep.ToEngine]] = {}
+        self.closed = False
+        self.reader = loop.create_task(self._read(), name="kvxferd-client-reader")
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                frames = await self.sock.recv_multipart()
+            except zmq.ZMQError as e:
+                if self.sock.closed:
+                    return
+                log.warning("reply from %s not received: %s", self.endpoint, e)
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                reply = ep.decode_to_engine(frames)
+            except ProtocolError as e:
+                log.warning("undecodable reply from %s: %s", self.endpoint, e)
+                continue
+            fut = self.pending.pop(reply.call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    def shutdown(self) -> None:
+        """Fail calls in flight, stop the reader, close the socket; on this conn's loop."""
+        if self.closed:
+            return
+        self.closed = True
+        self.reader.cancel()
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(EngineReason.PEER_LOST, "client closed"))
+        self.sock.close(linger=0)
+
+    def close_raw(self) -> None:
+        """Close the socket of a loop that no longer runs (nothing else can touch it now)."""
+        self.closed = True
+        try:
+            self.sock.close(linger=0)
+        except Exception as e:  # the loop's selector is gone; the socket is closed regardless
+            log.debug("closing a stopped loop's socket: %s", e)
+
+
+class AsyncClient:
+    """The engine protocol as coroutines; usable from several event loops in several threads."""
+
+    def __init__(
+        self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, max_inflight: int = 256
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.max_inflight = max_inflight  # per loop
+        self._lock = threading.Lock()  # guards _conns and _closed
+        self._conns: dict[asyncio.AbstractEventLoop, _LoopConn] = {}
+        self._closed = False
+
+    def _conn(self) -> _LoopConn:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
+            conn = self._conns.get(loop)
+            if conn is None or conn.closed:
+                for lp in [lp for lp in self._conns if lp.is_closed()]:  # loops gone for good
+                    self._conns.pop(lp).close_raw()
+                conn = self._conns[loop] = _LoopConn(loop, self.endpoint, self.max_inflight)
+        return conn
+
+    async def _call(self, build: Callable[[int], ep._Msg], wait_s: float = 0.0) -> ep.ToEngine:
+        conn = self._conn()
+        bound = max(0.0, wait_s) + self.timeout_s
+        async with conn.sem:
+            call_id = next(_call_ids)
+            fut: asyncio.Future[ep.ToEngine] = conn.loop.create_future()
+            conn.pending[call_id] = fut
+            try:
+                try:
+                    await conn.sock.send(ep.encode(build(call_id)), flags=zmq.NOBLOCK)
+                except zmq.ZMQError as e:
+                    raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
+                return await asyncio.wait_for(fut, bound)
+            except TimeoutError:
+                raise EngineUnavailable(
+                    EngineReason.TIMEOUT, f"no reply from {self.endpoint} within {bound:.1f}s"
+                ) from None
+            finally:
+                conn.pending.pop(call_id, None)
+
+    async def describe(self) -> PoolInfo:
+        return _check(await self._call(lambda c: ep.Describe(call_id=c)), ep.PoolInfo)  # type: ignore[no-any-return]
+
+    async def publish(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        aux: bytes | None = None,
+        expected_fetches: int = 1,
+    ) -> int:
+        blocks = _blocks(block_ids)
+        reply = await self._call(
+            lambda c: ep.Publish(
+                call_id=c,
+                request_id=request_id,
+                block_ids=blocks,
+                aux=aux,
+                expected_fetches=expected_fetches,
+            )
+        )
+        return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    async def fetch(
+        self,
+        request_id: str,
+        sender_endpoint: str,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        layers: tuple[int, int] | None = None,
+        timeout_ms: int | None = None,
+        want_aux: bool = True,
+    ) -> int:
+        reply = await self._call(
+            lambda c: _fetch_msg(
+                c, request_id, sender_endpoint, block_ids, layers, timeout_ms, want_aux
+            )
+        )
+        return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    async def wait(self, handle: int, timeout: float) -> Outcome | None:
+        reply = await self._call(
+            lambda c: ep.Wait(call_id=c, handle_id=handle, timeout_ms=_ms(timeout)), timeout
+        )
+        out = _check(reply, (ep.Outcome, ep.Pending))
+        return out if isinstance(out, ep.Outcome) else None
+
+    async def poll(self, handle: int) -> Outcome | None:
+        out = _check(
+            await self._call(lambda c: ep.Poll(call_id=c, handle_id=handle)),
+            (ep.Outcome, ep.Pending),
+        )
+        return out if isinstance(out, ep.Outcome) else None
+
+    async def cancel(self, handle: int) -> None:
+        _check(await self._call(lambda c: ep.Cancel(call_id=c, handle_id=handle)), ep.Ok)
+
+    async def close(self, handle: int, timeout: float) -> bool:
+        reply = await self._call(
+            lambda c: ep.Close(call_id=c, handle_id=handle, timeout_ms=_ms(timeout)), timeout
+        )
+        return bool(_check(reply, ep.Closed).safe)
+
+    async def aclose(self) -> None:
+        """Close the running loop's connection (call before that loop stops)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            conn = self._conns.pop(loop, None)
+        if conn is not None:
+            conn.shutdown()
+            await asyncio.sleep(0)  # let the reader see its cancellation
+
+    def close_client(self) -> None:
+        """Close every loop's connection: on its own loop if it runs, directly if it stopped."""
+        with self._lock:
+            self._closed = True
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            if not conn.loop.is_running():  # stopped or closed: nobody else touches it
+                conn.close_raw()
+                continue
+            try:
+                conn.loop.call_soon_threadsafe(conn.shutdown)
+            except RuntimeError:  # closed meanwhile
+                conn.close_raw()
+
+
+# -- the pool, mapped in the engine process ----------------------------------------------
+_TORCH_DTYPES = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+class _AttachedShm(shared_memory.SharedMemory):
+    """A segment we only map: tolerate views that outlive this object (the OS unmaps at the end)."""
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (BufferError, OSError):
+            pass
+
+
+class PoolMapping:
+    """The daemon's pool mapped here: ``kv`` as ``[layers, blocks, block_bytes]`` uint8, ``aux`` slots."""
+
+    def __init__(self, info: PoolInfo) -> None:
+        lay = info.layout
+        self.info = info
+        self._shm: _AttachedShm | None = None
+        if info.device == "cpu":
+            shm = _AttachedShm(name=info.shm_name, create=False)
+            # Attaching registered the name with this process's resource tracker, which would
+            # unlink the daemon's segment when the engine exits: it is not ours to remove.
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            self._shm = shm
+            if shm.size < info.shm_bytes:
+                shm.close()
+                raise EngineError(
+                    EngineReason.INCOMPATIBLE,
+                    f"segment {info.shm_name} has {shm.size} bytes, {info.shm_bytes} expected",
+                )
+            host = torch.frombuffer(shm.buf, dtype=torch.uint8, count=info.shm_bytes)
+            kv_bytes = lay.num_layers * lay.num_blocks * lay.block_bytes
+            self.kv = host[lay.kv_offset : lay.kv_offset + kv_bytes].view(
+                lay.num_layers, lay.num_blocks, lay.block_bytes
+            )
+        else:  # pragma: no cover - needs a GPU
+            shm = _AttachedShm(name=info.shm_name, create=False)
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            self._shm = shm
+            host = torch.frombuffer(shm.buf, dtype=torch.uint8, count=info.shm_bytes)
+            self.kv = _open_cuda_kv(info)
+        aux_bytes = lay.aux_slots * lay.aux_slot_bytes
+        self.aux = host[lay.aux_offset : lay.aux_offset + aux_bytes].view(
+            lay.aux_slots, lay.aux_slot_bytes
+        )
+
+    def close(self) -> None:
+        """Drop our views and unmap; tensors derived from ``kv`` keep the pages mapped until freed."""
+        shm, self._shm = self._shm, None
+        if shm is None:
+            return
+        del self.kv, self.aux
+        try:
+            shm.close()
+        except BufferError:  # a caller still holds a view; unmapped when the last one goes
+            pass
+
+
+def attach_pool(info: PoolInfo) -> torch.Tensor:
+    """Map the daemon's KV pool here: a ``[layers, blocks, block_bytes]`` uint8 tensor.
+
+    On the CPU it is a view of the daemon's POSIX shared memory (same pages, no
+    copy); on CUDA it is rebuilt from the IPC handle in ``info``. The tensor keeps
+    its mapping alive (``tensor.kvxferd_mapping`` is the :class:`PoolMapping`, with
+    ``aux`` and ``close()``); the daemon owns the segment and unlinks it.
+    """
+    mapping = PoolMapping(info)
+    kv = mapping.kv
+    kv.kvxferd_mapping = mapping  # type: ignore[attr-defined]
+    return kv
+
+
+def _open_cuda_kv(info: PoolInfo) -> torch.Tensor:  # pragma: no cover - needs a GPU
+    """Rebuild the daemon's KV tensor from its CUDA IPC handle (as torch.multiprocessing does).
+
+    Must run in a process other than the daemon (CUDA refuses to open an IPC
+    handle in the process that exported it) on the same host.
+    """
+    if info.cuda_ipc_handle is None:
+        raise EngineError(EngineReason.INCOMPATIBLE, "cuda pool without cuda_ipc_handle")
+    h = ep.decode_cuda_ipc(info.cuda_ipc_handle)
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        h.device,
+        h.handle,
+        h.storage_size_bytes,
+        h.storage_offset_bytes,
+        h.ref_counter_handle,
+        h.ref_counter_offset,
+        h.event_handle,
+        h.event_sync_required,
+    )
+    dtype = _TORCH_DTYPES[info.layout.dtype]
+    t = torch.empty((0,), dtype=dtype, device=torch.device("cuda", h.device))
+    t.set_(
+        torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True),
+        h.tensor_offset,
+        tuple(h.shape),
+        tuple(h.stride),
+    )
+    lay = info.layout
+    return t.view(torch.uint8).view(lay.num_layers, lay.num_blocks, lay.block_bytes)

@@ -1,0 +1,326 @@
+"""The engine protocol: how a local engine drives its kvxferd daemon; msgpack via msgspec, never pickle.
+
+Every message is exactly one ZMQ frame (the gateway's ROUTER additionally sees
+the routing id frame in front of it)::
+
+    frame = b"KE" + version(1 byte) + msgpack(tagged map)
+
+The map's ``"t"`` key names the message type; every request carries a
+``call_id`` chosen by the engine, echoed in its reply, so one connection may
+have many calls outstanding. Decoding checks the frame count, the frame size,
+the header, the tag and every field's bounds; anything else is a
+:class:`~kvxferd.errors.ProtocolError`. ``docs/engine-api.md`` is the full
+description.
+
+Calls and their replies (engine DEALER -> gateway ROUTER and back)::
+
+    Describe                                         -> PoolInfo
+    Publish(request_id, block_ids, aux, expected)    -> Handle | Error     (sender only)
+    Fetch(request_id, sender_endpoint, block_ids...) -> Handle | Error     (receiver only)
+    Wait(handle_id, timeout_ms)                      -> Outcome | Pending | Error
+    Poll(handle_id)                                  -> Outcome | Pending | Error
+    Cancel(handle_id)                                -> Ok | Error
+    Close(handle_id, timeout_ms)                     -> Closed | Error
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvxferd.errors import ProtocolError, Reason
+from kvxferd.protocol import U31, U63, BlockIds, Endpoint, RequestId, Text
+
+ENGINE_PROTOCOL_VERSION = 1
+MAGIC = b"KE"
+HEADER = MAGIC + bytes([ENGINE_PROTOCOL_VERSION])
+MAX_FRAME_BYTES = 16 << 20  # a Publish of 1M block ids fits; nothing bigger is accepted
+
+CallId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+HandleId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+WaitMs = Annotated[int, Meta(ge=0, le=3_600_000)]
+Aux = Annotated[bytes, Meta(max_length=1 << 20)]
+
+
+class EngineReason(StrEnum):
+    """Why a call failed or a transfer ended: every :class:`~kvxferd.errors.Reason`, plus the gateway's own."""
+
+    MALFORMED = "malformed"
+    UNKNOWN_MESSAGE = "unknown_message"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    TOO_LARGE = "too_large"
+    INCOMPATIBLE = "incompatible"
+    UNKNOWN_PEER = "unknown_peer"
+    BAD_BLOCKS = "bad_blocks"
+    DUPLICATE = "duplicate"
+    BUSY = "busy"
+    SHUTTING_DOWN = "shutting_down"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    TIMEOUT = "timeout"
+    TRANSFER_ERROR = "transfer_error"
+    BUILD_FAILED = "build_failed"
+    STALLED = "stalled"
+    SESSION_FAILED = "session_failed"
+    PEER_LOST = "peer_lost"
+    # The gateway's own.
+    UNKNOWN_HANDLE = "unknown_handle"  # never issued, already closed, or another connection's
+    WRONG_ROLE = "wrong_role"  # Publish on a receiver, Fetch on a sender
+    DRAINING = "draining"  # the daemon is draining: no new publish/fetch
+    INTERNAL = "internal"  # a bug in the daemon; the call failed, the daemon lives on
+
+
+def engine_reason(reason: Reason | None) -> EngineReason | None:
+    """The engine-protocol spelling of a service :class:`Reason`."""
+    return None if reason is None else EngineReason(reason.value)
+
+
+class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the pool's KV and aux regions lie in the shared-memory segment, and their shape."""
+
+    num_layers: Annotated[int, Meta(ge=1, le=4096)]
+    num_blocks: Annotated[int, Meta(ge=1, le=1 << 22)]
+    block_bytes: Annotated[int, Meta(ge=1, le=1 << 30)]
+    dtype: Literal["uint8", "int8", "float16", "bfloat16", "float32"]
+    aux_slots: Annotated[int, Meta(ge=1, le=1 << 20)]
+    aux_slot_bytes: Annotated[int, Meta(ge=64, le=1 << 20)]
+    kv_offset: U63  # byte offset of the KV region in the segment (always 0 on the CPU)
+    aux_offset: U63  # byte offset of the aux region in the segment
+
+
+class CudaIpcHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """torch's ``UntypedStorage._share_cuda_()`` tuple, field by field, plus the tensor's view."""
+
+    device: Annotated[int, Meta(ge=0, le=1024)]
+    handle: Annotated[bytes, Meta(max_length=4096)]
+    storage_size_bytes: U63
+    storage_offset_bytes: U63
+    ref_counter_handle: Annotated[bytes, Meta(max_length=4096)]
+    ref_counter_offset: U63
+    event_handle: Annotated[bytes, Meta(max_length=4096)]
+    event_sync_required: bool
+    tensor_offset: U63  # element offset of the KV tensor in its storage
+    shape: Annotated[list[U63], Meta(max_length=8)]
+    stride: Annotated[list[U63], Meta(max_length=8)]
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=True):
+    pass
+
+
+# -- engine -> gateway ---------------------------------------------------------------------
+class Describe(_Msg, tag="describe", frozen=True):
+    """What the daemon serves: role, pool, endpoint."""
+
+    call_id: CallId
+
+
+class Publish(_Msg, tag="publish", frozen=True):
+    """Sender daemon: offer a finished request's blocks (and aux payload) to receivers."""
+
+    call_id: CallId
+    request_id: RequestId
+    block_ids: BlockIds
+    aux: Aux | None = None
+    expected_fetches: Annotated[int, Meta(ge=1, le=65_536)] = 1
+
+
+class Fetch(_Msg, tag="fetch", frozen=True):
+    """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``."""
+
+    call_id: CallId
+    request_id: RequestId
+    sender_endpoint: Endpoint
+    block_ids: BlockIds
+    layer_begin: U31 = 0
+    layer_end: U31 = 0  # 0 means "all layers"
+    timeout_ms: WaitMs = 0  # 0 means the daemon's kv_transfer_timeout_ms
+    want_aux: bool = True
+
+
+class Wait(_Msg, tag="wait", frozen=True):
+    """The handle's outcome once it ended, or Pending after ``timeout_ms``."""
+
+    call_id: CallId
+    handle_id: HandleId
+    timeout_ms: WaitMs
+
+
+class Poll(_Msg, tag="poll", frozen=True):
+    """The handle's outcome if it ended, else Pending; never waits."""
+
+    call_id: CallId
+    handle_id: HandleId
+
+
+class Cancel(_Msg, tag="cancel", frozen=True):
+    """End the handle's transfer; memory stays fenced until Close says it is safe."""
+
+    call_id: CallId
+    handle_id: HandleId
+
+
+class Close(_Msg, tag="close", frozen=True):
+    """Cancel if open, wait up to ``timeout_ms`` for in-flight writes; forget the handle when safe."""
+
+    call_id: CallId
+    handle_id: HandleId
+    timeout_ms: WaitMs
+
+
+# -- gateway -> engine ---------------------------------------------------------------------
+class PoolInfo(_Msg, tag="pool_info", frozen=True):
+    """The daemon's role and KV pool, enough for the engine to map it (see ``client.attach_pool``)."""
+
+    call_id: CallId
+    role: Literal["sender", "receiver"]
+    shm_name: Annotated[str, Meta(min_length=1, max_length=255)]
+    shm_bytes: U63  # size of the shared-memory segment
+    layout: PoolLayout
+    device: Literal["cpu", "cuda"]
+    cuda_device: Annotated[int, Meta(ge=0, le=1024)] = 0
+    cuda_ipc_handle: Annotated[bytes, Meta(max_length=65_536)] | None = (
+        None  # msgpack CudaIpcHandle
+    )
+    endpoint: Endpoint | None = None  # sender: its listen endpoint; receiver: its result endpoint
+    daemon_id: Annotated[str, Meta(max_length=128)] = ""
+
+
+class Handle(_Msg, tag="handle", frozen=True):
+    """A publish or fetch was accepted; ``handle_id`` names it for this connection only."""
+
+    call_id: CallId
+    handle_id: HandleId
+
+
+class Error(_Msg, tag="error", frozen=True):
+    """The call was refused or failed; nothing was started (for Publish/Fetch)."""
+
+    call_id: CallId
+    reason: EngineReason
+    detail: Text = ""
+
+
+class Outcome(_Msg, tag="outcome", frozen=True):
+    """How a publish or fetch ended.
+
+    ``reusable`` is true once no write can touch the blocks; ``in_doubt`` once
+    that is unknown (the blocks must not be reused). ``state`` is a TxState value
+    on a sender, an RxState value on a receiver.
+    """
+
+    call_id: CallId
+    state: Literal[
+        "complete", "failed", "cancelled", "expired", "done", "timed_out", "published", "requested"
+    ]
+    reason: EngineReason | None = None
+    detail: Text = ""
+    nbytes: U63 = 0
+    aux: Aux | None = None
+    in_doubt: bool = False
+    reusable: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.state in ("complete", "done")
+
+
+class Pending(_Msg, tag="pending", frozen=True):
+    """The handle has not ended yet."""
+
+    call_id: CallId
+
+
+class Ok(_Msg, tag="ok", frozen=True):
+    """The call was done."""
+
+    call_id: CallId
+
+
+class Closed(_Msg, tag="closed", frozen=True):
+    """``safe``: the blocks may be reused and the handle is forgotten; else it stays open to retry."""
+
+    call_id: CallId
+    safe: bool
+
+
+ToGateway = Describe | Publish | Fetch | Wait | Poll | Cancel | Close
+ToEngine = PoolInfo | Handle | Error | Outcome | Pending | Ok | Closed
+
+
+class _CallIdOnly(msgspec.Struct):
+    """Salvages the call id of a rejected message, so the engine can match the Error."""
+
+    call_id: CallId = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_to_gateway = msgspec.msgpack.Decoder(ToGateway)
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_call_id_only = msgspec.msgpack.Decoder(_CallIdOnly)
+_cuda_ipc = msgspec.msgpack.Decoder(CudaIpcHandle)
+
+
+def encode(msg: _Msg) -> bytes:
+    """One frame: header + msgpack body."""
+    return HEADER + _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, frames: list[bytes], max_bytes: int) -> object:
+    if len(frames) != 1:
+        raise ProtocolError(Reason.MALFORMED, f"expected 1 frame, got {len(frames)}")
+    frame = frames[0]
+    if len(frame) > max_bytes:
+        raise ProtocolError(Reason.TOO_LARGE, f"frame of {len(frame)} bytes > {max_bytes}")
+    if len(frame) < 3 or frame[:2] != MAGIC:
+        raise ProtocolError(Reason.MALFORMED, "missing KE header")
+    if frame[2] != ENGINE_PROTOCOL_VERSION:
+        raise ProtocolError(
+            Reason.UNSUPPORTED_VERSION,
+            f"version {frame[2]}, this daemon speaks {ENGINE_PROTOCOL_VERSION}",
+        )
+    try:
+        return decoder.decode(memoryview(frame)[3:])
+    except msgspec.ValidationError as e:
+        text = str(e)
+        unknown_tag = "Invalid value" in text and "$.t" in text
+        raise ProtocolError(
+            Reason.UNKNOWN_MESSAGE if unknown_tag else Reason.MALFORMED, text[:300]
+        ) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(Reason.MALFORMED, str(e)[:300]) from None
+
+
+def decode_to_gateway(frames: list[bytes], max_bytes: int = MAX_FRAME_BYTES) -> ToGateway:
+    """Decode a frame the gateway received, or raise ProtocolError."""
+    return _decode(_to_gateway, frames, max_bytes)  # type: ignore[return-value]
+
+
+def decode_to_engine(frames: list[bytes], max_bytes: int = MAX_FRAME_BYTES) -> ToEngine:
+    """Decode a frame the engine received, or raise ProtocolError."""
+    return _decode(_to_engine, frames, max_bytes)  # type: ignore[return-value]
+
+
+def salvage_call_id(frames: list[bytes]) -> int:
+    """The call id of a frame that did not decode, or 0 when even that is unreadable."""
+    if len(frames) != 1 or len(frames[0]) > MAX_FRAME_BYTES or frames[0][:3] != HEADER:
+        return 0
+    try:
+        return _call_id_only.decode(memoryview(frames[0])[3:]).call_id
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return 0
+
+
+def encode_cuda_ipc(handle: CudaIpcHandle) -> bytes:
+    return _encoder.encode(handle)
+
+
+def decode_cuda_ipc(data: bytes) -> CudaIpcHandle:
+    """The CUDA IPC handle carried in ``PoolInfo.cuda_ipc_handle``; ProtocolError if unreadable."""
+    try:
+        return _cuda_ipc.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ProtocolError(Reason.MALFORMED, f"cuda_ipc_handle: {e}"[:300]) from None

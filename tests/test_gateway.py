@@ -1,0 +1,503 @@
+"""The engine gateway and its clients: a real Sender and Receiver (real NIXL) behind Gateways.
+
+Each Gateway runs on its own asyncio loop in a background thread, bound at an
+ipc:// socket in a private temporary directory; the test plays the engine with
+Client / AsyncClient and maps the daemons' pools with attach_pool. Every wait
+has a deadline; gateways, loops, clients, senders and receivers are stopped in
+fixture finalizers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Future
+from multiprocessing import resource_tracker
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kvxferd import engine_protocol as ep
+from kvxferd.client import (
+    AsyncClient,
+    Client,
+    EngineRejected,
+    EngineUnavailable,
+    attach_pool,
+)
+from kvxferd.config import load_receiver_settings, load_sender_settings
+from kvxferd.engine_protocol import EngineReason
+from kvxferd.errors import Reason
+from kvxferd.gateway import Gateway
+from kvxferd.receiver import Receiver
+from kvxferd.sender import Sender
+
+pytestmark = pytest.mark.integration
+
+POOL: dict[str, Any] = dict(num_layers=2, num_blocks=64, block_elems=1024, dtype="uint8")
+DEADLINES: dict[str, int] = dict(
+    kv_transfer_timeout_ms=5000,
+    cancel_fence_ms=500,
+    drain_timeout_ms=1000,
+    shutdown_timeout_ms=3000,
+    register_timeout_ms=2000,
+)
+CALL_S = 5.0  # bound on any one step of a test
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop running in its own thread; ``run`` submits a coroutine and waits, bounded."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = CALL_S) -> T:
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(CALL_S)
+        if not self.thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()
+
+
+# -- fixtures -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sender() -> Iterator[Sender]:
+    s = Sender(
+        load_sender_settings(listen="tcp://127.0.0.1:0", pool=POOL, deadlines=DEADLINES)
+    ).start()
+    yield s
+    s.shutdown(timeout=3.0)
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    r = Receiver(load_receiver_settings(pool=POOL, deadlines=DEADLINES)).start()
+    yield r
+    r.shutdown(timeout=3.0)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    # A short private path: an ipc:// path must fit in sockaddr_un (107 bytes).
+    d = tempfile.mkdtemp(prefix="kvgw-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+Started = tuple[Gateway, LoopThread, str]
+
+
+@pytest.fixture
+def start_gateway(sock_dir: str) -> Iterator[Callable[..., Started]]:
+    """Start a Gateway on its own loop thread; every one is stopped at teardown."""
+    started: list[tuple[Gateway, LoopThread]] = []
+
+    def start(service: Sender | Receiver, name: str, **kw: Any) -> Started:
+        lt = LoopThread(f"gw-{name}")
+        gw = Gateway(service, f"ipc://{sock_dir}/run/{name}.sock", **kw)
+        started.append((gw, lt))
+        endpoint = lt.run(gw.start())
+        return gw, lt, endpoint
+
+    yield start
+    for gw, lt in started:
+        try:
+            lt.run(gw.stop(2.0))
+        finally:
+            lt.stop()
+
+
+@pytest.fixture
+def gateways(
+    sender: Sender, receiver: Receiver, start_gateway: Callable[..., Started]
+) -> tuple[Started, Started]:
+    return start_gateway(sender, "tx"), start_gateway(receiver, "rx")
+
+
+@pytest.fixture
+def clients(gateways: tuple[Started, Started]) -> Iterator[tuple[Client, Client]]:
+    (_, _, tx_ep), (_, _, rx_ep) = gateways
+    tx, rx = Client(tx_ep, timeout_s=CALL_S), Client(rx_ep, timeout_s=CALL_S)
+    yield tx, rx
+    tx.close_client()
+    rx.close_client()
+
+
+def _fill(kv: torch.Tensor, blocks: list[int], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (kv.shape[0], len(blocks), kv.shape[2]), generator=g).to(
+        torch.uint8
+    )
+    kv[:, blocks, :] = data
+    return data
+
+
+def _attach(info: ep.PoolInfo) -> torch.Tensor:
+    """attach_pool, in the process that also runs the daemon (a real engine is another process).
+
+    attach_pool takes the segment's name off this process's resource tracker, but
+    here the daemon's own KvPool registered it: put it back, so the pool's unlink
+    at teardown finds it there.
+    """
+    kv = attach_pool(info)
+    resource_tracker.register(f"/{info.shm_name}", "shared_memory")
+    return kv
+
+
+class RawEngine:
+    """A bare DEALER speaking the engine protocol frame by frame (replies bounded by CALL_S)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, int(CALL_S * 1000))
+        self.sock.connect(endpoint)
+
+    def __enter__(self) -> RawEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close(linger=0)
+
+    def send(self, msg: ep._Msg) -> None:
+        self.sock.send(ep.encode(msg))
+
+    def recv(self) -> Any:
+        return ep.decode_to_engine([self.sock.recv()])
+
+    def call(self, msg: ep._Msg) -> Any:
+        self.send(msg)
+        return self.recv()
+
+
+# -- the socket and Describe ----------------------------------------------------------------
+def test_socket_file_is_private(gateways: tuple[Started, Started], sock_dir: str) -> None:
+    """The ipc socket's parent directory is created and the socket file has mode 0600."""
+    for (_, _, endpoint), name in zip(gateways, ("tx", "rx"), strict=True):
+        path = f"{sock_dir}/run/{name}.sock"
+        assert endpoint == f"ipc://{path}"
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+
+
+def test_describe_reports_role_pool_and_endpoint(
+    clients: tuple[Client, Client], sender: Sender, receiver: Receiver
+) -> None:
+    """Describe gives each daemon's role, shared-memory name, layout, device and endpoint."""
+    tx, rx = clients
+    ti, ri = tx.describe(), rx.describe()
+    assert (ti.role, ri.role) == ("sender", "receiver")
+    assert ti.shm_name == sender.pool.shm_name and ri.shm_name == receiver.pool.shm_name
+    assert ti.endpoint == sender.endpoint and ri.endpoint == receiver.result_endpoint
+    assert ti.device == "cpu" and ti.cuda_ipc_handle is None
+    lay = ti.layout
+    assert (lay.num_layers, lay.num_blocks, lay.block_bytes, lay.kv_offset) == (2, 64, 1024, 0)
+
+
+def test_engine_reasons_cover_every_service_reason() -> None:
+    """Every service Reason has the same spelling in the engine protocol."""
+    assert {r.value for r in Reason} <= {r.value for r in EngineReason}
+
+
+# -- transfers through the gateways ----------------------------------------------------------
+def test_publish_fetch_moves_bytes_through_shared_memory(
+    clients: tuple[Client, Client], sender: Sender, receiver: Receiver
+) -> None:
+    """Blocks written through the engine's mapping arrive byte-exact in the receiver's mapping."""
+    tx, rx = clients
+    tx_info, rx_info = tx.describe(), rx.describe()
+    src_kv, dst_kv = _attach(tx_info), _attach(rx_info)
+    src, dst = [3, 4, 5, 9], [40, 41, 50, 7]
+    data = _fill(src_kv, src, seed=1)
+    dst_kv[:, dst, :] = 0
+
+    h_tx = tx.publish("gw-rt-1", src, aux=b"first-token", expected_fetches=1)
+    h_rx = rx.fetch("gw-rt-1", tx_info.endpoint or "", dst)
+    out_rx = rx.wait(h_rx, CALL_S)
+    out_tx = tx.wait(h_tx, CALL_S)
+
+    assert out_rx is not None and out_rx.ok, out_rx
+    assert out_rx.state == "done" and out_rx.aux == b"first-token" and out_rx.reusable
+    assert out_rx.nbytes == 2 * 4 * 1024 + len(b"first-token")  # KV + aux
+    assert out_tx is not None and out_tx.ok and out_tx.state == "complete"
+    assert torch.equal(dst_kv[:, dst, :], data)
+    assert torch.equal(receiver.pool.kv_bytes_view()[:, dst, :], data)  # the daemon's own view
+    polled = tx.poll(h_tx)
+    assert polled is not None and polled.state == "complete"
+    assert tx.close(h_tx, CALL_S) and rx.close(h_rx, CALL_S)
+    with pytest.raises(EngineRejected) as ei:  # a closed handle is forgotten
+        rx.poll(h_rx)
+    assert ei.value.reason is EngineReason.UNKNOWN_HANDLE
+    # Unmapping in the engine leaves the daemon's segment in place.
+    src_kv.kvxferd_mapping.close()  # type: ignore[attr-defined]
+    assert os.path.exists(f"/dev/shm/{tx_info.shm_name}")
+
+
+def test_layer_range_and_pending_fetch(clients: tuple[Client, Client]) -> None:
+    """A fetch before its publish is Pending to poll and wait, then completes with only its layers."""
+    tx, rx = clients
+    tx_info = tx.describe()
+    src_kv, dst_kv = _attach(tx_info), _attach(rx.describe())
+    src, dst = [20, 21], [22, 23]
+    data = _fill(src_kv, src, seed=2)
+    dst_kv[:, dst, :] = 0
+
+    h_rx = rx.fetch("gw-layers", tx_info.endpoint or "", dst, layers=(1, 2), timeout_ms=4000)
+    assert rx.poll(h_rx) is None
+    assert rx.wait(h_rx, 0.05) is None
+    h_tx = tx.publish("gw-layers", src)
+    out = rx.wait(h_rx, CALL_S)
+    assert out is not None and out.ok, out
+    assert torch.equal(dst_kv[1, dst, :], data[1])
+    assert int(dst_kv[0, dst, :].count_nonzero()) == 0  # layer 0 was not asked for
+    assert tx.close(h_tx, CALL_S) and rx.close(h_rx, CALL_S)
+
+
+def test_cancel_ends_the_handle_and_close_is_safe(clients: tuple[Client, Client]) -> None:
+    """A cancelled publish ends CANCELLED, and close reports its blocks reusable."""
+    tx, _ = clients
+    h = tx.publish("gw-cancel", [30, 31])
+    tx.cancel(h)
+    out = tx.wait(h, CALL_S)
+    assert out is not None and out.state == "cancelled"
+    assert out.reason is EngineReason.CANCELLED and not out.in_doubt
+    assert tx.close(h, CALL_S)
+
+
+# -- typed errors ----------------------------------------------------------------------------
+def test_unknown_and_foreign_handles_are_refused(
+    clients: tuple[Client, Client], gateways: tuple[Started, Started]
+) -> None:
+    """A never-issued handle, or another connection's handle, is unknown_handle for every call."""
+    tx, rx = clients
+    (_, _, tx_ep), _ = gateways
+    h = tx.publish("gw-foreign", [33])
+    other = Client(tx_ep, timeout_s=CALL_S)
+    try:
+        calls: list[Callable[[Client, int], object]] = [
+            lambda c, x: c.wait(x, 0.1),
+            lambda c, x: c.poll(x),
+            lambda c, x: c.cancel(x),
+            lambda c, x: c.close(x, 0.1),
+        ]
+        for call in calls:
+            for client, handle in ((tx, 10**12), (other, h)):
+                with pytest.raises(EngineRejected) as ei:
+                    call(client, handle)
+                assert ei.value.reason is EngineReason.UNKNOWN_HANDLE
+        with pytest.raises(EngineRejected) as ei:
+            tx.fetch("gw-foreign", "tcp://127.0.0.1:1", [1])
+        assert ei.value.reason is EngineReason.WRONG_ROLE
+        with pytest.raises(EngineRejected) as ei:
+            tx.publish("gw-bad-blocks", [64])
+        assert ei.value.reason is EngineReason.BAD_BLOCKS
+    finally:
+        other.close_client()
+    assert tx.close(h, CALL_S)
+
+
+def test_malformed_frames_get_typed_errors_and_are_counted(
+    gateways: tuple[Started, Started],
+) -> None:
+    """Garbage, bad headers, extra frames and out-of-bounds fields each get an Error; serving goes on."""
+    (gw, _, tx_ep), _ = gateways
+    raw = RawEngine(tx_ep)
+    sock = raw.sock
+    enc = msgspec.msgpack.encode
+    cases: list[tuple[list[bytes], EngineReason, int]] = [
+        ([b"garbage"], EngineReason.MALFORMED, 0),
+        ([ep.HEADER + b"\xc1"], EngineReason.MALFORMED, 0),
+        ([b"KE\x09" + enc({"t": "describe", "call_id": 5})], EngineReason.UNSUPPORTED_VERSION, 0),
+        ([ep.encode(ep.Describe(call_id=6)), b"x"], EngineReason.MALFORMED, 0),
+        ([ep.HEADER + enc({"t": "launch", "call_id": 7})], EngineReason.UNKNOWN_MESSAGE, 7),
+        (
+            [ep.HEADER + enc({"t": "publish", "call_id": 8, "request_id": "r", "block_ids": [-1]})],
+            EngineReason.MALFORMED,
+            8,
+        ),
+        ([ep.HEADER + enc({"t": "wait", "call_id": 9, "handle_id": 1})], EngineReason.MALFORMED, 9),
+    ]
+    try:
+        for frames, reason, call_id in cases:
+            sock.send_multipart(frames)
+            reply = ep.decode_to_engine([sock.recv()])
+            assert isinstance(reply, ep.Error), frames
+            assert (reply.reason, reply.call_id) == (reason, call_id), reply
+        sock.send(ep.encode(ep.Describe(call_id=10)))
+        assert isinstance(ep.decode_to_engine([sock.recv()]), ep.PoolInfo)
+    finally:
+        sock.close(linger=0)
+    counts = gw.stats.snapshot()
+    assert counts["rejected_malformed"] == 5
+    assert counts["rejected_unsupported_version"] == 1
+    assert counts["rejected_unknown_message"] == 1
+
+
+def test_calls_beyond_max_inflight_get_busy(
+    sender: Sender, start_gateway: Callable[..., Started]
+) -> None:
+    """With max_inflight calls outstanding the next call gets BUSY at once; then service resumes."""
+    gw, _, endpoint = start_gateway(sender, "busy", max_inflight=2)
+    with RawEngine(endpoint) as raw:
+        hid = raw.call(ep.Publish(call_id=1, request_id="gw-busy", block_ids=[35])).handle_id
+        # Frames are taken in order: both Waits are in flight when the Cancel arrives.
+        raw.send(ep.Wait(call_id=2, handle_id=hid, timeout_ms=1000))
+        raw.send(ep.Wait(call_id=3, handle_id=hid, timeout_ms=1000))
+        busy = raw.call(ep.Cancel(call_id=4, handle_id=hid))
+        assert isinstance(busy, ep.Error) and busy.reason is EngineReason.BUSY
+        assert isinstance(raw.call(ep.Poll(call_id=5, handle_id=hid)), ep.Pending)  # inline
+        assert {type(raw.recv()), type(raw.recv())} == {ep.Pending}
+        assert isinstance(raw.call(ep.Cancel(call_id=6, handle_id=hid)), ep.Ok)
+        closed = raw.call(ep.Close(call_id=7, handle_id=hid, timeout_ms=5000))
+        assert isinstance(closed, ep.Closed) and closed.safe
+    assert gw.stats.get("rejected_busy") == 1
+
+
+def test_refuse_new_refuses_publish_but_serves_existing_handles(
+    clients: tuple[Client, Client], gateways: tuple[Started, Started]
+) -> None:
+    """After refuse_new, publish/fetch get draining or shutting_down; wait/poll/cancel/close work."""
+    tx, rx = clients
+    (tx_gw, _, _), (rx_gw, _, _) = gateways
+    h = tx.publish("gw-drain", [36, 37])
+    tx_gw.refuse_new("draining")
+    rx_gw.refuse_new("shutting_down")
+    with pytest.raises(EngineRejected) as ei:
+        tx.publish("gw-drain-2", [38])
+    assert ei.value.reason is EngineReason.DRAINING
+    with pytest.raises(EngineRejected) as ei:
+        rx.fetch("gw-drain", "tcp://127.0.0.1:1", [1])
+    assert ei.value.reason is EngineReason.SHUTTING_DOWN
+    assert tx.poll(h) is None and tx.wait(h, 0.01) is None
+    tx.cancel(h)
+    out = tx.wait(h, CALL_S)
+    assert out is not None and out.state == "cancelled"
+    assert tx.close(h, CALL_S)
+    with pytest.raises(ValueError):
+        tx_gw.refuse_new("busy")
+
+
+# -- several event loops ---------------------------------------------------------------------
+def test_async_client_wakes_each_waiter_on_its_own_loop(
+    gateways: tuple[Started, Started],
+) -> None:
+    """Four loops in four threads share two AsyncClients; each waiter wakes on its own loop and thread, and a stopped fifth loop strands no one."""
+    (_, _, tx_ep), (_, _, rx_ep) = gateways
+    atx, arx = AsyncClient(tx_ep, timeout_s=CALL_S), AsyncClient(rx_ep, timeout_s=CALL_S)
+    loops = [LoopThread(f"engine-{i}") for i in range(5)]
+    try:
+        with Client(tx_ep, timeout_s=CALL_S) as c:
+            tx_info = c.describe()
+        with Client(rx_ep, timeout_s=CALL_S) as c:
+            dst_kv = _attach(c.describe())
+        src_kv = _attach(tx_info)
+        sender_ep = tx_info.endpoint or ""
+
+        # Loop 4 starts a wait on a fetch that will never be published, then stops.
+        stranded = loops[4]
+        sent = threading.Event()
+
+        async def doomed() -> object:
+            h = await arx.fetch("gw-never", sender_ep, [60], timeout_ms=4000)
+            asyncio.get_running_loop().call_soon(sent.set)  # runs once the Wait has been sent
+            return await arx.wait(h, 4.0)
+
+        stranded.submit(doomed())
+        assert sent.wait(CALL_S)
+        stranded.loop.call_soon_threadsafe(stranded.loop.stop)
+        stranded.thread.join(CALL_S)
+
+        start = threading.Barrier(4, timeout=CALL_S)
+        datas = [_fill(src_kv, [4 * i, 4 * i + 1], seed=10 + i) for i in range(4)]
+
+        async def engine(i: int) -> dict[str, object]:
+            me = (threading.get_ident(), asyncio.get_running_loop())
+            await asyncio.to_thread(start.wait)
+            rid = f"gw-loop-{i}"
+            h_rx = await arx.fetch(rid, sender_ep, [32 + 4 * i, 33 + 4 * i])
+            h_tx = await atx.publish(rid, [4 * i, 4 * i + 1])
+            out_rx = await arx.wait(h_rx, CALL_S)
+            woke_rx = (threading.get_ident(), asyncio.get_running_loop())
+            out_tx = await atx.wait(h_tx, CALL_S)
+            woke_tx = (threading.get_ident(), asyncio.get_running_loop())
+            closed = await atx.close(h_tx, CALL_S) and await arx.close(h_rx, CALL_S)
+            await atx.aclose()
+            await arx.aclose()
+            return dict(me=me, woke=[woke_rx, woke_tx], out=[out_rx, out_tx], closed=closed)
+
+        futures = [loops[i].submit(engine(i)) for i in range(4)]
+        results = [f.result(3 * CALL_S) for f in futures]
+        for i, r in enumerate(results):
+            assert r["woke"] == [r["me"], r["me"]], f"loop {i} woke elsewhere"
+            assert r["me"][1] is loops[i].loop  # type: ignore[index]
+            outs = r["out"]
+            assert all(o is not None and o.ok for o in outs), outs  # type: ignore[attr-defined,union-attr]
+            assert r["closed"]
+            assert torch.equal(dst_kv[:, [32 + 4 * i, 33 + 4 * i], :], datas[i])
+    finally:
+        atx.close_client()
+        arx.close_client()
+        for lt in loops:
+            lt.stop()
+
+
+# -- a dead or stopped daemon ----------------------------------------------------------------
+def test_calls_toward_a_stopped_gateway_fail_within_their_bound(
+    sender: Sender, start_gateway: Callable[..., Started], sock_dir: str
+) -> None:
+    """A wait in flight when the gateway stops gets shutting_down; later calls raise within timeout_s."""
+    gw, lt, endpoint = start_gateway(sender, "dying")
+    with RawEngine(endpoint) as raw:
+        hid = raw.call(ep.Publish(call_id=1, request_id="gw-dying", block_ids=[39])).handle_id
+        raw.send(ep.Wait(call_id=2, handle_id=hid, timeout_ms=30_000))
+        assert isinstance(raw.call(ep.Poll(call_id=3, handle_id=hid)), ep.Pending)  # Wait is in
+        t0 = time.monotonic()
+        lt.run(gw.stop(2.0))
+        assert time.monotonic() - t0 < 2.0
+        stopped = raw.recv()
+        assert isinstance(stopped, ep.Error) and stopped.call_id == 2
+        assert stopped.reason is EngineReason.SHUTTING_DOWN
+    c = Client(endpoint, timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable) as ei:
+            c.wait(hid, 0.2)
+        assert ei.value.reason is EngineReason.TIMEOUT
+        assert time.monotonic() - t0 < 0.7 + 1.0
+    finally:
+        c.close_client()
+    with pytest.raises(EngineUnavailable) as ei:  # a closed client refuses at once
+        c.poll(1)
+    assert ei.value.reason is EngineReason.PEER_LOST
+    # Nothing ever listened here: the call is bounded all the same.
+    never = Client(f"ipc://{sock_dir}/nobody.sock", timeout_s=0.3)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable):
+            never.describe()
+        assert time.monotonic() - t0 < 0.3 + 1.0
+    finally:
+        never.close_client()
