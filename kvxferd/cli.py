@@ -8,7 +8,6 @@ their configured bound; the exit code says whether the drain was complete
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Literal
 
@@ -21,6 +20,13 @@ EXIT_NOT_DRAINED = 3
 
 def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,10 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--role", choices=["sender", "receiver"], required=True)
     c.add_argument("--config")
 
-    d = sub.add_parser("demo", help="sender + receiver processes on loopback, verified bytes")
-    d.add_argument("--requests", type=int, default=300)
+    d = sub.add_parser(
+        "demo", help="sender + receiver daemons on loopback, engines via kvxferd.client, verified"
+    )
+    d.add_argument("--requests", type=_positive, default=300)
     d.add_argument("--receivers", type=int, default=1, choices=range(1, 9), metavar="1..8")
-    d.add_argument("--inflight", type=int, default=8, help="fetches in flight per receiver")
+    d.add_argument("--inflight", type=_positive, default=8, help="fetches in flight per receiver")
     d.add_argument("--seed", type=int, default=1)
     d.add_argument("--json", dest="json_path", help="also write the summary as JSON here")
 
@@ -60,10 +68,6 @@ def _parser() -> argparse.ArgumentParser:
     for hidden_bench in ("_bench-tx", "_bench-rx"):
         sub.add_parser(hidden_bench).add_argument("spec")
 
-    for hidden in ("_demo-sender", "_demo-receiver"):
-        h = sub.add_parser(hidden)
-        h.add_argument("spec")
-        h.add_argument("rest", nargs="*")
     return p
 
 
@@ -104,18 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_child(args.cmd, args.spec)
         from kvxferd import workload
 
-        if args.cmd == "demo":
-            spec = workload.Spec(
-                requests=args.requests,
-                receivers=args.receivers,
-                inflight=args.inflight,
-                seed=args.seed,
-            )
-            return workload.run_demo(spec, args.json_path)
-        spec = workload.Spec(**json.loads(args.spec))
-        if args.cmd == "_demo-sender":
-            return workload.run_sender(spec)
-        return workload.run_receiver(spec, args.rest[0], int(args.rest[1]))
+        assert args.cmd == "demo", args.cmd
+        spec = workload.Spec(
+            requests=args.requests,
+            receivers=args.receivers,
+            inflight=args.inflight,
+            seed=args.seed,
+        )
+        return workload.run_demo(spec, args.json_path)
     except ConfigError as e:
         print(f"kvxferd: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG

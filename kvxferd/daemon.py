@@ -249,4 +249,15 @@ def serve(role: Literal["sender", "receiver"], settings: SenderSettings | Receiv
     # The guard outlives run(): interpreter exit joins executor threads, and a forced exit may
     # leave one inside the service's (bounded) shutdown.
     threading.Thread(target=guard, name="kvxferd-exit-guard", daemon=True).start()
-    return daemon.run()
+    code = daemon.run()
+    if daemon.drain_started is not None:
+        # The service is shut down (or, after a forced exit, still inside its bounded shutdown
+        # in an executor thread that interpreter exit would join). Interpreter finalization
+        # (joins, NIXL/UCX and torch teardown) takes 0.5-1.5 s more here and is not bounded:
+        # end the process now so the shutdown bound holds. The kernel unmaps the pool and the
+        # resource tracker unlinks a segment left registered because a write was in doubt.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

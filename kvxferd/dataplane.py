@@ -12,6 +12,16 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   mode unless configured otherwise.
 * A WRITE cannot be truly cancelled once posted; a handle still in progress is
   never released, and the memory under it is never deregistered.
+* Building descriptors per request (``get_xfer_descs`` x2 + ``initialize_xfer``)
+  costs tens of µs per small request. KV writes therefore go through
+  descriptor lists prepared once: the local pool (one descriptor per (layer,
+  block)) at the first ``prepare_peer`` (a receiver, which never writes, holds
+  none), each peer's pool at its ``prepare_peer`` (REGISTER); a request is then
+  ``make_prepped_xfer`` with indices ``layer * num_blocks + block`` (NIXL merges
+  adjacent descriptors itself). Where no list could be prepared (VRAM pools,
+  not measured here; pools over ``MAX_PREPPED_DESCS``; a failed prep) the
+  caller falls back to ``post_write`` with descriptors it built. AUX payloads
+  are shorter than a slot, so they always use ``post_write``.
 """
 
 from __future__ import annotations
@@ -23,13 +33,21 @@ import threading
 import time
 from typing import TYPE_CHECKING, Literal, Protocol
 
+import numpy as np
+
 from kvxferd.config import DataPlaneSettings
-from kvxferd.layout import Descs
+from kvxferd.layout import Descs, IdArray, Layout, prepped_indices
 
 if TYPE_CHECKING:
     from kvxferd.pool import KvPool
 
 XferState = Literal["DONE", "PROC", "ERR"]
+
+log = logging.getLogger("kvxferd.dataplane")
+
+# Largest pool (layers x blocks) given a prepared list: its (n, 3) int64 build array and
+# NIXL's own copy grow with it; beyond this the per-request descriptors are cheaper.
+MAX_PREPPED_DESCS = 1 << 21
 
 
 class Xfer(Protocol):
@@ -50,6 +68,27 @@ class DataPlane(Protocol):
     def metadata(self) -> bytes: ...
 
     def add_peer(self, metadata: bytes) -> str: ...
+
+    def prepare_peer(
+        self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
+    ) -> bool:
+        """Prepare descriptors over ``peer``'s KV pool; True when ``post_blocks`` serves it.
+
+        False (never raises) means: use ``post_write`` with built descriptors for this peer.
+        """
+        ...
+
+    def post_blocks(
+        self,
+        peer: str,
+        src_blocks: IdArray,
+        dst_blocks: IdArray,
+        layer_begin: int,
+        layer_end: int,
+    ) -> tuple[Xfer, XferState]:
+        """Post one KV WRITE of checked block ids through the prepared lists (``prepare_peer``
+        returned True); raises when nothing was posted."""
+        ...
 
     def remove_peer(self, peer: str) -> None: ...
 
@@ -116,7 +155,9 @@ class _NixlXfer:
 class NixlDataPlane:
     """A NIXL agent with the pool registered once; WRITEs from this process's memory."""
 
-    def __init__(self, name: str, settings: DataPlaneSettings, pool: KvPool) -> None:
+    def __init__(
+        self, name: str, settings: DataPlaneSettings, pool: KvPool, *, prepped: bool = True
+    ) -> None:
         if settings.ucx_tls:
             os.environ["UCX_TLS"] = settings.ucx_tls
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -148,9 +189,37 @@ class NixlDataPlane:
             self._agent.register_memory([pool.kv], mem_type=pool.mem_type),
             self._agent.register_memory([pool.aux], mem_type="DRAM"),
         ]
-        self._lock = threading.Lock()  # guards _peers and _closed
+        self._lock = threading.Lock()  # guards _peers, _remote, _retired and _closed
         self._peers: set[str] = set()
         self._closed = False
+        self._layout = pool.layout
+        # peer -> (its prepared KV list, its num_blocks); replaced whole, read without the lock
+        self._remote: dict[str, tuple[object, int]] = {}
+        self._retired: list[object] = []  # lists of removed peers, released at close
+        # The local list is prepared at the first prepare_peer (a receiver never needs one).
+        self._pool = pool
+        self._want_prepped = prepped and pool.mem_type == "DRAM"
+        self._local: object | None = None
+
+    def _prep(self, agent: str, layout: Layout, kv_base: int, device_id: int) -> object | None:
+        """A prepared list of every (layer, block) of a DRAM KV pool, or None."""
+        n = layout.num_layers * layout.num_blocks
+        if n > MAX_PREPPED_DESCS:
+            return None
+        descs = np.empty((n, 3), dtype=np.int64)
+        descs[:, 0] = kv_base + np.arange(n, dtype=np.int64) * layout.block_bytes
+        descs[:, 1] = layout.block_bytes
+        descs[:, 2] = device_id
+        try:
+            return self._agent.prep_xfer_dlist(agent, descs, "DRAM")  # type: ignore[no-any-return]
+        except Exception as e:
+            log.warning("no prepared descriptor list for %s (%s); building per request", agent, e)
+            return None
+
+    @property
+    def prepped(self) -> bool:
+        """True when prepared lists are in use (``prepare_peer`` can succeed)."""
+        return self._want_prepped
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()  # type: ignore[no-any-return]
@@ -162,10 +231,73 @@ class NixlDataPlane:
             self._peers.add(peer)
             return peer
 
+    def prepare_peer(
+        self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
+    ) -> bool:
+        mine = self._layout
+        if self._want_prepped and self._local is None:
+            with self._lock:  # once, at the first REGISTER; a failure turns prepping off
+                if self._local is None and not self._closed:
+                    pool = self._pool
+                    local = self._prep("NIXL_INIT_AGENT", mine, pool.kv_base, pool.device_id)
+                    self._local, self._want_prepped = local, local is not None
+        usable = (
+            self._local is not None
+            and mem_type == "DRAM"
+            and layout.block_bytes == mine.block_bytes
+            and layout.num_layers == mine.num_layers
+        )
+        handle = self._prep(peer, layout, kv_base, device_id) if usable else None
+        with self._lock:  # a peer prepared again (or refused now) loses its old list
+            old = self._remote.pop(peer, None)
+            if old is not None:
+                self._retired.append(old[0])
+            if handle is None or peer not in self._peers:
+                if handle is not None:
+                    self._retired.append(handle)
+                return False
+            self._remote[peer] = (handle, layout.num_blocks)
+        return True
+
+    def post_blocks(
+        self,
+        peer: str,
+        src_blocks: IdArray,
+        dst_blocks: IdArray,
+        layer_begin: int,
+        layer_end: int,
+    ) -> tuple[Xfer, XferState]:
+        """Post one KV WRITE by block indices; raises on a build or post error (nothing in flight)."""
+        remote = self._remote.get(peer)
+        if remote is None or self._local is None:
+            raise RuntimeError(f"no prepared descriptor list for peer {peer}")
+        handle_r, dst_num_blocks = remote
+        agent = self._agent
+        local_idx = prepped_indices(src_blocks, layer_begin, layer_end, self._layout.num_blocks)
+        remote_idx = prepped_indices(dst_blocks, layer_begin, layer_end, dst_num_blocks)
+        handle = agent.make_prepped_xfer("WRITE", self._local, local_idx, handle_r, remote_idx)
+        return self._start(handle)
+
+    def _start(self, handle: object) -> tuple[Xfer, XferState]:
+        agent = self._agent
+        xfer = _NixlXfer(agent, handle)
+        try:
+            state = agent.transfer(handle)
+        except Exception:
+            xfer.release()
+            raise
+        if state == "ERR":
+            xfer.release()
+            raise RuntimeError("NIXL refused to post the WRITE")
+        return xfer, state
+
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             if peer in self._peers:
                 self._peers.discard(peer)
+                old = self._remote.pop(peer, None)
+                if old is not None:
+                    self._retired.append(old[0])
                 self._agent.remove_remote_agent(peer)
 
     def post_write(
@@ -176,12 +308,7 @@ class NixlDataPlane:
         local = agent.get_xfer_descs(src, src_mem)
         remote = agent.get_xfer_descs(dst, dst_mem)
         handle = agent.initialize_xfer("WRITE", local, remote, peer)
-        xfer = _NixlXfer(agent, handle)
-        state = agent.transfer(handle)
-        if state == "ERR":
-            xfer.release()
-            raise RuntimeError("NIXL refused to post the WRITE")
-        return xfer, state
+        return self._start(handle)
 
     def progress(self) -> None:
         self._agent.get_new_notifs()
@@ -192,6 +319,17 @@ class NixlDataPlane:
             if self._closed:
                 return
             self._closed = True
+            lists = [h for h, _ in self._remote.values()] + self._retired
+            if self._local is not None:
+                lists.append(self._local)
+            self._remote.clear()
+            self._retired = []
+            self._local = None
+        for h in lists:
+            try:
+                self._agent.release_dlist_handle(h)
+            except Exception:
+                pass
         for reg in self._regs:
             try:
                 self._agent.deregister_memory(reg)

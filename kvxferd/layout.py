@@ -48,8 +48,25 @@ def check_blocks(layout: Layout, block_ids: IdArray, what: str) -> None:
         raise RejectedError(
             Reason.BAD_BLOCKS, f"{what}: block ids must lie in [0, {layout.num_blocks})"
         )
-    if np.unique(block_ids).size != block_ids.size:
+    if not _distinct(block_ids, layout.num_blocks):
         raise RejectedError(Reason.BAD_BLOCKS, f"{what}: repeated block ids")
+
+
+def _distinct(block_ids: IdArray, num_blocks: int) -> bool:
+    """True when no id repeats; ids already checked to lie in ``[0, num_blocks)``.
+
+    Without ``np.unique`` (a sort plus bookkeeping: 0.3 ms for 4096 ids): a
+    counting pass over the pool when the request covers a fair part of it, a
+    plain sort when it is small next to the pool (the count would touch every
+    block of the pool for a handful of ids).
+    """
+    n = block_ids.size
+    if n <= 1:
+        return True
+    if n * 8 >= num_blocks:
+        return int(np.bincount(block_ids, minlength=num_blocks).max()) <= 1
+    s = np.sort(block_ids)
+    return not bool((s[1:] == s[:-1]).any())
 
 
 def check_layers(layout: Layout, layer_begin: int, layer_end: int) -> None:
@@ -121,3 +138,12 @@ def aux_descriptors(
     s = np.array([[src_base + src_slot * src.aux_slot_bytes, nbytes, 0]], dtype=np.int64)
     d = np.array([[dst_base + dst_slot * dst.aux_slot_bytes, nbytes, 0]], dtype=np.int64)
     return s, d
+
+
+def prepped_indices(blocks: IdArray, layer_begin: int, layer_end: int, num_blocks: int) -> IdArray:
+    """Indices into a prepared list of one descriptor per (layer, block), layer-major:
+    ``layer * num_blocks + block`` for every layer of the range, each layer's blocks in order."""
+    if layer_end - layer_begin == 1:
+        return blocks + layer_begin * num_blocks if layer_begin else blocks
+    layers = np.arange(layer_begin, layer_end, dtype=np.int64)[:, None] * num_blocks
+    return (layers + blocks[None, :]).ravel()

@@ -10,14 +10,17 @@ Threads and what each owns::
                                                             enqueue on worker hash(request, peer) % N);
                                                             CANCEL (end admission, ack through the worker);
                                                             expires pending fetches and unfetched requests
+                                                            (a heap of TTL deadlines: cost ~ what expires)
     kvxferd-worker-i    its queue, its own DEALER per       admits each write (or refuses it), posts the
-                        receiver result endpoint            NIXL WRITE, waits with a stall deadline, sends
+                        receiver result endpoint            NIXL WRITE (KV by block index on the lists
+                                                            prepared at REGISTER when the data plane has
+                                                            them), waits with a stall deadline, sends
                                                             exactly one Result per slice on its own DEALER
     API callers         nothing long-lived                  publish / cancel / close / shutdown; send to
                                                             peers only through the SharedDealerPool
 
 ``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
-``_pending`` and ``_peers``. Session state has its own lock (see session.py);
+``_pending``, ``_peers`` and ``_ttl_heap``. Session state has its own lock (see session.py);
 the registry lock is never taken while a session lock is held.
 
 All work of one (request, receiver) goes to one worker, so its results (and a
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 import itertools
 import logging
 import queue
@@ -78,6 +82,7 @@ class Peer:
     aux_base: int
     mem_type: str
     device_id: int
+    prepped: bool = False  # the data plane holds a prepared list of its KV pool (post_blocks)
 
 
 @dataclass(slots=True)
@@ -86,6 +91,7 @@ class _Pending:
 
     peer: Peer
     msg: wire.RequestData
+    dst: np.ndarray  # msg.dst_blocks, already converted and checked
     deadline: float  # parked until then
     received: float  # the fetch's own timeout counts from here
 
@@ -246,9 +252,18 @@ class _Worker:
         if s.admit_write(sl) is not None:
             snd.stats.add("writes_refused")
             return False
+        peer = task.peer
         try:
-            src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
-            xfer, state = snd.dataplane.post_write(task.peer.nixl_name, src, dst, src_mem, dst_mem)
+            if kind == "kv" and peer.prepped:  # prepared lists: block indices, no descriptors
+                xfer, state = snd.dataplane.post_blocks(
+                    peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
+                )
+                nbytes = (
+                    s.block_ids.size * snd.pool.layout.block_bytes * (sl.layer_end - sl.layer_begin)
+                )
+            else:
+                src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
+                xfer, state = snd.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
         except Exception as e:  # nothing was posted: give the admission back first
             s.release_admission(sl, f"{kind} write not built: {e}")
             snd.stats.add("writes_build_failed")
@@ -373,6 +388,10 @@ class Sender:
         self._pending_count = 0
         self._parked_keys: set[tuple[str, int]] = set()  # keys of parked fetches (duplicates)
         self._peers: dict[bytes, Peer] = {}  # routing id -> peer
+        # (ttl deadline, session id) of every published session, earliest first. Lazy
+        # deletion: an entry whose session is gone or fetched is dropped when it comes due,
+        # so housekeeping costs what expires, not what is live.
+        self._ttl_heap: list[tuple[float, int]] = []
         self._session_ids = itertools.count(1)
         self._draining = threading.Event()
         self._stopping = threading.Event()
@@ -465,10 +484,15 @@ class Sender:
             if error is None:
                 self._live[request_id] = session
                 self._sessions[session.session_id] = session
+                heapq.heappush(self._ttl_heap, (session.ttl_deadline, session.session_id))
+                if len(self._ttl_heap) > 2 * len(self._sessions) + 1024:
+                    self._compact_ttl_heap_locked()
                 parked = self._pending.pop(request_id, [])
                 self._pending_count -= len(parked)
                 # Attach under the same lock: a CANCEL must find each fetch parked or attached.
-                attached = [self._attach_locked(session, p.peer, p.msg, p.received) for p in parked]
+                attached = [
+                    self._attach_locked(session, p.peer, p.msg, p.dst, p.received) for p in parked
+                ]
                 for task in attached:  # queued under the lock too: an ack never overtakes it
                     if isinstance(task, _WriteTask):
                         self._dispatch(task, _no_reply)
@@ -590,16 +614,25 @@ class Sender:
             nixl_name = self.dataplane.add_peer(msg.agent_metadata)
         except Exception as e:
             return refuse(Reason.INCOMPATIBLE, f"NIXL metadata not accepted: {e}"[:1024])
+        layout = msg.layout.to_layout()
+        try:
+            prepped = self.dataplane.prepare_peer(
+                nixl_name, layout, msg.kv_base, msg.device, msg.device_id
+            )
+        except Exception:  # the protocol says False, never raises; a bug costs only speed
+            log.exception("preparing descriptors for %s failed", msg.receiver_id)
+            prepped = False
         peer = Peer(
             msg.receiver_id,
             routing_id,
             msg.result_endpoint,
             nixl_name,
-            msg.layout.to_layout(),
+            layout,
             msg.kv_base,
             msg.aux_base,
             msg.device,
             msg.device_id,
+            prepped,
         )
         with self._lock:
             self._peers[routing_id] = peer
@@ -636,14 +669,14 @@ class Sender:
                 refusal: tuple[Reason, str] | None = (Reason.DUPLICATE, "fetch id in use")
             elif (session := self._live.get(msg.request_id)) is not None:
                 refusal = None
-                outcome = self._attach_locked(session, peer, msg, now)
+                outcome = self._attach_locked(session, peer, msg, dst, now)
             elif self._pending_count >= self.settings.limits.max_pending_fetches:
                 refusal = (Reason.BUSY, "max_pending_fetches reached")
             else:
                 refusal = None
                 ttl = min(msg.timeout_ms, self.settings.deadlines.pending_fetch_ttl_ms) / 1000
                 self._pending.setdefault(msg.request_id, []).append(
-                    _Pending(peer, msg, now + ttl, now)
+                    _Pending(peer, msg, dst, now + ttl, now)
                 )
                 self._parked_keys.add(key)
                 self._pending_count += 1
@@ -674,11 +707,18 @@ class Sender:
         self._reply(routing_id, result)
 
     def _attach_locked(
-        self, session: TxSession, peer: Peer, msg: wire.RequestData, received: float
+        self,
+        session: TxSession,
+        peer: Peer,
+        msg: wire.RequestData,
+        dst: np.ndarray,
+        received: float,
     ) -> _WriteTask | wire.Result:
-        """Attach a fetch to a published session (registry lock held); a task, or the refusal."""
+        """Attach a fetch to a published session (registry lock held); a task, or the refusal.
+
+        ``dst`` is ``msg.dst_blocks`` as the listener converted and checked it (once).
+        """
         layer_end = msg.layer_end or self.pool.layout.num_layers
-        dst = np.asarray(msg.dst_blocks, dtype=np.int64)
         deadline = received + msg.timeout_ms / 1000  # from when the fetch arrived, parked or not
         sl = Slice(
             peer.receiver_id,
@@ -785,7 +825,12 @@ class Sender:
             self._pending_count -= len(expired)
             for p in expired:
                 self._parked_keys.discard((p.peer.receiver_id, p.msg.fetch_id))
-            live = list(self._live.values())
+            due: list[TxSession] = []
+            heap = self._ttl_heap
+            while heap and heap[0][0] <= now:
+                s = self._sessions.get(heapq.heappop(heap)[1])
+                if s is not None and self._live.get(s.request_id) is s:
+                    due.append(s)
         for p in expired:
             self.stats.add(f"rejected_{Reason.EXPIRED}")
             self._reply(
@@ -798,9 +843,14 @@ class Sender:
                     detail="request was not published in time",
                 ),
             )
-        for s in live:
+        for s in due:  # a session fetched before its TTL refuses to expire; its entry is gone
             if s.expire(now):
                 self.stats.add("sessions_expired")
+
+    def _compact_ttl_heap_locked(self) -> None:
+        """Drop entries of sessions already removed (registry lock held); amortised O(1)."""
+        self._ttl_heap = [e for e in self._ttl_heap if e[1] in self._sessions]
+        heapq.heapify(self._ttl_heap)
 
     # -- shutdown ----------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> ShutdownReport:

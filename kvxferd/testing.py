@@ -12,16 +12,22 @@ import threading
 from dataclasses import dataclass, field
 
 from kvxferd.dataplane import XferState
-from kvxferd.layout import Descs
+from kvxferd.layout import Descs, IdArray, Layout
 
 
 @dataclass
 class ControlledXfer:
-    """A WRITE whose outcome the test decides with ``finish``."""
+    """A WRITE whose outcome the test decides with ``finish``.
+
+    ``kind`` "descs": ``src``/``dst`` are the (n, 3) descriptors given to ``post_write``;
+    "blocks": the block ids given to ``post_blocks`` (``layers`` holds the range).
+    """
 
     peer: str
     src: Descs
     dst: Descs
+    kind: str = "descs"
+    layers: tuple[int, int] = (0, 0)
     state: XferState = "PROC"
     posted: threading.Event = field(default_factory=threading.Event)
     polled: threading.Event = field(default_factory=threading.Event)
@@ -42,10 +48,16 @@ class ControlledXfer:
 
 
 class ControlledDataPlane:
-    """A data plane whose writes stay in progress until the test finishes them."""
+    """A data plane whose writes stay in progress until the test finishes them.
 
-    def __init__(self, name: str = "controlled") -> None:
+    With ``prepped`` it accepts ``prepare_peer`` and KV writes arrive through
+    ``post_blocks``; by default it declines, so KV writes come as descriptors.
+    """
+
+    def __init__(self, name: str = "controlled", *, prepped: bool = False) -> None:
         self.name = name
+        self.prepped = prepped
+        self.prepared: set[str] = set()
         self.xfers: list[ControlledXfer] = []
         self.posted = threading.Condition()
         self.fail_next_post: Exception | None = None
@@ -60,16 +72,41 @@ class ControlledDataPlane:
         self.peers.add(peer)
         return peer
 
+    def prepare_peer(
+        self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
+    ) -> bool:
+        if self.prepped and peer in self.peers:
+            self.prepared.add(peer)
+            return True
+        return False
+
     def remove_peer(self, peer: str) -> None:
         self.peers.discard(peer)
+        self.prepared.discard(peer)
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
     ) -> tuple[ControlledXfer, XferState]:
+        return self._post(ControlledXfer(peer, src, dst))
+
+    def post_blocks(
+        self,
+        peer: str,
+        src_blocks: IdArray,
+        dst_blocks: IdArray,
+        layer_begin: int,
+        layer_end: int,
+    ) -> tuple[ControlledXfer, XferState]:
+        if peer not in self.prepared:
+            raise RuntimeError(f"no prepared descriptor list for peer {peer}")
+        return self._post(
+            ControlledXfer(peer, src_blocks, dst_blocks, "blocks", (layer_begin, layer_end))
+        )
+
+    def _post(self, xfer: ControlledXfer) -> tuple[ControlledXfer, XferState]:
         if self.fail_next_post is not None:
             err, self.fail_next_post = self.fail_next_post, None
             raise err
-        xfer = ControlledXfer(peer, src, dst)
         with self.posted:
             self.xfers.append(xfer)
             self.posted.notify_all()

@@ -1,36 +1,73 @@
-"""The synthetic workload behind ``kvxferd demo``: a sender process, receiver processes, verified bytes.
+"""The synthetic workload behind ``kvxferd demo``: real daemons, engines on the client API, verified bytes.
 
-The parent process starts one sender child and one or more receiver children
-(``python -m kvxferd _demo-sender|_demo-receiver SPEC``); they talk to each
-other only through kvxferd (ZMQ + NIXL on loopback) and to the parent only
-through JSON lines on stdout. Both sides derive the same plan from the seed:
-request ``i`` has a random block count and content that is a random tile per
-layer, stamped with (request, layer, position) in each block's first 8 bytes,
-so a block written to the wrong place or a stale block cannot pass the check.
+The demo starts one sender daemon and R receiver daemons
+(``python -m kvxferd sender|receiver``, the demo pool passed as ``KVXFERD_POOL__*``,
+ephemeral ports, engine sockets in a private temporary directory) and then
+plays the inference engines itself, through :mod:`kvxferd.client` only:
+
+* the **sender engine** (one thread) writes each request's content into the
+  sender daemon's pool through :func:`~kvxferd.client.attach_pool`, publishes
+  it, waits for its outcome and closes it; blocks are reused only after
+  ``close()`` answered True;
+* one **receiver engine** per receiver daemon (``inflight`` threads sharing one
+  :class:`~kvxferd.client.Client`) fetches its share of the requests, verifies
+  every byte and the aux payload through the attached receiver pool, records
+  the latency and closes. The latency runs from the later of the fetch call
+  and the publish call to the outcome, so a fetch issued ahead of its publish
+  does not count the time the sender engine took to get there.
+
+The bytes cross real processes: engine -> sender daemon's shared memory ->
+NIXL -> receiver daemon's shared memory -> engine. Both sides derive the same
+plan from the seed: request ``i`` has a random block count and content that is
+a random tile per layer, stamped with (request, layer, position) in each
+block's first 8 bytes, so a block written to the wrong place or a stale block
+cannot pass the check. At the end the daemons get SIGTERM and their exit codes
+(0 = drained) are part of the result. The daemons are killed on every error path.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import urllib.request
 from collections import deque
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 import torch
 
-from kvxferd.config import load_receiver_settings, load_sender_settings
+from kvxferd.client import Client, Outcome, attach_pool
 from kvxferd.pool import IdAllocator
 
 DEMO_POOL: dict[str, Any] = dict(
     num_layers=8, num_blocks=2048, block_elems=8192, dtype="float16", aux_slots=256
 )
+# Modest deadlines: a demo that goes wrong says so in seconds, and drains quickly.
+DEMO_DEADLINES: dict[str, int] = dict(
+    kv_transfer_timeout_ms=30_000,
+    publish_ttl_ms=30_000,
+    pending_fetch_ttl_ms=30_000,
+    register_timeout_ms=5_000,
+    drain_timeout_ms=3_000,
+    shutdown_timeout_ms=5_000,
+)
+READY_TIMEOUT_S = 60.0  # a daemon's start-up: pool, NIXL agent, sockets
+EXIT_TIMEOUT_S = DEMO_DEADLINES["shutdown_timeout_ms"] / 1000 + 3.0  # daemon bound + slack
+KILL_GRACE_S = (
+    2.0  # on an error path: SIGTERM, then SIGKILL (the grace lets a daemon unlink its pool)
+)
+CALL_TIMEOUT_S = 10.0  # one engine call to a local daemon
+WAIT_SLICE_S = 0.5  # waits are sliced so an aborted demo stops promptly
 
 
 @dataclass(frozen=True)
@@ -72,215 +109,462 @@ def aux_bytes(i: int) -> bytes:
     return f"first-token:{i}".encode()
 
 
-def _emit(event: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
+class DemoError(Exception):
+    """The demo cannot go on (a daemon died, an engine call failed, the deadline passed)."""
 
 
-# -- children ----------------------------------------------------------------------------
-def run_sender(spec: Spec) -> int:
-    """Publish every request (bounded by pool space), close each once it ended."""
-    from kvxferd.sender import Sender
+# -- the daemons -------------------------------------------------------------------------
+def daemon_env(sock_dir: str, name: str) -> dict[str, str]:
+    """The environment of one demo daemon: the demo pool, modest deadlines, its own sockets."""
+    env = dict(os.environ)
+    # Not the unit's daemons: never talk to a systemd notify socket the demo inherited.
+    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        env.pop(key, None)
+    env.pop("KVXFERD_POOL__SHM_NAME", None)  # every daemon needs its own segment
+    for key, value in DEMO_POOL.items():
+        env[f"KVXFERD_POOL__{key.upper()}"] = str(value)
+    env["KVXFERD_POOL__DEVICE"] = "cpu"
+    for key, value in DEMO_DEADLINES.items():
+        env[f"KVXFERD_DEADLINES__{key.upper()}"] = str(value)
+    env["KVXFERD_SERVICE__ENGINE_SOCKET"] = f"ipc://{sock_dir}/{name}.sock"
+    env["KVXFERD_SERVICE__PROBE_HOST"] = "127.0.0.1"
+    env["KVXFERD_SERVICE__PROBE_PORT"] = "0"
+    return env
 
-    settings = load_sender_settings(listen="tcp://127.0.0.1:0", pool=DEMO_POOL)
-    sender = Sender(settings).start()
-    _emit("ready", endpoint=sender.endpoint, num_threads=settings.num_threads)
-    layout = sender.pool.layout
-    alloc = IdAllocator(
-        layout.num_blocks, shuffle_seed=spec.seed
-    )  # scattered, like a real allocator
-    kv = sender.pool.kv_bytes_view()
-    resident: deque[tuple[Any, np.ndarray]] = deque()
-    failures = 0
-    deadline = time.monotonic() + spec.timeout_s
+
+class DaemonProc:
+    """One ``python -m kvxferd sender|receiver`` child; stdout and stderr go to files."""
+
+    def __init__(self, role: str, name: str, sock_dir: str, *args: str) -> None:
+        self.role = role
+        self.name = name
+        self.stdout_path = Path(sock_dir) / f"{name}.out"
+        self.stderr_path = Path(sock_dir) / f"{name}.err"
+        cmd = [sys.executable, "-m", "kvxferd", role, "--name", name, "--log-level", "warning"]
+        with open(self.stdout_path, "wb") as so, open(self.stderr_path, "wb") as se:
+            self.proc = subprocess.Popen(
+                [*cmd, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=so,
+                stderr=se,
+                env=daemon_env(sock_dir, name),
+                start_new_session=True,  # a Ctrl-C reaches the demo, which stops its daemons
+            )
+        self.ready: dict[str, Any] = {}
+        self.exit_code: int | None = None
+
+    def wait_ready(self, deadline: float) -> dict[str, Any]:
+        """The daemon's ``ready`` line (other stdout lines are skipped), bounded by ``deadline``."""
+        while True:
+            for line in self.stdout_path.read_text(errors="replace").splitlines():
+                if line.startswith("{"):
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(msg, dict) and msg.get("event") == "ready":
+                        self.ready = msg
+                        return msg
+            code = self.proc.poll()
+            if code is not None:
+                raise DemoError(f"{self.name} exited with {code} before it was ready{self.tail()}")
+            if time.monotonic() > deadline:
+                raise DemoError(f"{self.name} not ready within {READY_TIMEOUT_S:g} s{self.tail()}")
+            time.sleep(0.05)
+
+    def tail(self, lines: int = 15) -> str:
+        """The last lines of the daemon's stderr, for an error message."""
+        try:
+            text = self.stderr_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "".join(f"\n  {self.name}: {t}" for t in text)
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, deadline: float) -> int:
+        """The exit code, waiting until ``deadline``; killed (and negative) past it."""
+        if self.exit_code is not None:
+            return self.exit_code
+        try:
+            code = self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(timeout=10)
+        self.exit_code = code
+        return code
+
+
+def scrape_metrics(probe_port: int, timeout: float = 5.0) -> dict[str, float]:
+    """``GET /metrics`` of a daemon as ``{series: value}`` (series with their labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{probe_port}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        try:
+            out[series] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+# -- the engines -------------------------------------------------------------------------
+@dataclass
+class Shared:
+    """What the engine threads report to the demo's main thread."""
+
+    spec: Spec
+    abort: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    errors: list[str] = field(default_factory=list)
+    done: int = 0  # fetches finished (ok or not)
+    moved: int = 0  # bytes received (KV + aux)
+    latencies: list[float] = field(default_factory=list)
+    published: dict[int, float] = field(default_factory=dict)  # request -> publish call
+    failures: int = 0
+    mismatches: int = 0
+    sender_failures: int = 0
+    unsafe_closes: int = 0  # close() that did not answer True: those blocks are never reused
+    first_failures: list[str] = field(default_factory=list)
+
+    def fail(self, what: str) -> None:
+        with self.lock:
+            self.errors.append(what)
+        self.abort.set()
+
+    def note(self, what: str) -> None:
+        with self.lock:
+            if len(self.first_failures) < 5:
+                self.first_failures.append(what)
+
+
+def _wait(client: Client, handle: int, shared: Shared, deadline: float, what: str) -> Outcome:
+    """The handle's outcome; raises DemoError on abort or past the deadline."""
+    while True:
+        if shared.abort.is_set():
+            raise DemoError("aborted")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DemoError(f"{what}: no outcome before the demo's deadline")
+        out = client.wait(handle, min(WAIT_SLICE_S, left))
+        if out is not None:
+            return out
+
+
+def _guard(shared: Shared, name: str, fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn()
+        except Exception as e:  # any engine error ends the demo; the daemons get killed
+            if not shared.abort.is_set():  # after an abort, errors are its echoes
+                why = str(e) if isinstance(e, DemoError) else f"{type(e).__name__}: {e}"
+                shared.fail(f"{name}: {why}")
+
+    return run
+
+
+def sender_engine(client: Client, kv: torch.Tensor, shared: Shared, deadline: float) -> None:
+    """Write, publish, wait, close every request; reuse blocks only after a safe close."""
+    spec = shared.spec
+    num_layers, num_blocks, block_bytes = kv.shape
+    aux_slots = kv.kvxferd_mapping.info.layout.aux_slots  # type: ignore[attr-defined]
+    alloc = IdAllocator(num_blocks, shuffle_seed=spec.seed)  # scattered, like a real allocator
+    resident: deque[tuple[int, int, np.ndarray]] = deque()
 
     def retire_oldest() -> None:
-        nonlocal failures
-        handle, blocks = resident.popleft()
-        outcome = handle.wait(max(0.0, deadline - time.monotonic()))
-        if outcome is None or not outcome.ok:
-            failures += 1
-        if handle.close(timeout=max(0.0, deadline - time.monotonic())):
+        i, handle, blocks = resident.popleft()
+        out = _wait(client, handle, shared, deadline, f"publish {i}")
+        if not out.ok:
+            with shared.lock:
+                shared.sender_failures += 1
+            shared.note(f"publish {i}: {out.state} {out.reason} {out.detail}")
+        if client.close(handle, timeout=CALL_TIMEOUT_S):
             alloc.give_back(blocks.tolist())
+        else:
+            with shared.lock:
+                shared.unsafe_closes += 1
 
     for i, n in enumerate(spec.block_counts().tolist()):
-        while alloc.free < n or len(resident) >= layout.aux_slots // 2:
+        while alloc.free < n or len(resident) >= aux_slots // 2:
             retire_oldest()
+        if shared.abort.is_set():
+            return
         blocks = alloc.take(n)
-        kv[:, torch.from_numpy(blocks)] = expected_bytes(
-            i, n, layout.num_layers, layout.block_bytes, spec.seed
-        )
-        resident.append((sender.publish(request_id(i), blocks, aux=aux_bytes(i)), blocks))
+        kv[:, torch.from_numpy(blocks)] = expected_bytes(i, n, num_layers, block_bytes, spec.seed)
+        with shared.lock:  # before the call: the fetch may end before publish() returns
+            shared.published[i] = time.monotonic()
+        handle = client.publish(request_id(i), blocks, aux=aux_bytes(i))
+        resident.append((i, handle, blocks))
     while resident:
         retire_oldest()
-    report = sender.shutdown()
-    _emit("done", failures=failures, stats=sender.stats.snapshot(), shutdown=asdict(report))
-    return 0 if failures == 0 and report.drained else 1
 
 
-def run_receiver(spec: Spec, endpoint: str, index: int) -> int:
-    """Fetch this receiver's share of the requests, verify every byte, report figures."""
-    from kvxferd.receiver import Receiver
+class ReceiverEngine:
+    """One receiver daemon's engine: ``inflight`` threads fetch its share in order, verify, close."""
 
-    settings = load_receiver_settings(name=f"demo-rx-{index}", pool=DEMO_POOL)
-    receiver = Receiver(settings).start()
-    layout = receiver.pool.layout
-    alloc = IdAllocator(layout.num_blocks, shuffle_seed=spec.seed + 1 + index)
-    kv = receiver.pool.kv_bytes_view()
-    counts = spec.block_counts()
-    mine = [i for i in range(spec.requests) if i % spec.receivers == index]
-    window: deque[tuple[int, Any, np.ndarray, float]] = deque()
-    latencies: list[float] = []
-    moved = failures = mismatches = 0
-    first = time.monotonic()
-    last_progress = 0.0
-    deadline = first + spec.timeout_s
+    def __init__(
+        self,
+        index: int,
+        client: Client,
+        kv: torch.Tensor,
+        sender_endpoint: str,
+        shared: Shared,
+        deadline: float,
+    ) -> None:
+        spec = shared.spec
+        self.index = index
+        self.client = client
+        self.kv = kv
+        self.sender_endpoint = sender_endpoint
+        self.shared = shared
+        self.deadline = deadline
+        self.counts = spec.block_counts()
+        self.todo = deque(i for i in range(spec.requests) if i % spec.receivers == index)
+        self.alloc = IdAllocator(kv.shape[1], shuffle_seed=spec.seed + 1 + index)
+        self.cond = threading.Condition()
 
-    def finish_oldest() -> None:
-        nonlocal moved, failures, mismatches
-        i, handle, dst, started = window.popleft()
-        outcome = handle.wait(max(0.0, deadline - time.monotonic()))
-        if outcome is None or not outcome.ok:
-            failures += 1
-            sys.stderr.write(f"request {i}: {outcome}\n")
-        else:
-            latencies.append(handle.session.completion.set_at - started)
-            want = expected_bytes(i, dst.size, layout.num_layers, layout.block_bytes, spec.seed)
-            if not torch.equal(kv[:, torch.from_numpy(dst)], want) or outcome.aux != aux_bytes(i):
-                mismatches += 1
-            moved += outcome.nbytes
-        if handle.close(timeout=max(0.0, deadline - time.monotonic())):
-            alloc.give_back(dst.tolist())
+    def _next(self) -> tuple[int, np.ndarray] | None:
+        """The next request and its blocks, strictly in order (no later request jumps the queue)."""
+        with self.cond:
+            while True:
+                if not self.todo or self.shared.abort.is_set():
+                    return None
+                i = self.todo[0]
+                n = int(self.counts[i])
+                if self.alloc.free >= n:
+                    self.todo.popleft()
+                    return i, self.alloc.take(n)
+                self.cond.wait(WAIT_SLICE_S)
+                if time.monotonic() > self.deadline:
+                    raise DemoError(f"request {i}: no free blocks before the demo's deadline")
 
-    for i in mine:
-        while len(window) >= spec.inflight or alloc.free < counts[i]:
-            finish_oldest()
-        dst = alloc.take(int(counts[i]))
-        window.append((i, receiver.fetch(request_id(i), endpoint, dst), dst, time.monotonic()))
-        now = time.monotonic()
-        if now - last_progress > 0.25:
-            last_progress = now
-            _emit("progress", done=len(latencies) + failures, total=len(mine), bytes=moved)
-    while window:
-        finish_oldest()
-    elapsed = time.monotonic() - first
-    safe = receiver.shutdown()
-    lat_ms = np.array(latencies) * 1000 if latencies else np.zeros(1)
-    _emit(
-        "summary",
-        requests=len(mine),
-        bytes=moved,
-        failures=failures,
-        mismatches=mismatches,
-        elapsed_s=elapsed,
-        p50_ms=float(np.percentile(lat_ms, 50)),
-        p99_ms=float(np.percentile(lat_ms, 99)),
-        blocks_safe=safe,
-    )
-    return 0 if failures == 0 and mismatches == 0 else 1
-
-
-# -- parent ------------------------------------------------------------------------------
-class _Child:
-    def __init__(self, role: str, spec: Spec, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "kvxferd", role, json.dumps(asdict(spec)), *extra]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
-        )
-        assert self.proc.stdout is not None
-        os.set_blocking(self.proc.stdout.fileno(), True)
-        self.role = role
-        self.last: dict[str, Any] = {}
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
+    def run_one_thread(self) -> None:
+        shared, client = self.shared, self.client
+        num_layers, _, block_bytes = self.kv.shape
+        while (item := self._next()) is not None:
+            i, dst = item
+            started = time.monotonic()
+            handle = client.fetch(request_id(i), self.sender_endpoint, dst)
+            out = _wait(client, handle, shared, self.deadline, f"fetch {i}")
+            with shared.lock:  # from when both sides were ready: a fetch may precede its publish
+                latency = time.monotonic() - max(started, shared.published.get(i, started))
+            ok = out.ok
+            mismatch = False
+            if ok:
+                want = expected_bytes(i, dst.size, num_layers, block_bytes, shared.spec.seed)
+                got = self.kv[:, torch.from_numpy(dst)]
+                mismatch = not torch.equal(got, want) or out.aux != aux_bytes(i)
+            else:
+                shared.note(f"fetch {i}: {out.state} {out.reason} {out.detail}")
+            if mismatch:
+                shared.note(f"request {i}: content or aux differs")
+            safe = client.close(handle, timeout=CALL_TIMEOUT_S)
+            with shared.lock:
+                shared.done += 1
+                if ok:
+                    shared.latencies.append(latency)
+                    shared.moved += out.nbytes
+                else:
+                    shared.failures += 1
+                shared.mismatches += mismatch
+                shared.unsafe_closes += not safe
+            if safe:
+                with self.cond:
+                    self.alloc.give_back(dst.tolist())
+                    self.cond.notify_all()
 
 
-def run_demo(spec: Spec, json_path: str | None = None, out=sys.stdout) -> int:  # type: ignore[no-untyped-def]
-    """Start the processes, show progress, print (and optionally write) the summary."""
-    deadline = time.monotonic() + spec.timeout_s + 30
-    sender = _Child("_demo-sender", spec)
-    children = [sender]
-    try:
-        line = ""
-        while sender.proc.stdout and not line.startswith("{"):
-            line = sender.proc.stdout.readline()
-            if not line:
-                break
-        if not line:
-            out.write("demo: sender failed to start\n")
-            return 1
-        ready = json.loads(line)
+# -- the demo ----------------------------------------------------------------------------
+class Demo:
+    """The daemons, the clients, the engine threads; ``stop()`` always leaves no daemon behind."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.shared = Shared(spec)
+        self.dir = tempfile.mkdtemp(prefix="kvxd-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        self.daemons: list[DaemonProc] = []
+        self.clients: list[Client] = []
+        self.pools: list[torch.Tensor] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> tuple[DaemonProc, list[DaemonProc]]:
+        ready_by = time.monotonic() + READY_TIMEOUT_S
+        sender = DaemonProc("sender", "demo-tx", self.dir, "--listen", "tcp://127.0.0.1:0")
+        self.daemons.append(sender)
         receivers = [
-            _Child("_demo-receiver", spec, ready["endpoint"], str(k)) for k in range(spec.receivers)
+            DaemonProc("receiver", f"demo-rx-{k}", self.dir) for k in range(self.spec.receivers)
         ]
-        children += receivers
-        sel = selectors.DefaultSelector()
-        for c in children:
-            sel.register(c.proc.stdout, selectors.EVENT_READ, c)  # type: ignore[arg-type]
-        open_streams = len(children)
-        progress: dict[int, dict[str, Any]] = {}
+        self.daemons += receivers
+        for d in self.daemons:
+            d.wait_ready(ready_by)
+        return sender, receivers
+
+    def connect(self, d: DaemonProc) -> tuple[Client, torch.Tensor]:
+        client = Client(d.ready["engine_socket"], timeout_s=CALL_TIMEOUT_S)
+        self.clients.append(client)
+        info = client.describe()
+        if info.role != d.role:
+            raise DemoError(f"{d.name} describes itself as {info.role}, not {d.role}")
+        kv = attach_pool(info)
+        self.pools.append(kv)
+        return client, kv
+
+    def spawn(self, name: str, fn: Callable[[], None]) -> None:
+        t = threading.Thread(target=_guard(self.shared, name, fn), name=name, daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def watch(self, deadline: float) -> None:
+        """Show progress on stderr until the engines finished; raise if anything went wrong."""
+        spec, shared = self.spec, self.shared
         tty = sys.stderr.isatty()
-        while open_streams and time.monotonic() < deadline:
-            for key, _ in sel.select(timeout=0.5):
-                child: _Child = key.data
-                line = key.fileobj.readline()  # type: ignore[union-attr]
-                if not line:
-                    sel.unregister(key.fileobj)
-                    open_streams -= 1
-                    continue
-                if not line.startswith("{"):
-                    sys.stderr.write(line)  # a library's stray output, not ours
-                    continue
-                msg = json.loads(line)
-                child.last = msg
-                if msg["event"] == "progress":
-                    progress[id(child)] = msg
-                    done = sum(p["done"] for p in progress.values())
-                    moved = sum(p["bytes"] for p in progress.values())
-                    text = f"demo: {done}/{spec.requests} requests, {moved / 1e9:.2f} GB"
-                    sys.stderr.write(("\r" + text) if tty else text + "\n")
-                    sys.stderr.flush()
+        every = 0.25 if tty else 2.0
+        last = 0.0
+        while any(t.is_alive() for t in self.threads):
+            for d in self.daemons:
+                if d.proc.poll() is not None:
+                    shared.fail(f"{d.name} exited with {d.proc.returncode}{d.tail()}")
+            if shared.abort.is_set():
+                break
+            if time.monotonic() > deadline:
+                shared.fail(f"not finished within {spec.timeout_s:g} s")
+                break
+            now = time.monotonic()
+            if now - last >= every:
+                last = now
+                with shared.lock:
+                    done, moved = shared.done, shared.moved
+                text = f"demo: {done}/{spec.requests} requests, {moved / 1e9:.2f} GB"
+                sys.stderr.write(("\r" + text) if tty else text + "\n")
+                sys.stderr.flush()
+            time.sleep(0.05)
         if tty:
             sys.stderr.write("\n")
-        codes = [c.proc.wait(timeout=max(1.0, deadline - time.monotonic())) for c in children]
-    except subprocess.TimeoutExpired:
-        out.write("demo: timed out\n")
+        if shared.abort.is_set():
+            for c in self.clients:  # fails the calls in flight now, not at their bound
+                c.close_client()
+        for t in self.threads:
+            t.join(timeout=CALL_TIMEOUT_S)
+        if shared.errors:
+            raise DemoError("; ".join(shared.errors[:3]))
+
+    def release_engines(self) -> None:
+        """Close the engine connections; unmap the pools once no engine thread can touch them."""
+        for c in self.clients:
+            c.close_client()
+        self.clients.clear()
+        if any(t.is_alive() for t in self.threads):
+            return  # unmapping under a running thread would crash it: the exit unmaps
+        for kv in self.pools:
+            kv.kvxferd_mapping.close()  # type: ignore[attr-defined]
+        self.pools.clear()
+
+    def stop(self) -> list[int]:
+        """SIGTERM every daemon at once, then collect each exit code within its bound."""
+        for d in self.daemons:
+            d.terminate()
+        exit_by = time.monotonic() + EXIT_TIMEOUT_S
+        return [d.wait_exit(exit_by) for d in self.daemons]
+
+    def cleanup(self) -> None:
+        """Whatever happened: engines stopped, daemons gone, the temporary directory removed.
+
+        A second Ctrl-C must not cut this short, so SIGINT is ignored meanwhile.
+        """
+        self.shared.abort.set()
+        main = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for c in self.clients:  # fail the engines' calls in flight
+                c.close_client()
+            for d in self.daemons:
+                d.terminate()
+            kill_by = time.monotonic() + KILL_GRACE_S
+            for d in self.daemons:
+                d.wait_exit(kill_by)  # SIGKILL past the grace
+            for t in self.threads:
+                t.join(timeout=max(0.0, kill_by - time.monotonic()) + 0.5)
+            self.release_engines()
+            shutil.rmtree(self.dir, ignore_errors=True)
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+
+
+def run_demo(spec: Spec, json_path: str | None = None, out: IO[str] = sys.stdout) -> int:
+    """Start the daemons, play the engines, print (and optionally write) the summary."""
+    demo = Demo(spec)
+    shared = demo.shared
+    try:
+        sender, receivers = demo.start()
+        tx, tx_kv = demo.connect(sender)
+        endpoint = sender.ready["endpoint"]
+        deadline = time.monotonic() + spec.timeout_s
+        first = time.monotonic()
+        demo.spawn("demo-tx-engine", lambda: sender_engine(tx, tx_kv, shared, deadline))
+        for k, d in enumerate(receivers):
+            client, kv = demo.connect(d)
+            engine = ReceiverEngine(k, client, kv, endpoint, shared, deadline)
+            for t in range(spec.inflight):
+                demo.spawn(f"demo-rx-{k}-engine-{t}", engine.run_one_thread)
+        demo.watch(deadline)
+        elapsed = time.monotonic() - first
+        try:
+            metrics = scrape_metrics(sender.ready["probe_port"])
+        except OSError as e:
+            sys.stderr.write(f"demo: sender /metrics not read: {e}\n")
+            metrics = {}
+        demo.release_engines()
+        codes = demo.stop()
+        for d in demo.daemons:  # while their logs are still there
+            if d.exit_code:
+                sys.stderr.write(f"demo: {d.name} exited with {d.exit_code}{d.tail()}\n")
+    except KeyboardInterrupt:
+        out.write("demo: interrupted\n")
+        return 130
+    except Exception as e:  # DemoError, an engine call that failed, an OSError: say so, exit 1
+        why = str(e) if isinstance(e, DemoError) else f"{type(e).__name__}: {e}"
+        out.write(f"demo: failed: {why}\n")
+        for what in shared.first_failures:
+            out.write(f"  {what}\n")
         return 1
     finally:
-        for c in children:
-            c.kill()
-    sums = [c.last for c in children[1:]]
-    if any(s.get("event") != "summary" for s in sums) or sender.last.get("event") != "done":
-        out.write(f"demo: a process failed (exit codes {codes})\n")
-        return 1
-    elapsed = max(s["elapsed_s"] for s in sums)
-    total_bytes = sum(s["bytes"] for s in sums)
-    stats = sender.last["stats"]
+        demo.cleanup()
+
+    lat_ms = np.array(shared.latencies) * 1000 if shared.latencies else np.zeros(1)
+    workers = sum(1 for k in metrics if k.startswith("kvxferd_queue_depth{"))
     summary = {
-        "requests": sum(s["requests"] for s in sums),
-        "bytes": total_bytes,
+        "requests": shared.done,
+        "bytes": shared.moved,
         "elapsed_s": round(elapsed, 3),
-        "gbps": round(total_bytes / elapsed / 1e9, 3) if elapsed > 0 else 0.0,
-        "p50_ms": round(max(s["p50_ms"] for s in sums), 3),
-        "p99_ms": round(max(s["p99_ms"] for s in sums), 3),
-        "failures": sum(s["failures"] for s in sums) + sender.last["failures"],
-        "mismatches": sum(s["mismatches"] for s in sums),
+        "gbps": round(shared.moved / elapsed / 1e9, 3) if elapsed > 0 else 0.0,
+        "p50_ms": round(float(np.percentile(lat_ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(lat_ms, 99)), 3),
+        "failures": shared.failures + shared.sender_failures + shared.unsafe_closes,
+        "mismatches": shared.mismatches,
         "receivers": spec.receivers,
-        "sender_threads": ready["num_threads"],
-        "workers_used": sum(1 for k, v in stats.items() if k.startswith("worker_") and v > 0),
+        "inflight": spec.inflight,
+        "sender_threads": workers,
+        "sender_slices_done": int(metrics.get('kvxferd_outcomes_total{outcome="done"}', -1)),
+        "sender_bytes_written": int(metrics.get("kvxferd_bytes_total", -1)),
         "exit_codes": codes,
     }
     out.write(
-        f"demo: {summary['requests']} requests, {total_bytes / 1e9:.2f} GB in {elapsed:.2f} s "
+        f"demo: {summary['requests']} requests, {shared.moved / 1e9:.2f} GB in {elapsed:.2f} s "
         f"({summary['gbps']:.2f} GB/s), p50 {summary['p50_ms']:.2f} ms, p99 {summary['p99_ms']:.2f} ms, "
         f"{summary['failures']} failures, {summary['mismatches']} mismatches, "
-        f"{summary['workers_used']}/{summary['sender_threads']} workers used\n"
+        f"{spec.receivers} receiver daemon(s), daemon exit codes {codes}\n"
     )
+    for what in shared.first_failures:
+        out.write(f"  {what}\n")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
     ok = summary["failures"] == 0 and summary["mismatches"] == 0 and not any(codes)
+    ok = ok and summary["requests"] == spec.requests
     return 0 if ok else 1
