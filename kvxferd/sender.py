@@ -862,18 +862,20 @@ class Sender:
         drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline)
         with self._lock:  # publish checks the flag under this lock: no session slips past
             self._draining.set()
+
         # 1. let fetches already attached finish, up to the drain deadline
-        busy = True
-        while time.monotonic() < drain_deadline:
+        def attached_work_left() -> bool:
             with self._lock:
-                busy = any(
+                return any(
                     sl.state in ("queued", "writing")
                     for s in self._sessions.values()
                     for sl in s.slices()
                 )
-            if not busy:
-                break
+
+        busy = attached_work_left()  # checked once even when drain_timeout_ms is 0
+        while busy and time.monotonic() < drain_deadline:
             time.sleep(0.005)  # poll: no event covers "every slice of every session"
+            busy = attached_work_left()
         # 2. end every session; queued writes are refused and reported by their workers
         with self._lock:
             sessions = list(self._sessions.values())
