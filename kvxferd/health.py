@@ -290,6 +290,16 @@ class SnapshotCollector(Collector):
             depth.add_metric([str(i)], n)
         yield depth
 
+        if snap.role == "sender":  # one series per worker thread: bounded by num_threads
+            per_worker = CounterMetricFamily(
+                "kvxferd_worker_slices",
+                "Slices a worker thread finished (any outcome)",
+                labels=["worker"],
+            )
+            for i in range(len(snap.queue_depths)):
+                per_worker.add_metric([str(i)], stats.get(f"worker_{i}_slices", 0))
+            yield per_worker
+
         rejections = CounterMetricFamily(
             "kvxferd_rejections", "Messages or requests refused, by reason", labels=["reason"]
         )

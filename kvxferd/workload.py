@@ -550,6 +550,9 @@ def run_demo(spec: Spec, json_path: str | None = None, out: IO[str] = sys.stdout
         "receivers": spec.receivers,
         "inflight": spec.inflight,
         "sender_threads": workers,
+        "workers_used": sum(
+            1 for k, v in metrics.items() if k.startswith("kvxferd_worker_slices_total{") and v > 0
+        ),
         "sender_slices_done": int(metrics.get('kvxferd_outcomes_total{outcome="done"}', -1)),
         "sender_bytes_written": int(metrics.get("kvxferd_bytes_total", -1)),
         "exit_codes": codes,

@@ -418,6 +418,9 @@ def test_probe_endpoints_answer_and_metrics_carry_no_request_ids(
         info = fams["kvxferd_build_info"].samples[0]
         assert info.labels["role"] == role and info.value == 1, info
         assert fams["kvxferd_peers"].samples[0].value == 1, role
+        if role == "sender":
+            per_worker = sum(s.value for s in fams["kvxferd_worker_slices"].samples)
+            assert per_worker == len(ids), fams["kvxferd_worker_slices"].samples
         for fam in fams.values():
             for s in fam.samples:
                 for value in s.labels.values():

@@ -26,7 +26,8 @@ def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 def test_demo_moves_every_byte_with_two_receivers(tmp_path: Path) -> None:
     """Two receiver daemons: no failure, no mismatch, the sender daemon saw every slice, clean exits."""
     out = tmp_path / "demo.json"
-    proc = _demo("--requests", "40", "--receivers", "2", "--json", str(out))
+    env = {**os.environ, "TRTLLM_KV_TRANSFER_NUM_THREADS": "4"}
+    proc = _demo("--requests", "40", "--receivers", "2", "--json", str(out), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     assert summary["requests"] == 40
@@ -35,7 +36,8 @@ def test_demo_moves_every_byte_with_two_receivers(tmp_path: Path) -> None:
     assert summary["p99_ms"] >= summary["p50_ms"] > 0
     assert summary["receivers"] == 2
     # Read from the sender daemon's /metrics: its workers, the slices it wrote, the same bytes.
-    assert summary["sender_threads"] >= 1
+    assert summary["sender_threads"] == 4
+    assert summary["workers_used"] > 1, "requests spread over the sender's worker threads"
     assert summary["sender_slices_done"] == 40
     assert summary["sender_bytes_written"] == summary["bytes"]
     assert summary["exit_codes"] == [0, 0, 0], "every daemon drained and exited 0"

@@ -61,6 +61,8 @@ class FakeProbe:
                 "bytes_written": 4096,
                 "rejected_busy": 3,
                 "rejected_duplicate": 1,
+                "worker_0_slices": 6,
+                "worker_2_slices": 2,
             },
             sessions_by_state={"transferring": 2, "complete": 7},
             queue_depths=[0, 4, 1],
@@ -157,6 +159,11 @@ def test_metrics_are_parseable_prometheus_text_with_every_family() -> None:
             (("worker", "0"),): 0,
             (("worker", "1"),): 4,
             (("worker", "2"),): 1,
+        }
+        assert samples("kvxferd_worker_slices") == {
+            (("worker", "0"),): 6,
+            (("worker", "1"),): 0,
+            (("worker", "2"),): 2,
         }
         rejections = samples("kvxferd_rejections")
         assert rejections[(("reason", "busy"),)] == 3
