@@ -109,6 +109,20 @@ def _check(reply: ep.ToEngine, expected: type[R] | tuple[type[Any], ...]) -> Any
     return reply
 
 
+def _publish_msg(
+    request_id: str, block_ids: Sequence[int] | np.ndarray, aux: bytes | None, expected_fetches: int
+) -> Callable[[int], ep.Publish]:
+    """The Publish message for a call id (block ids converted and checked once, here)."""
+    blocks = _blocks(block_ids)
+    return lambda call_id: ep.Publish(
+        call_id=call_id,
+        request_id=request_id,
+        block_ids=blocks,
+        aux=aux,
+        expected_fetches=expected_fetches,
+    )
+
+
 def _fetch_msg(
     call_id: int,
     request_id: str,
@@ -176,16 +190,7 @@ class Client:
         expected_fetches: int = 1,
     ) -> int:
         """Sender daemon: offer these blocks as ``request_id``; the handle id."""
-        blocks = _blocks(block_ids)
-        reply = self._call(
-            lambda c: ep.Publish(
-                call_id=c,
-                request_id=request_id,
-                block_ids=blocks,
-                aux=aux,
-                expected_fetches=expected_fetches,
-            )
-        )
+        reply = self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
     def fetch(
@@ -435,16 +440,7 @@ class AsyncClient:
         aux: bytes | None = None,
         expected_fetches: int = 1,
     ) -> int:
-        blocks = _blocks(block_ids)
-        reply = await self._call(
-            lambda c: ep.Publish(
-                call_id=c,
-                request_id=request_id,
-                block_ids=blocks,
-                aux=aux,
-                expected_fetches=expected_fetches,
-            )
-        )
+        reply = await self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
     async def fetch(

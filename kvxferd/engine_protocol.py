@@ -32,7 +32,7 @@ import msgspec
 from msgspec import Meta
 
 from kvxferd.errors import ProtocolError, Reason
-from kvxferd.protocol import U31, U63, BlockIds, Endpoint, RequestId, Text
+from kvxferd.protocol import U31, U63, BlockIds, Endpoint, RequestId, Text, decode_frame
 
 ENGINE_PROTOCOL_VERSION = 1
 MAGIC = b"KE"
@@ -270,28 +270,7 @@ def encode(msg: _Msg) -> bytes:
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, frames: list[bytes], max_bytes: int) -> object:
-    if len(frames) != 1:
-        raise ProtocolError(Reason.MALFORMED, f"expected 1 frame, got {len(frames)}")
-    frame = frames[0]
-    if len(frame) > max_bytes:
-        raise ProtocolError(Reason.TOO_LARGE, f"frame of {len(frame)} bytes > {max_bytes}")
-    if len(frame) < 3 or frame[:2] != MAGIC:
-        raise ProtocolError(Reason.MALFORMED, "missing KE header")
-    if frame[2] != ENGINE_PROTOCOL_VERSION:
-        raise ProtocolError(
-            Reason.UNSUPPORTED_VERSION,
-            f"version {frame[2]}, this daemon speaks {ENGINE_PROTOCOL_VERSION}",
-        )
-    try:
-        return decoder.decode(memoryview(frame)[3:])
-    except msgspec.ValidationError as e:
-        text = str(e)
-        unknown_tag = "Invalid value" in text and "$.t" in text
-        raise ProtocolError(
-            Reason.UNKNOWN_MESSAGE if unknown_tag else Reason.MALFORMED, text[:300]
-        ) from None
-    except msgspec.DecodeError as e:
-        raise ProtocolError(Reason.MALFORMED, str(e)[:300]) from None
+    return decode_frame(decoder, frames, max_bytes, MAGIC, ENGINE_PROTOCOL_VERSION)
 
 
 def decode_to_gateway(frames: list[bytes], max_bytes: int = MAX_FRAME_BYTES) -> ToGateway:

@@ -159,40 +159,50 @@ def encode(msg: _Msg) -> bytes:
     return HEADER + _encoder.encode(msg)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, frames: list[bytes], max_bytes: int) -> object:
+def decode_frame(
+    decoder: msgspec.msgpack.Decoder,
+    frames: list[bytes],
+    max_bytes: int,
+    magic: bytes = MAGIC,
+    version: int = PROTOCOL_VERSION,
+) -> object:
+    """One frame ``magic + version + msgpack body`` checked step by step, or ProtocolError.
+
+    The steps (frame count, size, header, version, body) and their reasons are
+    the table of docs/protocol.md section 2 (Frames); the engine protocol
+    (magic ``KE``) goes through the same steps.
+    """
     if len(frames) != 1:
         raise ProtocolError(Reason.MALFORMED, f"expected 1 frame, got {len(frames)}")
     frame = frames[0]
     if len(frame) > max_bytes:
         raise ProtocolError(Reason.TOO_LARGE, f"frame of {len(frame)} bytes > {max_bytes}")
-    if len(frame) < 3 or frame[:2] != MAGIC:
-        raise ProtocolError(Reason.MALFORMED, "missing KX header")
-    if frame[2] != PROTOCOL_VERSION:
+    if len(frame) < 3 or frame[:2] != magic:
+        raise ProtocolError(Reason.MALFORMED, f"missing {magic.decode()} header")
+    if frame[2] != version:
         raise ProtocolError(
-            Reason.UNSUPPORTED_VERSION, f"version {frame[2]}, this peer speaks {PROTOCOL_VERSION}"
+            Reason.UNSUPPORTED_VERSION, f"version {frame[2]}, this side speaks {version}"
         )
     try:
         return decoder.decode(memoryview(frame)[3:])
     except msgspec.ValidationError as e:
         text = str(e)
-        reason = (
-            Reason.UNKNOWN_MESSAGE
-            if "Invalid value" in text and "$.t" in text
-            else Reason.MALFORMED
-        )
-        raise ProtocolError(reason, text[:300]) from None
+        unknown_tag = "Invalid value" in text and "$.t" in text
+        raise ProtocolError(
+            Reason.UNKNOWN_MESSAGE if unknown_tag else Reason.MALFORMED, text[:300]
+        ) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(Reason.MALFORMED, str(e)[:300]) from None
 
 
 def decode_to_sender(frames: list[bytes], max_bytes: int) -> ToSender:
     """Decode a frame received by a sender, or raise ProtocolError."""
-    return _decode(_to_sender, frames, max_bytes)  # type: ignore[return-value]
+    return decode_frame(_to_sender, frames, max_bytes)  # type: ignore[return-value]
 
 
 def decode_to_receiver(frames: list[bytes], max_bytes: int) -> ToReceiver:
     """Decode a frame received by a receiver, or raise ProtocolError."""
-    return _decode(_to_receiver, frames, max_bytes)  # type: ignore[return-value]
+    return decode_frame(_to_receiver, frames, max_bytes)  # type: ignore[return-value]
 
 
 def check_compatible(sender: Layout, receiver: WireLayout) -> str | None:

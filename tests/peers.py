@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -45,7 +44,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,8 +55,8 @@ from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.receiver import Receiver, RxHandle
 from kvxferd.sender import Sender, TxHandle
 from kvxferd.session import RxOutcome, RxState
+from tests.child import ChildProcess
 
-ROOT = Path(__file__).resolve().parent.parent
 Emit = Callable[..., None]
 
 # -- deterministic content ----------------------------------------------------------------
@@ -546,54 +545,26 @@ class PeerError(AssertionError):
     """A peer did not report what the test waited for, in time."""
 
 
-class PeerProcess:
-    """A peer child: its JSON events (read on a thread), signals, bounded waits, kill.
-
-    Spawn from the test's main thread: the child's parent-death signal follows
-    the thread that started it.
-    """
+class PeerProcess(ChildProcess):
+    """A peer child (``python -m tests.peers ROLE ...``): its JSON events, signals, bounded waits."""
 
     def __init__(self, role: str, args: list[str], log_dir: Path, name: str) -> None:
-        self.role, self.name = role, name
-        self.stderr_path = log_dir / f"{name}.stderr"
-        self._stderr: IO[bytes] = open(self.stderr_path, "wb")  # closed in kill()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.peers", role, *args],
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=env,
-            text=True,
-        )
-        self.pid = self.proc.pid
+        super().__init__("tests.peers", [role, *args], log_dir / f"{name}.stderr", name, env={})
+        self.role = role
         self.noise: list[str] = []  # stdout lines that were not JSON
         self._events: list[dict[str, Any]] = []
-        self._cond = threading.Condition()
-        self._eof = False
-        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
-        self._reader.start()
+        self._start_reader()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
+    def _take(self, line: str) -> None:
         try:
-            for line in self.proc.stdout:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    event = None
-                with self._cond:
-                    if isinstance(event, dict) and "event" in event:
-                        event["t"] = time.monotonic()
-                        self._events.append(event)
-                    else:
-                        self.noise.append(line.rstrip("\n"))
-                    self._cond.notify_all()
-        finally:
-            with self._cond:
-                self._eof = True
-                self._cond.notify_all()
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        if isinstance(event, dict) and "event" in event:
+            event["t"] = time.monotonic()
+            self._events.append(event)
+        else:
+            self.noise.append(line.rstrip("\n"))
 
     # -- events ------------------------------------------------------------------------------
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
@@ -628,47 +599,20 @@ class PeerProcess:
         return self.wait_events(kind, 1, timeout, where)[0]
 
     # -- process -----------------------------------------------------------------------------
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def signal(self, sig: int) -> None:
         if self.alive():
             self.proc.send_signal(sig)
 
     def wait_exit(self, timeout: float) -> int:
         """The exit code; PeerError if still running after ``timeout``."""
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise PeerError(
-                f"{self.name} still running after {timeout}s\n{self.describe()}"
-            ) from None
-        self._reader.join(timeout=5)
-        return code
-
-    def kill(self) -> None:
-        """SIGCONT (a stopped child), SIGKILL, reap; safe to call twice."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
-                os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self._reader.join(timeout=5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._stderr.close()
+        return self._wait_exit_code(timeout, PeerError)
 
     def describe(self, lines: int = 25) -> str:
-        try:
-            tail = self.stderr_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            tail = []
         last = [json.dumps(e)[:300] for e in self.events()[-5:]]
         return (
             f"[{self.name} pid {self.pid} exit {self.proc.poll()}]\n"
             f"last events: {last}\nstdout noise: {self.noise[-5:]}\n"
-            "stderr tail:\n  " + "\n  ".join(tail)
+            "stderr tail:\n  " + "\n  ".join(self.stderr_tail(lines))
         )
 
 

@@ -22,12 +22,9 @@ import asyncio
 import contextlib
 import functools
 import json
-import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,7 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import torch
@@ -46,11 +43,12 @@ from kvxferd import protocol as wire
 from kvxferd.client import AsyncClient, Client, Outcome, attach_pool
 from kvxferd.config import load_receiver_settings
 from kvxferd.receiver import Receiver
+from tests.child import ChildProcess
+from tests.conditions import wait_until
 from tests.peers import request_content
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
 LAYERS = 2
 BLOCK_BYTES = 256 << 10
 REQ_BLOCKS = 64  # 2 layers x 64 blocks x 256 KiB = 32 MiB per request
@@ -87,53 +85,30 @@ TCP_DATA_PLANE = {"KVXFERD_DATAPLANE__UCX_TLS": "tcp"}
 # -- a daemon child ------------------------------------------------------------------------
 
 
-class DaemonProcess:
+class DaemonProcess(ChildProcess):
     """``python -m kvxferd ROLE``: its ready line, signals, exit code and time, bounded waits."""
 
     def __init__(
         self, role: str, name: str, sock_dir: str, env: dict[str, str], args: list[str]
     ) -> None:
-        self.role, self.name = role, name
-        self.stderr_path = Path(sock_dir) / f"{name}.stderr"
-        self._stderr: IO[bytes] = open(self.stderr_path, "wb")  # closed in kill()
-        full_env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
+        daemon_env = {
             "KVXFERD_SERVICE__ENGINE_SOCKET": f"ipc://{sock_dir}/{name}.sock",
             "KVXFERD_SERVICE__PROBE_PORT": "0",
             **env,
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvxferd", role, *args],
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=full_env,
-            text=True,
+        super().__init__(
+            "kvxferd", [role, *args], Path(sock_dir) / f"{name}.stderr", name, daemon_env
         )
-        self.pid = self.proc.pid
+        self.role = role
         self.lines: list[str] = []
         self.info: dict[str, Any] | None = None
         self.signalled_at: float | None = None  # monotonic time of the first signal we sent
-        self._cond = threading.Condition()
-        self._eof = False
-        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
-        self._reader.start()
+        self._start_reader()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        try:
-            for line in self.proc.stdout:
-                with self._cond:
-                    self.lines.append(line.rstrip("\n"))
-                    if self.info is None and line.startswith("{"):
-                        self.info = json.loads(line)
-                    self._cond.notify_all()
-        finally:
-            with self._cond:
-                self._eof = True
-                self._cond.notify_all()
+    def _take(self, line: str) -> None:
+        self.lines.append(line.rstrip("\n"))
+        if self.info is None and line.startswith("{"):
+            self.info = json.loads(line)
 
     def wait_ready(self, timeout: float = STARTUP_S) -> dict[str, Any]:
         """The ``{"event": "ready", ...}`` line; AssertionError if it never came."""
@@ -160,9 +135,6 @@ class DaemonProcess:
     def probe_port(self) -> int:
         return int(self.wait_ready()["probe_port"])
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def signal(self, sig: int) -> float:
         """Send ``sig``; the monotonic time it was sent."""
         assert self.alive(), self.describe()
@@ -174,37 +146,11 @@ class DaemonProcess:
 
     def wait_exit(self, timeout: float) -> tuple[int, float]:
         """(exit code, seconds from the first SIGTERM/SIGINT to the exit)."""
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"{self.name} still running after {timeout}s\n{self.describe()}"
-            ) from None
-        elapsed = time.monotonic() - (self.signalled_at or time.monotonic())
-        self._reader.join(5)
-        return code, elapsed
-
-    def kill(self) -> None:
-        """SIGCONT (a stopped child), SIGKILL, reap; safe to call twice."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
-                os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self._reader.join(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._stderr.close()
-
-    def stderr(self) -> str:
-        try:
-            return self.stderr_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        code = self._wait_exit_code(timeout, AssertionError)
+        return code, time.monotonic() - (self.signalled_at or time.monotonic())
 
     def describe(self, lines: int = 25) -> str:
-        tail = "\n  ".join(self.stderr().splitlines()[-lines:])
+        tail = "\n  ".join(self.stderr_tail(lines))
         return (
             f"[{self.name} pid {self.pid} exit {self.proc.poll()}]\n"
             f"stdout: {self.lines[-5:]}\nstderr tail:\n  {tail}"
@@ -281,17 +227,6 @@ def notify_sock(sock_dir: str) -> Iterator[tuple[str, socket.socket]]:
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str, poll: float = 0.01) -> float:
-    """Poll ``cond`` until true; the monotonic time it became true. AssertionError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if cond():
-            return time.monotonic()
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(poll)
 
 
 def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, str]:

@@ -28,6 +28,7 @@ from kvxferd.pool import IdAllocator
 from kvxferd.receiver import Receiver, RxHandle
 from kvxferd.sender import Sender, ShutdownReport
 from kvxferd.session import RxState, TxState
+from tests.conditions import wait_until
 from tests.peers import PeerProcess, Publisher, check_request, request_content
 
 pytestmark = pytest.mark.integration
@@ -150,17 +151,6 @@ def local() -> Iterator[Local]:
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str, poll: float = 0.002) -> float:
-    """Poll ``cond`` until true; the monotonic time it became true. AssertionError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if cond():
-            return time.monotonic()
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(poll)
 
 
 def landed(r: Receiver, dst: np.ndarray, want: torch.Tensor) -> bool:
