@@ -54,7 +54,7 @@ def test_plot_without_matplotlib_says_how_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--plot without matplotlib exits 2 before running anything, naming the extra to install."""
-    monkeypatch.setattr(bench, "plot_available", lambda: False)
+    monkeypatch.setattr("kvxferd.bench.command.plot_available", lambda: False)
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     assert bench.main_bench(p.parse_args(["--quick", "--plot", "x.png"])) == 2

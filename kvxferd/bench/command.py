@@ -1,0 +1,107 @@
+"""``kvxferd bench`` on the command line: its flags, the options they make, the run, its output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvxferd.bench.plot import plot_available, write_plot
+from kvxferd.bench.report import dataplane_description, format_report
+from kvxferd.bench.runner import run_bench
+from kvxferd.bench.workload import FULL, PRESETS, QUICK, BenchError, Options, Workload
+from kvxferd.config import DataPlaneSettings
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``kvxferd bench`` (and of ``python -m kvxferd.bench``)."""
+    p.add_argument(
+        "--quick", action="store_true", help="the quick preset (about a minute on 2 cores)"
+    )
+    p.add_argument(
+        "--json", dest="json_path", metavar="PATH", help="write every figure as JSON here"
+    )
+    p.add_argument(
+        "--plot", dest="plot_path", metavar="PATH", help="write a PNG chart here (needs matplotlib)"
+    )
+    p.add_argument(
+        "--reps", type=int, help="repetitions per path and workload (default: the preset's)"
+    )
+    p.add_argument(
+        "--only", metavar="NAMES", help="comma-separated workload names of the preset to run"
+    )
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ucx-tls", dest="ucx_tls", help="UCX_TLS for every agent, e.g. 'shm'")
+    p.add_argument(
+        "--ucx-error-handling-mode", dest="ucx_error_handling_mode", choices=["peer", "none"]
+    )
+    p.add_argument("--ucx-num-workers", dest="ucx_num_workers", type=int)
+    p.add_argument("--sync-mode", dest="sync_mode", choices=["strict", "rw", "none", "default"])
+    p.add_argument(
+        "--timeout", dest="timeout_s", type=float, default=3600.0, help="bound on the whole run (s)"
+    )
+
+
+def options_from_args(args: argparse.Namespace, child_module: str = "kvxferd") -> Options:
+    preset = "quick" if args.quick else "full"
+    base: dict[str, Any] = dict(PRESETS[preset])
+    workloads: tuple[Workload, ...] = base.pop("workloads")
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        known = {w.name: w for w in (*FULL, *QUICK)}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise BenchError(f"unknown workload(s) {missing}; known: {sorted(known)}")
+        workloads = tuple(known[n] for n in names)
+    dp_fields = ("ucx_tls", "ucx_error_handling_mode", "ucx_num_workers", "sync_mode")
+    try:
+        dp = DataPlaneSettings(
+            **{f: getattr(args, f) for f in dp_fields if getattr(args, f, None) is not None}
+        )
+    except ValidationError as e:
+        raise BenchError(f"invalid data-plane setting: {e.errors()[0]['msg']}") from None
+    if args.reps is not None:
+        if args.reps < 1:
+            raise BenchError("--reps must be >= 1")
+        base["reps"] = args.reps
+    return Options(
+        preset=preset,
+        workloads=workloads,
+        dataplane=dp,
+        seed=args.seed,
+        child_module=child_module,
+        timeout_s=args.timeout_s,
+        **base,
+    )
+
+
+def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
+    """``kvxferd bench``: run, print the tables, write --json / --plot. 0 ok, 1 failed, 2 bad usage."""
+    if args.plot_path and not plot_available():
+        print(
+            "kvxferd bench: --plot needs matplotlib; install it with pip install 'kvxferd[bench]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        opts = options_from_args(args, child_module)
+        print(f"kvxferd bench: {dataplane_description(opts.dataplane)}", file=sys.stderr)
+        report = run_bench(opts)
+    except BenchError as e:
+        print(f"kvxferd bench: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_report(report))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot_path:
+        write_plot(report, args.plot_path)
+    ok = all(
+        p["verified"] and not p["failures"]
+        for w in report["workloads"]
+        for p in w["paths"].values()
+    )
+    return 0 if ok else 1

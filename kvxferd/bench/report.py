@@ -1,0 +1,245 @@
+"""The report: each workload's figures, the targets met or not, the machine, the Markdown tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvxferd.bench.plan import Plan
+from kvxferd.bench.workload import PATHS, Options, _size
+from kvxferd.config import DataPlaneSettings
+
+if TYPE_CHECKING:
+    from kvxferd.bench.runner import Rep
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=float)
+    return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max())}
+
+
+def summarize_workload(plan: Plan, reps: dict[str, list[Rep]]) -> dict[str, Any]:
+    w = plan.workload
+    paths: dict[str, Any] = {}
+    for path, rs in reps.items():
+        lat_ms = np.asarray([x for r in rs for x in r.lat_us], dtype=float) / 1000
+        if lat_ms.size == 0:
+            lat_ms = np.asarray([float("nan")])
+        paths[path] = {
+            "gbps": _spread([r.gbps for r in rs]),
+            "rps": _spread([r.rps for r in rs]),
+            "latency_ms": {
+                "p50": float(np.percentile(lat_ms, 50)),
+                "p99": float(np.percentile(lat_ms, 99)),
+                "mean": float(lat_ms.mean()),
+                "max": float(lat_ms.max()),
+            },
+            "failures": sum(r.failures for r in rs),
+            "verified": all(r.verified for r in rs),
+            "reps": [
+                {k: v for k, v in asdict(r).items() if k not in ("lat_us", "sender_stats")}
+                | {"gbps": r.gbps, "rps": r.rps}
+                for r in rs
+            ],
+        }
+        if rs and rs[-1].sender_stats:  # cumulative over the workload's repetitions
+            paths[path]["sender_stats"] = rs[-1].sender_stats
+        if not paths[path]["verified"]:
+            paths[path]["detail"] = "; ".join(r.detail for r in rs if r.detail)
+
+    def ratio(a: str, b: str) -> float:
+        den = paths[b]["gbps"]["median"]
+        return paths[a]["gbps"]["median"] / den if den > 0 else float("inf")
+
+    return {
+        **asdict(w),
+        "block_bytes": w.block_bytes,
+        "request_bytes": w.request_bytes,
+        "descs_per_request": plan.descs_per_request(),
+        "requests_per_rep": plan.requests,
+        "pool_blocks": plan.num_blocks,
+        "paths": paths,
+        "ratio_kvxferd_nixl": ratio("kvxferd", "nixl"),
+        "ratio_kvxferd_zmq": ratio("kvxferd", "zmq"),
+    }
+
+
+def evaluate_targets(workloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target of the issue, met or not (None when this run had no workload for it)."""
+
+    def tagged(tag: str) -> list[dict[str, Any]]:
+        return [w for w in workloads if w["target"] == tag]
+
+    out: list[dict[str, Any]] = []
+
+    def ratio_target(key: str, tag: str, text: str, bound: float) -> None:
+        ws = tagged(tag)
+        out.append(
+            {
+                "target": key,
+                "text": text,
+                "met": all(w["ratio_kvxferd_nixl"] >= bound for w in ws) if ws else None,
+                "detail": ", ".join(f"{w['name']} {w['ratio_kvxferd_nixl']:.2f}x" for w in ws)
+                or "not run",
+            }
+        )
+
+    ratio_target(
+        "bulk", "bulk", "64 MiB requests of >= 256 KiB blocks: kvxferd >= 0.95x raw NIXL", 0.95
+    )
+    ratio_target(
+        "scatter16k",
+        "scatter16k",
+        "64 MiB of 16 KiB scattered blocks (one descriptor per block): kvxferd >= 1.0x raw NIXL",
+        1.0,
+    )
+    rate, paced = tagged("small4k-rate"), tagged("small4k-latency")
+    if rate and paced:
+        r, p = rate[0]["paths"]["kvxferd"], paced[0]["paths"]["kvxferd"]
+        lat, rps = p["latency_ms"], r["rps"]["median"]
+        met = lat["p50"] < 0.5 and lat["p99"] < 2.0 and rps >= 5000
+        detail = (
+            f"{rps:.0f} req/s closed loop with 16 in flight ({rate[0]['name']}); "
+            f"p50 {lat['p50']:.3f} ms, p99 {lat['p99']:.3f} ms at {paced[0]['rate']:g} req/s offered "
+            f"({paced[0]['name']})"
+        )
+    else:
+        met, detail = None, "not run"
+    out.append(
+        {
+            "target": "small4k",
+            "text": "4 KiB single-block requests, 16 in flight: p50 < 0.5 ms, p99 < 2 ms, >= 5000 req/s",
+            "met": met,
+            "detail": detail,
+        }
+    )
+    behind = [w["name"] for w in workloads if w["ratio_kvxferd_zmq"] <= 1.0]
+    out.append(
+        {
+            "target": "zmq",
+            "text": "kvxferd ahead of the ZMQ-copy path on every workload",
+            "met": not behind if workloads else None,
+            "detail": ("behind on " + ", ".join(behind)) if behind else "ahead on all",
+        }
+    )
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = ""
+    mem_kib = 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+        with open("/proc/meminfo") as f:
+            mem_kib = int(next(ln.split()[1] for ln in f if ln.startswith("MemTotal")))
+    except (OSError, StopIteration, ValueError):
+        pass
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "-"
+
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu,
+        "mem_gib": round(mem_kib / (1 << 20), 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "nixl": version("nixl"),
+        "pyzmq": version("pyzmq"),
+        "torch": version("torch"),
+    }
+
+
+def dataplane_description(dp: DataPlaneSettings) -> str:
+    tls = dp.ucx_tls or os.environ.get("UCX_TLS") or "UCX default"
+    return (
+        f"NIXL backend {dp.backend}, progress thread {'on' if dp.progress_thread else 'off'}, "
+        f"sync mode {dp.sync_mode}, ucx_error_handling_mode {dp.ucx_error_handling_mode}, "
+        f"UCX_TLS {tls}, {dp.ucx_num_workers} UCX worker(s)"
+    )
+
+
+def build_report(opts: Options, workloads: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "preset": opts.preset,
+        "started_unix": started,
+        "elapsed_s": time.time() - started,
+        "reps": opts.reps,
+        "machine": machine_info(),
+        "dataplane": opts.dataplane.model_dump(),
+        "dataplane_text": dataplane_description(opts.dataplane),
+        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "workloads": workloads,
+        "targets": evaluate_targets(workloads),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Markdown tables: throughput and ratios, then latency and request rate, then targets."""
+    m = report["machine"]
+    lines = [
+        f"kvxferd bench, {report['preset']} preset, {report['reps']} repetitions per path "
+        f"(alternating), {report['elapsed_s']:.0f} s",
+        f"machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['mem_gib']} GiB, kernel {m['kernel']}, "
+        f"nixl {m['nixl']}, pyzmq {m['pyzmq']}",
+        f"data plane (kvxferd and raw NIXL alike): {report['dataplane_text']}",
+        "",
+        "| workload | request | descs | kvxferd GB/s | raw NIXL GB/s | ZMQ copy GB/s | kvxferd/NIXL | kvxferd/ZMQ |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+
+    def gb(p: dict[str, Any]) -> str:
+        g = p["gbps"]
+        flag = "" if p["verified"] and not p["failures"] else " (!)"
+        return f"{g['median']:.2f} [{g['min']:.2f}-{g['max']:.2f}]{flag}"
+
+    for w in report["workloads"]:
+        p = w["paths"]
+        req = f"{_size(w['block_bytes'])} x {w['blocks']}" + (
+            f" x {w['layers']}L" if w["layers"] > 1 else ""
+        )
+        lines.append(
+            f"| {w['name']} | {req} {'scat' if w['scattered'] else 'contig'} | {w['descs_per_request']} "
+            f"| {gb(p['kvxferd'])} | {gb(p['nixl'])} | {gb(p['zmq'])} "
+            f"| {w['ratio_kvxferd_nixl']:.2f} | {w['ratio_kvxferd_zmq']:.2f} |"
+        )
+    lines += [
+        "",
+        "| workload | thr | rx | in flight | kvxferd p50 / p99 ms | NIXL p50 / p99 ms | ZMQ p50 / p99 ms | kvxferd req/s | NIXL req/s | ZMQ req/s |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for w in report["workloads"]:
+        p = w["paths"]
+        lat = [f"{p[x]['latency_ms']['p50']:.3f} / {p[x]['latency_ms']['p99']:.3f}" for x in PATHS]
+        rps = [f"{p[x]['rps']['median']:.0f}" for x in PATHS]
+        inflight = f"{w['inflight']}" + (f" @ {w['rate']:g}/s" if w["rate"] else "")
+        lines.append(
+            f"| {w['name']} | {w['threads']} | {w['receivers']} | {inflight} | "
+            + " | ".join(lat + rps)
+            + " |"
+        )
+    problems = [
+        f"{w['name']}/{path}: {p['failures']} failed requests, verified={p['verified']} {p.get('detail', '')}"
+        for w in report["workloads"]
+        for path, p in w["paths"].items()
+        if p["failures"] or not p["verified"]
+    ]
+    lines += ["", "bytes verified on every path and repetition" if not problems else "PROBLEMS:"]
+    lines += [f"  {x}" for x in problems]
+    lines += ["", "| target | met | measured |", "|---|---|---|"]
+    for t in report["targets"]:
+        met = {True: "yes", False: "NO", None: "not run"}[t["met"]]
+        lines.append(f"| {t['text']} | {met} | {t['detail']} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,205 @@
+"""The parent: starts the children, runs each workload's repetitions in alternation, reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from kvxferd.bench.child import _LineReader
+from kvxferd.bench.plan import Plan
+from kvxferd.bench.report import build_report, summarize_workload
+from kvxferd.bench.workload import (
+    CHILD_START_TIMEOUT_S,
+    PATHS,
+    SETUP_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    BenchError,
+    Options,
+    Workload,
+)
+
+
+class _Child:
+    """A child process: commands in as JSON lines on stdin, replies out as JSON lines on stdout."""
+
+    def __init__(self, module: str, role: str, spec: dict[str, Any]) -> None:
+        self.name = f"{role}{spec.get('index', '')}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, f"_bench-{role}", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert self.proc.stdout is not None
+        self._lines = _LineReader(self.proc.stdout.fileno())
+
+    def send(self, cmd: str, **fields: Any) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps({"cmd": cmd, **fields}) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise BenchError(f"child {self.name} exited (code {self.proc.poll()})") from None
+
+    def reply(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line; other lines go to stderr. BenchError on error, exit or timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.readline(max(0.0, deadline - time.monotonic()))
+            except EOFError:
+                raise BenchError(f"child {self.name} exited (code {self.proc.wait(5)})") from None
+            if line is None:
+                raise BenchError(f"child {self.name}: no reply within {timeout:.0f} s")
+            if not line.startswith(b"{"):
+                sys.stderr.buffer.write(line + b"\n")
+                continue
+            msg: dict[str, Any] = json.loads(line)
+            if msg.get("event") == "error":
+                raise BenchError(msg.get("detail", "child error"))
+            return msg
+
+    def ask(self, timeout: float, cmd: str, **fields: Any) -> dict[str, Any]:
+        self.send(cmd, **fields)
+        return self.reply(timeout)
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.send("exit")
+                self.proc.wait(20)
+        except (BenchError, subprocess.TimeoutExpired, OSError):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _ask_all(
+    children: Sequence[_Child], timeout: float, cmd: str, **fields: Any
+) -> list[dict[str, Any]]:
+    """Send to every child first, then collect: the children work in parallel."""
+    for c in children:
+        c.send(cmd, **fields)
+    return [c.reply(timeout) for c in children]
+
+
+@dataclass
+class Rep:
+    """One repetition of one path."""
+
+    path: str
+    rep: int
+    requests: int
+    bytes: int
+    elapsed_s: float
+    failures: int
+    verified: bool
+    detail: str
+    lat_us: list[float]
+    sender_stats: dict[str, int] = field(default_factory=dict)  # kvxferd only: Sender counters
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class _Runner:
+    """Starts the children once, then runs each workload's repetitions in alternation."""
+
+    def __init__(self, opts: Options, progress: IO[str]) -> None:
+        self.opts, self.progress = opts, progress
+        self.tty = progress.isatty()
+        self.children: list[_Child] = []
+
+    def say(self, text: str, final: bool = True) -> None:
+        if self.tty:
+            self.progress.write("\r\x1b[2K" + text + ("\n" if final else ""))
+        else:
+            self.progress.write(text + "\n")
+        self.progress.flush()
+
+    def run(self) -> dict[str, Any]:
+        opts = self.opts
+        started = time.time()
+        deadline = time.monotonic() + opts.timeout_s
+        nrx = max(w.receivers for w in opts.workloads)
+        spec = {"dataplane": opts.dataplane.model_dump(), "max_s": opts.timeout_s + 600}
+        self.say(f"bench: starting 1 tx and {nrx} rx processes")
+        try:
+            self.children = [_Child(opts.child_module, "tx", spec)] + [
+                _Child(opts.child_module, "rx", {**spec, "index": k}) for k in range(nrx)
+            ]
+            for c in self.children:
+                c.reply(CHILD_START_TIMEOUT_S)
+            results = []
+            for n, w in enumerate(opts.workloads):
+                if time.monotonic() > deadline:
+                    raise BenchError(f"the run passed its {opts.timeout_s:.0f} s bound")
+                results.append(self._workload(n, w))
+        finally:
+            for c in self.children:
+                c.stop()
+        return build_report(opts, results, started)
+
+    def _workload(self, n: int, w: Workload) -> dict[str, Any]:
+        opts = self.opts
+        plan = Plan.make(w, opts, n)
+        tx, rxs = self.children[0], self.children[1 : 1 + w.receivers]
+        head = f"bench [{n + 1}/{len(opts.workloads)}] {w.name}"
+        self.say(
+            f"{head}: setting up ({w.label()}; {plan.requests} requests/rep/receiver)", final=False
+        )
+        infos = [
+            r["info"] for r in _ask_all([tx, *rxs], SETUP_TIMEOUT_S, "setup", plan=plan.to_json())
+        ]
+        tx_info, rx_infos = infos[0], infos[1:]
+        for path in PATHS:
+            tx.ask(STEP_TIMEOUT_S, "connect", path=path, peers=[i[path] for i in rx_infos])
+            _ask_all(rxs, STEP_TIMEOUT_S, "connect", path=path, peers=[tx_info[path]])
+        warmup = min(plan.requests, 2 * w.inflight)
+        for path in PATHS:
+            self._rep(plan, path, -1, warmup)
+        reps: dict[str, list[Rep]] = {p: [] for p in PATHS}
+        for r in range(opts.reps):
+            for path in PATHS:
+                reps[path].append(self._rep(plan, path, r, plan.requests))
+            figures = ", ".join(f"{p} {reps[p][-1].gbps:.2f} GB/s" for p in PATHS)
+            self.say(f"{head}: rep {r + 1}/{opts.reps}: {figures}", final=r == opts.reps - 1)
+        _ask_all(rxs, STEP_TIMEOUT_S, "teardown")  # receivers first: nothing is in flight now
+        tx.ask(STEP_TIMEOUT_S, "teardown")
+        return summarize_workload(plan, reps)
+
+    def _rep(self, plan: Plan, path: str, rep: int, count: int) -> Rep:
+        w = plan.workload
+        tx, rxs = self.children[0], self.children[1 : 1 + w.receivers]
+        everyone = [tx, *rxs]
+        step = dict(path=path, rep=rep, count=count)
+        _ask_all(everyone, STEP_TIMEOUT_S, "prepare", **step)
+        drivers = rxs if path == "kvxferd" else [tx]
+        runs = _ask_all(drivers, plan.run_timeout_s(count) + STEP_TIMEOUT_S, "run", **step)
+        finals = _ask_all(everyone, plan.run_timeout_s(count) + STEP_TIMEOUT_S, "finish", **step)
+        bad = [f["detail"] for f in finals[1:] if not f["verified"]]
+        return Rep(
+            path=path,
+            rep=rep,
+            requests=sum(r["requests"] for r in runs),
+            bytes=sum(r["bytes"] for r in runs),
+            elapsed_s=max(r["t1"] for r in runs) - min(r["t0"] for r in runs),
+            failures=sum(r["failures"] for r in runs) + int(finals[0].get("failures", 0)),
+            verified=not bad,
+            detail="; ".join(bad),
+            lat_us=[x for r in runs for x in r["lat_us"]],
+            sender_stats=finals[0].get("stats", {}),
+        )
+
+
+def run_bench(opts: Options, progress: IO[str] | None = None) -> dict[str, Any]:
+    """Run every workload of ``opts`` and return the report (what ``--json`` writes)."""
+    return _Runner(opts, progress or sys.stderr).run()

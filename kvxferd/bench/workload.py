@@ -1,0 +1,119 @@
+"""What a run measures: the three paths, the workloads and presets, a run's options and bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvxferd.config import DataPlaneSettings
+
+Path_ = Literal["kvxferd", "nixl", "zmq"]
+PATHS: tuple[Path_, ...] = ("kvxferd", "nixl", "zmq")
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+# Bounds. Every wait of the bench has one of these deadlines, every loop a count or a deadline.
+SETUP_TIMEOUT_S = 120.0  # one workload's pools, agents, Sender and Receivers
+STEP_TIMEOUT_S = 60.0  # one prepare / finish / connect / teardown step
+RUN_TIMEOUT_FLOOR_S = 60.0  # one repetition, plus 1 s per 50 MB (a 0.05 GB/s floor)
+CHILD_START_TIMEOUT_S = 120.0  # imports (torch, nixl) on a loaded 2-core machine
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run (a child failed, timed out, or a setting is unusable)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One KV-shaped workload: ``blocks`` blocks of ``block_kib`` KiB per layer per request."""
+
+    name: str
+    block_kib: int
+    blocks: int
+    layers: int = 1
+    scattered: bool = True  # block ids drawn at random; else one contiguous run per request
+    threads: int = 4  # kvxferd sender worker threads
+    receivers: int = 1
+    inflight: int = 4  # requests in flight per receiver
+    rate: float = 0.0  # requests/s per receiver (open loop, paced); 0 = closed loop
+    target: str = ""  # the target this workload is evidence for, if any
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_kib * KiB
+
+    @property
+    def request_bytes(self) -> int:
+        return self.layers * self.blocks * self.block_bytes
+
+    def label(self) -> str:
+        ids = "scattered" if self.scattered else "contiguous"
+        pace = f", paced {self.rate:g}/s" if self.rate else ""
+        layers = f" x {self.layers} layers" if self.layers > 1 else ""
+        return (
+            f"{_size(self.block_bytes)} blocks x {self.blocks}{layers}"
+            f" = {_size(self.request_bytes)}, {ids}, {self.threads} thr, {self.receivers} rx, "
+            f"{self.inflight} in flight{pace}"
+        )
+
+
+def _size(n: int) -> str:
+    if n >= MiB and n % MiB == 0:
+        return f"{n // MiB} MiB"
+    if n >= KiB and n % KiB == 0:
+        return f"{n // KiB} KiB"
+    return f"{n} B"
+
+
+W = Workload
+QUICK: tuple[Workload, ...] = (
+    W("bulk-1m-contig", 1024, 64, scattered=False, target="bulk"),
+    W("bulk-256k-scat", 256, 256, target="bulk"),
+    W("scat-16k-64m", 16, 4096, target="scatter16k"),
+    W("mid-64k-4m-2rx", 64, 64, receivers=2, inflight=8),
+    W("small-4k-w16", 4, 1, inflight=16, target="small4k-rate"),
+    W("small-4k-paced", 4, 1, inflight=16, rate=5000, target="small4k-latency"),
+)
+FULL: tuple[Workload, ...] = (
+    W("bulk-1m-contig", 1024, 64, scattered=False, target="bulk"),
+    W("bulk-1m-scat", 1024, 64, target="bulk"),
+    W("bulk-256k-contig", 256, 256, scattered=False, target="bulk"),
+    W("bulk-256k-scat", 256, 256, target="bulk"),
+    W("bulk-256k-16m-2rx", 256, 64, receivers=2),
+    W("contig-16k-64m", 16, 4096, scattered=False),
+    W("scat-16k-64m", 16, 4096, target="scatter16k"),
+    W("scat-16k-64m-8layers", 16, 512, layers=8),
+    W("scat-4k-16m", 4, 4096),
+    W("mid-64k-4m-t1", 64, 64, threads=1, inflight=8),
+    W("mid-64k-4m-t2", 64, 64, threads=2, inflight=8),
+    W("mid-64k-4m-t4", 64, 64, threads=4, inflight=8),
+    W("mid-64k-4m-2rx", 64, 64, receivers=2, inflight=8),
+    W("single-1m-w8", 1024, 1, inflight=8),
+    W("small-16k-w16", 16, 1, inflight=16),
+    W("small-4k-w16", 4, 1, inflight=16, target="small4k-rate"),
+    W("small-4k-w16-2rx", 4, 1, receivers=2, inflight=16),
+    W("small-4k-w1", 4, 1, inflight=1),
+    W("small-4k-paced", 4, 1, inflight=16, rate=5000, target="small4k-latency"),
+)
+del W
+
+PRESETS = {
+    # rep_bytes: bytes per repetition (all receivers); max_requests: per receiver per repetition
+    "quick": dict(workloads=QUICK, reps=3, rep_bytes=256 * MiB, max_requests=2000, rep_seconds=0.4),
+    "full": dict(workloads=FULL, reps=5, rep_bytes=1 * GiB, max_requests=6000, rep_seconds=1.0),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one ``kvxferd bench`` run measures, and with which NIXL configuration."""
+
+    preset: str = "quick"
+    workloads: tuple[Workload, ...] = QUICK
+    reps: int = 3
+    rep_bytes: int = 256 * MiB
+    max_requests: int = 2000
+    rep_seconds: float = 0.4  # length of one paced repetition
+    dataplane: DataPlaneSettings = field(default_factory=DataPlaneSettings)
+    seed: int = 1
+    child_module: str = "kvxferd"  # children run as ``python -m <child_module> _bench-tx|rx``
+    timeout_s: float = 3600.0  # the whole run
