@@ -41,15 +41,24 @@ class Layout:
 
 def check_blocks(layout: Layout, block_ids: IdArray, what: str) -> None:
     """Raise BAD_BLOCKS unless every id is inside the pool and none repeats."""
-    if block_ids.size == 0:
+    n = block_ids.size
+    if n == 0:
         raise RejectedError(Reason.BAD_BLOCKS, f"{what}: empty block list")
-    lo, hi = int(block_ids.min()), int(block_ids.max())
+    if n <= _FEW:  # a few ids: plain Python beats numpy's reductions (0.4-1 us against 3-6 us)
+        ids = block_ids.tolist()
+        lo, hi, distinct = min(ids), max(ids), len(set(ids)) == n
+    else:
+        lo, hi = int(block_ids.min()), int(block_ids.max())
+        distinct = True  # checked below, once the bounds hold
     if lo < 0 or hi >= layout.num_blocks:
         raise RejectedError(
             Reason.BAD_BLOCKS, f"{what}: block ids must lie in [0, {layout.num_blocks})"
         )
-    if not _distinct(block_ids, layout.num_blocks):
+    if not distinct or (n > _FEW and not _distinct(block_ids, layout.num_blocks)):
         raise RejectedError(Reason.BAD_BLOCKS, f"{what}: repeated block ids")
+
+
+_FEW = 32
 
 
 def _distinct(block_ids: IdArray, num_blocks: int) -> bool:

@@ -12,6 +12,7 @@ import pytest
 
 from kvxferd import bench
 from kvxferd.bench import Options, Plan, Workload
+from kvxferd.bench.report import evaluate_targets
 
 
 def _plan(**kw: object) -> Plan:
@@ -95,7 +96,13 @@ def test_tiny_bench_reports_all_three_paths(tmp_path: Path) -> None:
         want = w["paths"]["kvxferd"]["gbps"]["median"] / w["paths"]["nixl"]["gbps"]["median"]
         assert w["ratio_kvxferd_nixl"] == pytest.approx(want)
         assert w["ratio_kvxferd_zmq"] > 0
-    assert {t["target"] for t in report["targets"]} == {"bulk", "scatter16k", "small4k", "zmq"}
+    assert {t["target"] for t in report["targets"]} == {
+        "bulk",
+        "scatter16k",
+        "small4k",
+        "small4k-loaded",
+        "zmq",
+    }
     assert next(t for t in report["targets"] if t["target"] == "bulk")["met"] in (True, False)
     assert report["machine"]["nproc"] >= 1 and report["dataplane"]["backend"] == "UCX"
 
@@ -107,3 +114,41 @@ def test_tiny_bench_reports_all_three_paths(tmp_path: Path) -> None:
     if bench.plot_available():
         bench.write_plot(report, str(tmp_path / "bench.png"))
         assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def _figures(name: str, target: str, p50: float, p99: float, rps: float) -> dict[str, object]:
+    path = {"latency_ms": {"p50": p50, "p99": p99}, "rps": {"median": rps}}
+    return {
+        "name": name,
+        "target": target,
+        "rate": 5000,
+        "paths": {"kvxferd": path},
+        "ratio_kvxferd_nixl": 1.0,
+        "ratio_kvxferd_zmq": 2.0,
+    }
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("alone_p50", "rate", "paced_p50", "met", "loaded_met"),
+    [
+        (0.4, 5200, 0.45, True, True),
+        (0.4, 5200, 3.0, True, False),  # fast alone, queues under the offered load
+        (0.6, 5200, 0.45, False, True),  # one request alone too slow
+        (0.4, 4000, 0.45, False, True),  # rate short of 5000 with 16 in flight
+    ],
+)
+def test_one_block_targets_read_the_right_workloads(
+    alone_p50: float, rate: float, paced_p50: float, met: bool, loaded_met: bool
+) -> None:
+    """The one-block target takes latency alone and rate at 16 in flight; loaded latency is its own line."""
+    workloads = [
+        _figures("w16", "small4k-rate", 2.0, 6.0, rate),
+        _figures("w1", "small4k-latency", alone_p50, 1.0, 1600),
+        _figures("paced", "small4k-loaded", paced_p50, 1.5, 4990),
+    ]
+    targets = {t["target"]: t for t in evaluate_targets(workloads)}
+    assert targets["small4k"]["met"] is met, targets["small4k"]
+    assert targets["small4k-loaded"]["met"] is loaded_met, targets["small4k-loaded"]
+    assert f"p50 {alone_p50:.3f} ms" in targets["small4k"]["detail"]
+    assert targets["bulk"]["met"] is None and targets["zmq"]["met"] is True

@@ -100,22 +100,45 @@ def evaluate_targets(workloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "64 MiB of 16 KiB scattered blocks (one descriptor per block): kvxferd >= 1.0x raw NIXL",
         1.0,
     )
-    rate, paced = tagged("small4k-rate"), tagged("small4k-latency")
-    if rate and paced:
-        r, p = rate[0]["paths"]["kvxferd"], paced[0]["paths"]["kvxferd"]
-        lat, rps = p["latency_ms"], r["rps"]["median"]
-        met = lat["p50"] < 0.5 and lat["p99"] < 2.0 and rps >= 5000
+    # The one-block target: latency of a request on its own (one in flight) and the
+    # rate with 16 in flight. The stricter reading, the same latency bounds while 5000 req/s
+    # are offered, is reported as a target of its own.
+    rate, alone, paced = tagged("small4k-rate"), tagged("small4k-latency"), tagged("small4k-loaded")
+
+    def latency_ok(lat: dict[str, float]) -> bool:
+        return lat["p50"] < 0.5 and lat["p99"] < 2.0
+
+    if rate and alone:
+        rps = rate[0]["paths"]["kvxferd"]["rps"]["median"]
+        lat = alone[0]["paths"]["kvxferd"]["latency_ms"]
+        met: bool | None = latency_ok(lat) and rps >= 5000
         detail = (
-            f"{rps:.0f} req/s closed loop with 16 in flight ({rate[0]['name']}); "
-            f"p50 {lat['p50']:.3f} ms, p99 {lat['p99']:.3f} ms at {paced[0]['rate']:g} req/s offered "
-            f"({paced[0]['name']})"
+            f"one in flight ({alone[0]['name']}): p50 {lat['p50']:.3f} ms, p99 {lat['p99']:.3f} ms; "
+            f"{rps:.0f} req/s closed loop with 16 in flight ({rate[0]['name']})"
         )
     else:
         met, detail = None, "not run"
     out.append(
         {
             "target": "small4k",
-            "text": "4 KiB single-block requests, 16 in flight: p50 < 0.5 ms, p99 < 2 ms, >= 5000 req/s",
+            "text": "4 KiB single-block requests: p50 < 0.5 ms, p99 < 2 ms; >= 5000 req/s with 16 in flight",
+            "met": met,
+            "detail": detail,
+        }
+    )
+    if paced:
+        lat = paced[0]["paths"]["kvxferd"]["latency_ms"]
+        met, detail = (
+            latency_ok(lat),
+            f"p50 {lat['p50']:.3f} ms, p99 {lat['p99']:.3f} ms at {paced[0]['rate']:g} req/s "
+            f"offered, up to 16 in flight ({paced[0]['name']})",
+        )
+    else:
+        met, detail = None, "not run"
+    out.append(
+        {
+            "target": "small4k-loaded",
+            "text": "the same latency bounds while 5000 req/s of 4 KiB requests are offered",
             "met": met,
             "detail": detail,
         }

@@ -71,7 +71,8 @@ QUICK: tuple[Workload, ...] = (
     W("scat-16k-64m", 16, 4096, target="scatter16k"),
     W("mid-64k-4m-2rx", 64, 64, receivers=2, inflight=8),
     W("small-4k-w16", 4, 1, inflight=16, target="small4k-rate"),
-    W("small-4k-paced", 4, 1, inflight=16, rate=5000, target="small4k-latency"),
+    W("small-4k-w1", 4, 1, inflight=1, target="small4k-latency"),
+    W("small-4k-paced", 4, 1, inflight=16, rate=5000, target="small4k-loaded"),
 )
 FULL: tuple[Workload, ...] = (
     W("bulk-1m-contig", 1024, 64, scattered=False, target="bulk"),
@@ -91,8 +92,8 @@ FULL: tuple[Workload, ...] = (
     W("small-16k-w16", 16, 1, inflight=16),
     W("small-4k-w16", 4, 1, inflight=16, target="small4k-rate"),
     W("small-4k-w16-2rx", 4, 1, receivers=2, inflight=16),
-    W("small-4k-w1", 4, 1, inflight=1),
-    W("small-4k-paced", 4, 1, inflight=16, rate=5000, target="small4k-latency"),
+    W("small-4k-w1", 4, 1, inflight=1, target="small4k-latency"),
+    W("small-4k-paced", 4, 1, inflight=16, rate=5000, target="small4k-loaded"),
 )
 del W
 
