@@ -9,7 +9,7 @@ Told top-down, as ``run -> startup -> serve -> drain -> teardown``:
   ``WATCHDOG=1`` at half of ``WATCHDOG_USEC`` *only while* the listener and
   every worker made progress, and a status line every few seconds.
 * **drain** (first signal): ``STOPPING=1``; readiness drops; the gateway
-  refuses new sessions with SHUTTING_DOWN; the service's own shutdown lets
+  refuses new sessions with DRAINING; the service's own shutdown lets
   in-flight transfers finish up to ``drain_timeout_ms``, fails the rest with
   reasons sent to peers, joins its threads and deregisters memory only when no
   write can touch it. It runs in a thread so the loop keeps answering probes.

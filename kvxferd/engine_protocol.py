@@ -57,6 +57,7 @@ class EngineReason(StrEnum):
     BAD_BLOCKS = "bad_blocks"
     DUPLICATE = "duplicate"
     BUSY = "busy"
+    DRAINING = "draining"  # the daemon is draining: no new publish/fetch
     SHUTTING_DOWN = "shutting_down"
     CANCELLED = "cancelled"
     EXPIRED = "expired"
@@ -69,7 +70,6 @@ class EngineReason(StrEnum):
     # The gateway's own.
     UNKNOWN_HANDLE = "unknown_handle"  # never issued, already closed, or another connection's
     WRONG_ROLE = "wrong_role"  # Publish on a receiver, Fetch on a sender
-    DRAINING = "draining"  # the daemon is draining: no new publish/fetch
     INTERNAL = "internal"  # a bug in the daemon; the call failed, the daemon lives on
 
 

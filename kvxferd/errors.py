@@ -32,7 +32,12 @@ class Reason(StrEnum):
     BAD_BLOCKS = "bad_blocks"  # block ids or layer range outside a pool
     DUPLICATE = "duplicate"  # a live request id or fetch id used twice
     BUSY = "busy"  # a bounded table (peers, pending fetches, sessions) is full
-    SHUTTING_DOWN = "shutting_down"  # the process is draining or stopping
+    DRAINING = (
+        "draining"  # the process is draining: no new request, fetch or peer; in-flight ones go on
+    )
+    SHUTTING_DOWN = (
+        "shutting_down"  # the process is stopping: work still open at the drain deadline
+    )
     # Outcomes of a transfer.
     CANCELLED = "cancelled"  # cancelled by the engine or by the peer
     EXPIRED = (

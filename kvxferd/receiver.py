@@ -47,6 +47,7 @@ from kvxferd.layout import check_blocks, check_layers
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Fence, RxOutcome, RxSession, RxState
 from kvxferd.stats import Stats
+from kvxferd.waiters import Once
 
 log = logging.getLogger("kvxferd.receiver")
 
@@ -139,6 +140,7 @@ class Receiver:
         self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
         self._stopping = threading.Event()
         self._draining = threading.Event()
+        self._shutdown_once: Once[bool] = Once()
         self.drain_complete = True  # set by shutdown(): every open fetch ended by itself
         self.io_progress = time.monotonic()
         self._io = threading.Thread(target=self._run, name="kvxferd-rx-io", daemon=True)
@@ -173,7 +175,7 @@ class Receiver:
     ) -> RxHandle:
         """Ask ``sender_endpoint`` to write ``request_id`` into ``block_ids``; returns at once."""
         if self._draining.is_set():
-            raise RejectedError(Reason.SHUTTING_DOWN, "receiver is draining")
+            raise RejectedError(Reason.DRAINING, "receiver is draining")
         if not _REQUEST_ID.match(request_id):
             raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
@@ -455,11 +457,23 @@ class Receiver:
 
         Open fetches may finish by themselves until ``drain_timeout_ms``
         (``drain_complete`` tells whether all did); the rest are cancelled and
-        their fences awaited within the remaining bound.
+        their fences awaited within the remaining bound. Safe to call again and from
+        several threads: a later call waits (within its own bound) for the first and
+        returns its answer, or False if the first has not finished by then.
         """
+        total = self.settings.deadlines.shutdown_timeout_ms / 1000 if timeout is None else timeout
         t0 = time.monotonic()
+        if not self._shutdown_once.claim():
+            return bool(self._shutdown_once.wait(total))
+        safe: bool | None = None
+        try:
+            safe = self._shutdown(t0, total)
+            return safe
+        finally:
+            self._shutdown_once.finish(safe)
+
+    def _shutdown(self, t0: float, total: float) -> bool:
         d = self.settings.deadlines
-        total = d.shutdown_timeout_ms / 1000 if timeout is None else timeout
         deadline = t0 + total
         drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline - 0.2 * total)
         self._draining.set()

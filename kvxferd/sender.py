@@ -62,6 +62,7 @@ from kvxferd.layout import Layout, aux_descriptors, check_blocks, check_layers, 
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Slice, TxOutcome, TxSession
 from kvxferd.stats import Stats
+from kvxferd.waiters import Once
 
 log = logging.getLogger("kvxferd.sender")
 
@@ -394,6 +395,7 @@ class Sender:
         self._ttl_heap: list[tuple[float, int]] = []
         self._session_ids = itertools.count(1)
         self._draining = threading.Event()
+        self._shutdown_once: Once[ShutdownReport] = Once()
         self._stopping = threading.Event()
         self._router, self.endpoint = bind_router(settings.listen, self.socket_limits)
         self.listener_progress = time.monotonic()
@@ -446,8 +448,8 @@ class Sender:
     ) -> TxHandle:
         """Offer a finished request's blocks to receivers; RejectedError with a reason if refused."""
         if self._draining.is_set():
-            self.stats.add("rejected_shutting_down")
-            raise RejectedError(Reason.SHUTTING_DOWN, "sender is draining")
+            self.stats.add("rejected_draining")
+            raise RejectedError(Reason.DRAINING, "sender is draining")
         if not _REQUEST_ID.match(request_id):
             raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
         if expected_fetches < 1:
@@ -474,7 +476,7 @@ class Sender:
         with self._lock:
             error: RejectedError | None = None
             if self._draining.is_set():
-                error = RejectedError(Reason.SHUTTING_DOWN, "sender is draining")
+                error = RejectedError(Reason.DRAINING, "sender is draining")
             elif request_id in self._live:
                 error = RejectedError(
                     Reason.DUPLICATE, f"request {request_id} is already published"
@@ -596,7 +598,7 @@ class Sender:
             )
 
         if self._draining.is_set():
-            return refuse(Reason.SHUTTING_DOWN, "sender is draining")
+            return refuse(Reason.DRAINING, "sender is draining")
         why = wire.check_compatible(self.pool.layout, msg.layout) or _unusable_endpoint(
             msg.result_endpoint
         )
@@ -646,9 +648,7 @@ class Sender:
         if peer is None:
             return self._refuse_fetch(routing_id, None, msg, Reason.UNKNOWN_PEER, "REGISTER first")
         if self._draining.is_set():
-            return self._refuse_fetch(
-                routing_id, peer, msg, Reason.SHUTTING_DOWN, "sender is draining"
-            )
+            return self._refuse_fetch(routing_id, peer, msg, Reason.DRAINING, "sender is draining")
         dst = np.asarray(msg.dst_blocks, dtype=np.int64)
         try:
             if dst.size > self.settings.limits.max_blocks_per_request:
@@ -854,10 +854,30 @@ class Sender:
 
     # -- shutdown ----------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> ShutdownReport:
-        """Stop admitting, drain up to drain_timeout, fail the rest, join, deregister; bounded."""
+        """Stop admitting, drain up to drain_timeout, fail the rest, join, deregister; bounded.
+
+        Safe to call again and from several threads: a later call waits (within its own
+        bound) for the first and returns the same report, or an incomplete one if the first
+        has not finished by then.
+        """
+        total = self.settings.deadlines.shutdown_timeout_ms / 1000 if timeout is None else timeout
         t0 = time.monotonic()
+        if not self._shutdown_once.claim():
+            earlier = self._shutdown_once.wait(total)
+            if earlier is not None:
+                return earlier
+            return ShutdownReport(
+                False, False, self.writes_in_flight(), False, time.monotonic() - t0
+            )
+        report: ShutdownReport | None = None
+        try:
+            report = self._shutdown(t0, total)
+            return report
+        finally:
+            self._shutdown_once.finish(report)
+
+    def _shutdown(self, t0: float, total: float) -> ShutdownReport:
         d = self.settings.deadlines
-        total = d.shutdown_timeout_ms / 1000 if timeout is None else timeout
         deadline = t0 + total
         drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline)
         with self._lock:  # publish checks the flag under this lock: no session slips past

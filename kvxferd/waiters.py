@@ -75,3 +75,28 @@ class Completion(Generic[T]):
         finally:
             with self._lock:
                 self._futures = [(lp, f) for lp, f in self._futures if f is not fut]
+
+
+class Once(Generic[T]):
+    """Work that runs once however many threads ask: the first caller claims and does it;
+    the others wait, each within its own bound, for the first one's result."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._done = threading.Event()
+        self._result: T | None = None
+
+    def claim(self) -> bool:
+        """True for the first caller only: it must call :meth:`finish`, also on failure."""
+        with self._lock:
+            first, self._claimed = not self._claimed, True
+        return first
+
+    def finish(self, result: T | None) -> None:
+        self._result = result
+        self._done.set()
+
+    def wait(self, timeout: float) -> T | None:
+        """The first caller's result; None if it has not finished within ``timeout`` (or failed)."""
+        return self._result if self._done.wait(max(0.0, timeout)) else None

@@ -230,7 +230,7 @@ class Publisher:
             except RejectedError as e:
                 self.alloc.give_back(blocks.tolist())
                 self.emit("publish_refused", id=rid, reason=str(e.reason), detail=e.detail)
-                if e.reason is Reason.SHUTTING_DOWN:
+                if e.reason is Reason.DRAINING:
                     self.paused.set()
                 return
             with self._lock:

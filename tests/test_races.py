@@ -46,7 +46,7 @@ from kvxferd.config import (
     load_receiver_settings,
     load_sender_settings,
 )
-from kvxferd.errors import ConfigError, ProtocolError, Reason
+from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from kvxferd.session import RxState, SliceState, TxSession, TxState
@@ -677,6 +677,67 @@ def test_shutdown_final_results_reach_a_reading_receiver(h: Harness) -> None:
     }
     assert h.tap.result_counts() == {1: 1, 2: 1, 3: 1}
     assert hd1.wait(0) is not None
+
+
+def test_new_work_during_the_drain_is_refused_as_draining(h: Harness) -> None:
+    """While a drain waits on an in-flight write: publish, RequestData and Register get DRAINING; the write still completes."""
+    sx, dp = h.sender(
+        num_threads=1, deadlines=dict(drain_timeout_ms=8000, shutdown_timeout_ms=10000)
+    )
+    p = h.peer(sx, "peer-a")
+    hd = sx.publish("req-1", BLOCKS)
+    p.fetch("req-1", 1)
+    x = dp.wait_posted(1)  # held in flight: the drain waits for it
+    t = threading.Thread(target=sx.shutdown, daemon=True)
+    t.start()
+    assert sx._draining.wait(WAIT_S)
+
+    with pytest.raises(RejectedError) as ei:
+        sx.publish("req-late", [9])
+    assert ei.value.reason is Reason.DRAINING
+    p.fetch("req-1", 2)  # a second fetch of the live request: new work, refused
+    late = p.next_result()
+    assert (late.fetch_id, late.status, late.reason) == (2, "failed", Reason.DRAINING)
+    newcomer = RawPeer(sx, "peer-late")
+    try:
+        newcomer._send(
+            wire.Register(
+                receiver_id="peer-late",
+                result_endpoint=newcomer.result_endpoint,
+                agent_metadata=b"peer-late",
+                layout=newcomer.layout,
+                kv_base=0,
+                aux_base=0,
+            )
+        )
+        reply = newcomer.next_message()
+    finally:
+        newcomer.close()
+    assert isinstance(reply, wire.RegisterReply) and not reply.ok
+    assert reply.reason is Reason.DRAINING
+
+    assert t.is_alive(), "the drain ended before the in-flight write did"
+    x.finish(True)
+    t.join(WAIT_S)
+    assert not t.is_alive()
+    first = p.next_result()
+    assert (first.fetch_id, first.status) == (1, "done")
+    assert hd.wait(0) is not None and sx.stats.get("rejected_draining") >= 3
+
+
+def test_a_fetch_after_the_receiver_began_draining_is_refused_as_draining(h: Harness) -> None:
+    """Once the receiver's shutdown started, fetch raises DRAINING at once and sends nothing."""
+    rx = h.receiver("rx-drain")
+    sx, _ = h.sender()
+    t = threading.Thread(target=rx.shutdown, kwargs={"timeout": 3}, daemon=True)
+    t.start()
+    assert rx._draining.wait(WAIT_S)
+    with pytest.raises(RejectedError) as ei:
+        rx.fetch("req-late", sx.endpoint, [0])
+    assert ei.value.reason is Reason.DRAINING
+    t.join(WAIT_S)
+    assert not t.is_alive()
+    assert rx.stats.get("requests_sent") == 0
 
 
 def test_a_result_queued_before_shutdown_is_still_delivered(h: Harness) -> None:

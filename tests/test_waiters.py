@@ -1,11 +1,13 @@
-"""Completion delivery to threads and to asyncio tasks on several loops (waiters.py)."""
+"""Completion delivery to threads and to asyncio tasks on several loops, and Once (waiters.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from kvxferd.waiters import Completion
+import pytest
+
+from kvxferd.waiters import Completion, Once
 
 
 def test_each_waiter_wakes_on_its_own_loop() -> None:
@@ -75,3 +77,36 @@ def test_value_is_set_once() -> None:
 def test_thread_wait_times_out_with_none() -> None:
     """A blocking wait returns None when its timeout passes first."""
     assert Completion[int]().wait(0.01) is None
+
+
+@pytest.mark.timeout(10)
+def test_once_runs_for_the_first_caller_and_the_others_get_its_result() -> None:
+    """Of several threads, exactly one claims; the rest wait for its result within their bound."""
+    once: Once[str] = Once()
+    gate = threading.Event()
+    claims: list[bool] = []
+    results: list[str | None] = []
+    lock = threading.Lock()
+
+    def caller() -> None:
+        first = once.claim()
+        with lock:
+            claims.append(first)
+        if first:
+            gate.wait(5)
+            once.finish("report")
+        else:
+            got = once.wait(5)
+            with lock:
+                results.append(got)
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    for t in threads:
+        t.start()
+    assert once.wait(0.05) is None, "a waiter returned before the first caller finished"
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert sorted(claims) == [False, False, False, True]
+    assert results == ["report"] * 3
+    assert once.wait(0) == "report" and not once.claim()
