@@ -121,17 +121,28 @@ class SharedDealerPool:
 
     def send(self, endpoint: str, frame: bytes) -> None:
         """Send one frame to ``endpoint``; SendTimeout within the deadline, or when closed."""
+        for _ in range(2):  # a DEALER forgotten between lookup and send: take a fresh one, once
+            with self._lock:
+                if self._closed:
+                    raise SendTimeout("dealer pool is closed")
+                dealer = self._dealers.get(endpoint)
+                if dealer is None:
+                    sock = connect_dealer(endpoint, self._limits, self._timeout_ms)
+                    dealer = self._dealers[endpoint] = _SharedDealer(sock)
+            with dealer.lock:
+                if not dealer.closed:
+                    send_bounded(dealer.sock, frame)
+                    return
+        raise SendTimeout(f"the DEALER to {endpoint} was closed twice during this send")
+
+    def forget(self, endpoint: str) -> None:
+        """Close the DEALER to ``endpoint`` (its peer is gone) once its current send ends."""
         with self._lock:
-            if self._closed:
-                raise SendTimeout("dealer pool is closed")
-            dealer = self._dealers.get(endpoint)
-            if dealer is None:
-                sock = connect_dealer(endpoint, self._limits, self._timeout_ms)
-                dealer = self._dealers[endpoint] = _SharedDealer(sock)
-        with dealer.lock:
-            if dealer.closed:
-                raise SendTimeout("dealer pool is closed")
-            send_bounded(dealer.sock, frame)
+            dealer = self._dealers.pop(endpoint, None)
+        if dealer is not None:
+            with dealer.lock:
+                dealer.closed = True
+                dealer.sock.close(linger=self._timeout_ms)
 
     def close_all(self) -> None:
         """Refuse new sends, then close each dealer once its current send (bounded) ends."""

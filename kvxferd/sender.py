@@ -5,7 +5,8 @@ Threads and what each owns::
     thread              owns                                does
     ------------------  ----------------------------------  -------------------------------------------
     kvxferd-listener    the ROUTER socket                   decodes and validates every message; REGISTER
-                                                            (compatibility, NIXL metadata); REQUEST_DATA
+                                                            (compatibility, NIXL metadata; a full table
+                                                            evicts the longest-idle peer); REQUEST_DATA
                                                             (attach to a session or park until publish,
                                                             enqueue on worker hash(request, peer) % N);
                                                             CANCEL (end admission, ack through the worker);
@@ -15,7 +16,8 @@ Threads and what each owns::
                         receiver result endpoint            NIXL WRITE (KV by block index on the lists
                                                             prepared at REGISTER when the data plane has
                                                             them), waits with a stall deadline, sends
-                                                            exactly one Result per slice on its own DEALER
+                                                            exactly one Result per slice on its own DEALER;
+                                                            closes its DEALER to an evicted peer
     API callers         nothing long-lived                  publish / cancel / close / shutdown; send to
                                                             peers only through the SharedDealerPool
 
@@ -60,7 +62,7 @@ from kvxferd.dataplane import DataPlane, NixlDataPlane, Xfer, wait_xfer
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.layout import Layout, aux_descriptors, check_blocks, check_layers, write_descriptors
 from kvxferd.pool import IdAllocator, KvPool
-from kvxferd.session import Slice, TxOutcome, TxSession
+from kvxferd.session import Slice, SliceState, TxOutcome, TxSession
 from kvxferd.stats import Stats
 from kvxferd.waiters import Once
 
@@ -110,6 +112,15 @@ class _AckTask:
     session: TxSession
     peer: Peer
     fetch_id: int
+
+
+@dataclass(slots=True)
+class _ForgetTask:
+    """A peer was evicted: close this worker's DEALER to its result endpoint (and, for one
+    worker, the shared pool's: that close may wait for a bounded send, which a worker may)."""
+
+    endpoint: str
+    shared: bool = False
 
 
 @dataclass(slots=True)
@@ -194,6 +205,10 @@ class _Worker:
                         self._write_slice(task)
                     elif isinstance(task, _AckTask):
                         self._ack_cancel(task)
+                    elif isinstance(task, _ForgetTask):
+                        self._forget(task.endpoint)
+                        if task.shared:
+                            self.sender._shared.forget(task.endpoint)
                 except Exception:  # a bug must not kill the worker; the slice still reports
                     log.exception("worker %d: task failed", self.index)
                     if isinstance(task, _WriteTask):
@@ -316,6 +331,11 @@ class _Worker:
             self._dealers[endpoint] = sock
         return sock
 
+    def _forget(self, endpoint: str) -> None:
+        sock = self._dealers.pop(endpoint, None)
+        if sock is not None:  # a Result still queued gets the usual bounded linger
+            sock.close(linger=self.sender.settings.deadlines.worker_send_timeout_ms)
+
     def _send(self, endpoint: str, msg: wire.Result | wire.CancelAck) -> None:
         try:
             send_bounded(self._dealer(endpoint), wire.encode(msg))
@@ -389,6 +409,7 @@ class Sender:
         self._pending_count = 0
         self._parked_keys: set[tuple[str, int]] = set()  # keys of parked fetches (duplicates)
         self._peers: dict[bytes, Peer] = {}  # routing id -> peer
+        self._peer_seen: dict[bytes, float] = {}  # routing id -> last message (listener only)
         # (ttl deadline, session id) of every published session, earliest first. Lazy
         # deletion: an entry whose session is gone or fetched is dropped when it comes due,
         # so housekeeping costs what expires, not what is live.
@@ -607,11 +628,15 @@ class Sender:
         with self._lock:
             known = self._peers.get(routing_id)
             full = known is None and len(self._peers) >= self.settings.limits.max_peers
+            evicted = self._evict_idle_peer_locked() if full else None
         if known is not None and known.receiver_id == msg.receiver_id:
+            self._peer_seen[routing_id] = time.monotonic()
             self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
             return
-        if full:
-            return refuse(Reason.BUSY, "max_peers reached")
+        if evicted is not None:
+            self._forget_peer(evicted)
+        elif full:
+            return refuse(Reason.BUSY, "max_peers reached and every peer has work in flight")
         try:
             nixl_name = self.dataplane.add_peer(msg.agent_metadata)
         except Exception as e:
@@ -638,13 +663,59 @@ class Sender:
         )
         with self._lock:
             self._peers[routing_id] = peer
+        self._peer_seen[routing_id] = time.monotonic()
         self.stats.add("peers_registered")
         log.info("receiver %s registered (results at %s)", msg.receiver_id, msg.result_endpoint)
         self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
 
+    def _evict_idle_peer_locked(self) -> Peer | None:
+        """Remove the least recently heard-from peer that no write can still target (lock held).
+
+        A peer is idle when none of its fetches is queued, writing or in doubt and none is
+        parked. Nothing can start a write toward it afterwards: fetches attach only under
+        this lock, and its next RequestData meets ``unknown_peer`` (kvxferd's receiver then
+        registers again). Cost: one pass over the fetches, only when the table is full.
+        """
+        busy: set[str] = set()
+        for key, session in self._fetches.items():
+            if key[0] in busy:
+                continue
+            sl = session.slice(key)
+            if sl is not None and (
+                sl.state in (SliceState.QUEUED, SliceState.WRITING, SliceState.IN_DOUBT)
+                or sl.writes_in_flight > 0
+            ):
+                busy.add(key[0])
+        for parked in self._pending.values():
+            busy.update(p.peer.receiver_id for p in parked)
+        idle = [rid for rid, peer in self._peers.items() if peer.receiver_id not in busy]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda rid: self._peer_seen.get(rid, 0.0))
+        self._peer_seen.pop(victim, None)
+        return self._peers.pop(victim)
+
+    def _forget_peer(self, peer: Peer) -> None:
+        """Release what an evicted peer held: its NIXL remote agent and the DEALERs to it."""
+        try:
+            self.dataplane.remove_peer(peer.nixl_name)
+        except Exception:  # the entry is gone either way; NIXL keeps a stale remote at worst
+            log.exception("removing NIXL peer %s failed", peer.receiver_id)
+        with self._lock:
+            still_used = any(
+                p.result_endpoint == peer.result_endpoint for p in self._peers.values()
+            )
+        if not still_used:  # the listener never waits on a socket: the workers close them
+            for i, w in enumerate(self._workers):
+                w.queue.put(_ForgetTask(peer.result_endpoint, shared=i == 0))
+        self.stats.add("peers_evicted")
+        log.info("receiver %s evicted: peer table full, it was the longest idle", peer.receiver_id)
+
     def _on_request(self, routing_id: bytes, msg: wire.RequestData) -> None:
         with self._lock:
             peer = self._peers.get(routing_id)
+        if peer is not None:
+            self._peer_seen[routing_id] = time.monotonic()
         if peer is None:
             return self._refuse_fetch(routing_id, None, msg, Reason.UNKNOWN_PEER, "REGISTER first")
         if self._draining.is_set():
@@ -769,6 +840,8 @@ class Sender:
     def _on_cancel(self, routing_id: bytes, msg: wire.Cancel) -> None:
         with self._lock:
             peer = self._peers.get(routing_id)
+            if peer is not None:
+                self._peer_seen[routing_id] = time.monotonic()
             if peer is None:
                 session = None
             else:

@@ -226,6 +226,21 @@ class TestSharedDealerPool:
             assert done.wait(WAIT_S) and not errors, errors
         assert len(calls) == 1
 
+    def test_forget_closes_the_dealer_and_a_later_send_reconnects(
+        self, spies: Spies, router: tuple[zmq.Socket[bytes], str], pools: list[SharedDealerPool]
+    ) -> None:
+        """forget closes an endpoint's DEALER; the next send to it connects a new one and arrives."""
+        sock, endpoint = router
+        pool = make_pool(pools)
+        pool.send(endpoint, b"before")
+        first = spies.of(endpoint)
+        pool.forget(endpoint)
+        assert first.closed and not first.closed_during_send
+        pool.send(endpoint, b"after")
+        assert spies.connects[endpoint] == 2, "the forgotten DEALER was reused"
+        assert [f[1] for f in recv_all(sock, 2)] == [b"before", b"after"]
+        pool.forget("tcp://127.0.0.1:1")  # never connected: nothing to do
+
     def test_sends_to_one_endpoint_are_serialised(
         self, spies: Spies, router: tuple[zmq.Socket[bytes], str], pools: list[SharedDealerPool]
     ) -> None:

@@ -740,6 +740,56 @@ def test_a_fetch_after_the_receiver_began_draining_is_refused_as_draining(h: Har
     assert rx.stats.get("requests_sent") == 0
 
 
+def test_a_full_peer_table_evicts_the_longest_idle_peer_never_a_busy_one(h: Harness) -> None:
+    """max_peers reached: a new Register evicts the least recently heard-from idle peer; a peer with a write in flight stays."""
+    sx, dp = h.sender(num_threads=1, limits=dict(max_peers=2))
+    a, b = h.peer(sx, "peer-a"), h.peer(sx, "peer-b")
+    sx.publish("req-1", BLOCKS)
+    b.fetch("req-1", 1)
+    x = dp.wait_posted(1)  # b has a write in flight
+    a.cancel("req-none", 99)  # a spoke last: b is the longest idle by time, but busy
+    assert isinstance(a.next_message(), wire.CancelAck)
+
+    h.peer(sx, "peer-c")  # registers (asserts ok) by evicting a
+    assert sx.stats.get("peers_evicted") == 1
+    assert "peer-a" not in dp.peers and {"peer-b", "peer-c"} <= dp.peers
+    a.fetch("req-1", 2)
+    late = a.next_result()
+    assert (late.fetch_id, late.status, late.reason) == (2, "failed", Reason.UNKNOWN_PEER)
+
+    x.finish(True)
+    done = b.next_result()
+    assert (done.fetch_id, done.status) == (1, "done"), "the busy peer kept its write and result"
+
+
+def test_a_full_peer_table_with_every_peer_busy_refuses_busy(h: Harness) -> None:
+    """When every registered peer has work in flight, a new Register gets busy and nobody is evicted."""
+    sx, dp = h.sender(num_threads=1, limits=dict(max_peers=1))
+    a = h.peer(sx, "peer-a")
+    sx.publish("req-1", BLOCKS)
+    a.fetch("req-1", 1)
+    x = dp.wait_posted(1)
+    c = RawPeer(sx, "peer-c")
+    try:
+        c._send(
+            wire.Register(
+                receiver_id="peer-c",
+                result_endpoint=c.result_endpoint,
+                agent_metadata=b"peer-c",
+                layout=c.layout,
+                kv_base=0,
+                aux_base=0,
+            )
+        )
+        reply = c.next_message()
+    finally:
+        c.close()
+    assert isinstance(reply, wire.RegisterReply) and not reply.ok and reply.reason is Reason.BUSY
+    assert sx.stats.get("peers_evicted") == 0 and "peer-a" in dp.peers
+    x.finish(True)
+    assert a.next_result().status == "done"
+
+
 def test_a_result_queued_before_shutdown_is_still_delivered(h: Harness) -> None:
     """A worker's final Result still queued (connection not up) when shutdown closes its DEALER reaches the receiver once it listens."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
