@@ -1,4 +1,4 @@
-"""The engine protocol: how a local engine drives its kvxferd daemon; msgpack via msgspec, never pickle.
+"""The engine protocol: how a local engine drives its kvxferd daemon; msgpack decoded into fixed structs.
 
 Every message is exactly one ZMQ frame (the gateway's ROUTER additionally sees
 the routing id frame in front of it)::

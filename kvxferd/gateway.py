@@ -526,8 +526,8 @@ def _pool_info(service: Sender | Receiver) -> ep.PoolInfo:
 def cuda_ipc_handle(pool: KvPool) -> bytes:  # pragma: no cover - needs a GPU
     """The KV tensor's CUDA IPC handle, msgpack-encoded (see docs/engine-api.md, "GPU pools").
 
-    ``UntypedStorage._share_cuda_()`` is what ``torch.multiprocessing`` sends
-    through pickle; we send its fields through msgspec instead. The daemon keeps
+    ``UntypedStorage._share_cuda_()`` gives the fields ``torch.multiprocessing``
+    would hand over; we send them as a typed msgspec struct. The daemon keeps
     the pool (and so the allocation) alive for its whole life.
     """
     kv = pool.kv

@@ -1,4 +1,4 @@
-"""The wire protocol: typed, versioned, bounded messages; msgpack via msgspec, never pickle.
+"""The wire protocol: typed, versioned, bounded messages; msgpack decoded by msgspec into fixed structs.
 
 Every message is exactly one ZMQ frame (a ROUTER additionally sees the routing
 id frame in front of it)::

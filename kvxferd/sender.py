@@ -26,7 +26,7 @@ Threads and what each owns::
 the registry lock is never taken while a session lock is held.
 
 All work of one (request, receiver) goes to one worker, so its results (and a
-CancelAck after them) reach the receiver in order.
+CancelAck after them) reach the receiver in order. The workers live in worker.py.
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ import hashlib
 import heapq
 import itertools
 import logging
-import queue
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -53,39 +52,21 @@ from kvxferd.control import (
     SharedDealerPool,
     SocketLimits,
     bind_router,
-    connect_dealer,
     process_context,
     router_reply,
-    send_bounded,
 )
-from kvxferd.dataplane import DataPlane, NixlDataPlane, Xfer, wait_xfer
+from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
-from kvxferd.layout import Layout, aux_descriptors, check_blocks, check_layers, write_descriptors
+from kvxferd.layout import check_blocks, check_layers
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Slice, SliceState, TxOutcome, TxSession
 from kvxferd.stats import Stats
 from kvxferd.waiters import Once
+from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, Worker, WriteTask
 
 log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
-_TICK_S = 0.05  # listener/worker housekeeping period
-
-
-@dataclass(frozen=True, slots=True)
-class Peer:
-    """A registered receiver."""
-
-    receiver_id: str
-    routing_id: bytes
-    result_endpoint: str
-    nixl_name: str
-    layout: Layout
-    kv_base: int
-    aux_base: int
-    mem_type: str
-    device_id: int
-    prepped: bool = False  # the data plane holds a prepared list of its KV pool (post_blocks)
 
 
 @dataclass(slots=True)
@@ -100,37 +81,6 @@ class _Pending:
 
 
 @dataclass(frozen=True, slots=True)
-class _WriteTask:
-    session: TxSession
-    slice: Slice
-    peer: Peer
-    queued_at: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True, slots=True)
-class _AckTask:
-    session: TxSession
-    peer: Peer
-    fetch_id: int
-
-
-@dataclass(slots=True)
-class _ForgetTask:
-    """A peer was evicted: close this worker's DEALER to its result endpoint (and, for one
-    worker, the shared pool's: that close may wait for a bounded send, which a worker may)."""
-
-    endpoint: str
-    shared: bool = False
-
-
-@dataclass(slots=True)
-class _Stalled:
-    session: TxSession
-    slice: Slice
-    xfer: Xfer
-
-
-@dataclass(frozen=True, slots=True)
 class ShutdownReport:
     """What a shutdown achieved within its bound."""
 
@@ -139,9 +89,6 @@ class ShutdownReport:
     writes_in_doubt: int  # writes still in flight (their memory was kept registered)
     threads_joined: bool
     elapsed_s: float
-
-
-_STOP = object()
 
 
 class TxHandle:
@@ -170,214 +117,6 @@ class TxHandle:
     def close(self, timeout: float | None = None) -> bool:
         """Cancel if still open, wait for in-flight writes; True when the source blocks may be reused."""
         return self._sender._close_session(self.session, timeout)
-
-
-class _Worker:
-    """One sender worker thread: its queue, its DEALERs, its stalled writes."""
-
-    def __init__(self, sender: Sender, index: int) -> None:
-        self.sender = sender
-        self.index = index
-        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}  # owned by this thread only
-        self._stalled: list[_Stalled] = []
-        self.last_progress = time.monotonic()
-        self.thread = threading.Thread(
-            target=self._run, name=f"kvxferd-worker-{index}", daemon=True
-        )
-
-    def _run(self) -> None:
-        try:
-            while True:
-                try:
-                    task = self.queue.get(timeout=_TICK_S)
-                except queue.Empty:
-                    task = None
-                self.last_progress = time.monotonic()
-                if self._stalled:
-                    self._recheck_stalled()
-                if task is _STOP:
-                    break
-                if task is None:
-                    continue
-                try:
-                    if isinstance(task, _WriteTask):
-                        self._write_slice(task)
-                    elif isinstance(task, _AckTask):
-                        self._ack_cancel(task)
-                    elif isinstance(task, _ForgetTask):
-                        self._forget(task.endpoint)
-                        if task.shared:
-                            self.sender._shared.forget(task.endpoint)
-                except Exception:  # a bug must not kill the worker; the slice still reports
-                    log.exception("worker %d: task failed", self.index)
-                    if isinstance(task, _WriteTask):
-                        task.session.fail_slice(task.slice, Reason.TRANSFER_ERROR, "internal error")
-                        task.session.fail(Reason.TRANSFER_ERROR, "internal error")
-                        self._report(task)
-        finally:
-            # A bounded linger lets the last Results still queued reach their receivers.
-            linger_ms = self.sender.settings.deadlines.worker_send_timeout_ms
-            for sock in self._dealers.values():
-                sock.close(linger=linger_ms)
-            self._dealers.clear()
-
-    # -- one slice ---------------------------------------------------------------
-    def _write_slice(self, task: _WriteTask) -> None:
-        s, sl, peer = task.session, task.slice, task.peer
-        ok = self._one_write(task, "kv")
-        if ok and s.aux_len > 0 and sl.aux_slot >= 0:
-            ok = self._one_write(task, "aux")
-        if ok:
-            s.slice_written(sl)
-        self._report(task)
-        if s.drained:
-            self.sender._session_drained(s)
-        del peer
-
-    def _build(self, task: _WriteTask, kind: str) -> tuple[np.ndarray, np.ndarray, str, str, int]:
-        snd, s, sl, peer = self.sender, task.session, task.slice, task.peer
-        if kind == "kv":
-            src, dst = write_descriptors(
-                snd.pool.layout,
-                snd.pool.kv_base,
-                s.block_ids,
-                peer.kv_base,
-                sl.dst_blocks,
-                sl.layer_begin,
-                sl.layer_end,
-                src_dev=snd.pool.device_id,
-                dst_dev=peer.device_id,
-                dst_layer_stride=peer.layout.layer_stride,
-            )
-            return src, dst, snd.pool.mem_type, peer.mem_type, int(src[:, 1].sum())
-        src, dst = aux_descriptors(
-            snd.pool.layout,
-            snd.pool.aux_base,
-            s.aux_slot,
-            peer.layout,
-            peer.aux_base,
-            sl.aux_slot,
-            s.aux_len,
-        )
-        return src, dst, "DRAM", "DRAM", s.aux_len
-
-    def _one_write(self, task: _WriteTask, kind: str) -> bool:
-        """Admit, post and wait for one WRITE; True when its bytes are in place."""
-        snd, s, sl = self.sender, task.session, task.slice
-        if s.admit_write(sl) is not None:
-            snd.stats.add("writes_refused")
-            return False
-        peer = task.peer
-        try:
-            if kind == "kv" and peer.prepped:  # prepared lists: block indices, no descriptors
-                xfer, state = snd.dataplane.post_blocks(
-                    peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
-                )
-                nbytes = (
-                    s.block_ids.size * snd.pool.layout.block_bytes * (sl.layer_end - sl.layer_begin)
-                )
-            else:
-                src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
-                xfer, state = snd.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
-        except Exception as e:  # nothing was posted: give the admission back first
-            s.release_admission(sl, f"{kind} write not built: {e}")
-            snd.stats.add("writes_build_failed")
-            return False
-        deadline = time.monotonic() + snd.settings.deadlines.xfer_stall_timeout_ms / 1000
-        try:
-            final = wait_xfer(xfer, state, deadline)
-        except Exception as e:  # nixl raises a typed error where its docs say "ERR"
-            final, error = "ERR", f": {e}"
-        else:
-            error = ""
-        if final == "STALLED":
-            s.write_stalled(sl, f"{kind} write in progress past xfer_stall_timeout")
-            self._stalled.append(_Stalled(s, sl, xfer))
-            snd.stats.add("writes_stalled")
-            return False
-        xfer.release()
-        ok = final == "DONE"
-        s.finish_write(
-            sl, ok, nbytes if ok else 0, "" if ok else f"NIXL reported an error ({kind}){error}"
-        )
-        snd.stats.add("bytes_written" if ok else "writes_failed", nbytes if ok else 1)
-        return ok
-
-    def _recheck_stalled(self) -> None:
-        still: list[_Stalled] = []
-        for st in self._stalled:
-            try:
-                state = st.xfer.poll()
-            except Exception:  # a raised NIXL error ends the write; it must not end this thread
-                state = "ERR"
-            if state == "PROC":
-                still.append(st)
-                continue
-            st.xfer.release()
-            st.session.finish_write(st.slice, state == "DONE")
-            if st.session.drained:
-                self.sender._session_drained(st.session)
-        self._stalled = still
-
-    # -- results -----------------------------------------------------------------
-    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
-        sock = self._dealers.get(endpoint)
-        if sock is None:
-            snd = self.sender
-            sock = connect_dealer(
-                endpoint, snd.socket_limits, snd.settings.deadlines.worker_send_timeout_ms
-            )
-            self._dealers[endpoint] = sock
-        return sock
-
-    def _forget(self, endpoint: str) -> None:
-        sock = self._dealers.pop(endpoint, None)
-        if sock is not None:  # a Result still queued gets the usual bounded linger
-            sock.close(linger=self.sender.settings.deadlines.worker_send_timeout_ms)
-
-    def _send(self, endpoint: str, msg: wire.Result | wire.CancelAck) -> None:
-        try:
-            send_bounded(self._dealer(endpoint), wire.encode(msg))
-            self.sender.stats.add(f"sent_{msg.__struct_config__.tag}")
-        except SendTimeout:
-            self.sender.stats.add("send_timeouts")
-            log.warning("result for fetch %d dropped: receiver not reading", msg.fetch_id)
-        except zmq.ZMQError as e:
-            self.sender.stats.add("send_errors")
-            log.warning("result for fetch %d dropped: %s", msg.fetch_id, e)
-
-    def _report(self, task: _WriteTask) -> None:
-        rep = task.session.take_report(task.slice)
-        if rep is None:
-            return
-        self.sender.stats.add(f"slices_{rep.status}")
-        self.sender.stats.observe("slice_seconds", time.monotonic() - task.queued_at)
-        self.sender.stats.add(f"worker_{self.index}_slices")
-        self._send(
-            rep.result_endpoint,
-            wire.Result(
-                request_id=task.session.request_id,
-                fetch_id=rep.fetch_id,
-                status=rep.status,  # type: ignore[arg-type]
-                reason=rep.reason,
-                detail=rep.detail[:1024],
-                nbytes=rep.nbytes,
-                aux_bytes=task.session.aux_len
-                if rep.status == "done" and task.slice.aux_slot >= 0
-                else 0,
-            ),
-        )
-
-    def _ack_cancel(self, task: _AckTask) -> None:
-        sl = task.session.slice((task.peer.receiver_id, task.fetch_id))
-        in_doubt = sl is not None and sl.writes_in_flight > 0
-        self._send(
-            task.peer.result_endpoint,
-            wire.CancelAck(
-                request_id=task.session.request_id, fetch_id=task.fetch_id, in_doubt=in_doubt
-            ),
-        )
 
 
 class Sender:
@@ -421,7 +160,7 @@ class Sender:
         self._router, self.endpoint = bind_router(settings.listen, self.socket_limits)
         self.listener_progress = time.monotonic()
         self._listener = threading.Thread(target=self._listen, name="kvxferd-listener", daemon=True)
-        self._workers = [_Worker(self, i) for i in range(settings.num_threads)]
+        self._workers = [Worker(self, i) for i in range(settings.num_threads)]
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -517,7 +256,7 @@ class Sender:
                     self._attach_locked(session, p.peer, p.msg, p.dst, p.received) for p in parked
                 ]
                 for task in attached:  # queued under the lock too: an ack never overtakes it
-                    if isinstance(task, _WriteTask):
+                    if isinstance(task, WriteTask):
                         self._dispatch(task, _no_reply)
         if error is not None:
             if aux_slot >= 0:
@@ -564,7 +303,7 @@ class Sender:
         try:
             while not self._stopping.is_set():
                 self.listener_progress = time.monotonic()
-                events = dict(poller.poll(int(_TICK_S * 1000)))
+                events = dict(poller.poll(int(TICK_S * 1000)))
                 if self._router in events:
                     for _ in range(256):  # bounded batch, then housekeeping
                         try:
@@ -707,7 +446,7 @@ class Sender:
             )
         if not still_used:  # the listener never waits on a socket: the workers close them
             for i, w in enumerate(self._workers):
-                w.queue.put(_ForgetTask(peer.result_endpoint, shared=i == 0))
+                w.queue.put(ForgetTask(peer.result_endpoint, shared=i == 0))
         self.stats.add("peers_evicted")
         log.info("receiver %s evicted: peer table full, it was the longest idle", peer.receiver_id)
 
@@ -733,7 +472,7 @@ class Sender:
         except RejectedError as e:
             return self._refuse_fetch(routing_id, peer, msg, e.reason, e.detail)
         now = time.monotonic()
-        outcome: _WriteTask | wire.Result | None = None
+        outcome: WriteTask | wire.Result | None = None
         with self._lock:
             key = (peer.receiver_id, msg.fetch_id)
             if key in self._fetches or key in self._parked_keys:
@@ -784,7 +523,7 @@ class Sender:
         msg: wire.RequestData,
         dst: np.ndarray,
         received: float,
-    ) -> _WriteTask | wire.Result:
+    ) -> WriteTask | wire.Result:
         """Attach a fetch to a published session (registry lock held); a task, or the refusal.
 
         ``dst`` is ``msg.dst_blocks`` as the listener converted and checked it (once).
@@ -818,10 +557,10 @@ class Sender:
                 detail=e.detail[:1024],
             )
         self._fetches[sl.key] = session
-        return _WriteTask(session, sl, peer)
+        return WriteTask(session, sl, peer)
 
     def _dispatch(
-        self, outcome: _WriteTask | wire.Result, reply: Callable[[wire.Result], None]
+        self, outcome: WriteTask | wire.Result, reply: Callable[[wire.Result], None]
     ) -> None:
         """Queue an attached fetch on its worker, or send its refusal (registry lock not held)."""
         if isinstance(outcome, wire.Result):
@@ -830,7 +569,7 @@ class Sender:
             return
         self._worker_for(outcome.session.request_id, outcome.peer.receiver_id).queue.put(outcome)
 
-    def _worker_for(self, request_id: str, peer_id: str) -> _Worker:
+    def _worker_for(self, request_id: str, peer_id: str) -> Worker:
         # Not CRC32: it is affine, so with 2^k workers two receivers' workers differed by a
         # constant for every request, and 1 pair in 4 always shared one worker.
         key = f"{request_id}\x00{peer_id}".encode()
@@ -882,7 +621,7 @@ class Sender:
         session.cancel(Reason.CANCELLED, "cancelled by the receiver")
         # The ack goes after the slice's own result, from the worker that owns the pair.
         self._worker_for(session.request_id, peer.receiver_id).queue.put(
-            _AckTask(session, peer, msg.fetch_id)
+            AckTask(session, peer, msg.fetch_id)
         )
 
     def _housekeeping(self, now: float) -> None:
@@ -995,7 +734,7 @@ class Sender:
             )
         # 3. stop threads, each join bounded by what is left
         for w in self._workers:
-            w.queue.put(_STOP)
+            w.queue.put(STOP)
         self._stopping.set()
         joined = True
         for t in [self._listener, *(w.thread for w in self._workers)]:

@@ -40,6 +40,7 @@ import zmq
 from kvxferd import control
 from kvxferd import protocol as wire
 from kvxferd import sender as sender_mod
+from kvxferd import worker as worker_mod
 from kvxferd.config import (
     DEFAULT_NUM_THREADS,
     THREADS_ENV,
@@ -85,11 +86,11 @@ class Tap:
         self.hooks: list[Callable[[object], None]] = []
         self.created: dict[int, str] = {}
         worker_send, reply, shared_send = (
-            sender_mod.send_bounded,
+            worker_mod.send_bounded,
             sender_mod.router_reply,
             control.send_bounded,
         )
-        connect = sender_mod.connect_dealer
+        connect = worker_mod.connect_dealer
 
         def tapped_connect(*args: Any, **kw: Any) -> zmq.Socket[bytes]:
             sock = connect(*args, **kw)
@@ -109,8 +110,8 @@ class Tap:
             self._record(frame, "shared", sock)
             shared_send(sock, frame)
 
-        monkeypatch.setattr(sender_mod, "connect_dealer", tapped_connect)
-        monkeypatch.setattr(sender_mod, "send_bounded", tapped_worker_send)
+        monkeypatch.setattr(worker_mod, "connect_dealer", tapped_connect)
+        monkeypatch.setattr(worker_mod, "send_bounded", tapped_worker_send)
         monkeypatch.setattr(sender_mod, "router_reply", tapped_reply)
         monkeypatch.setattr(control, "send_bounded", tapped_shared_send)
 

@@ -17,7 +17,7 @@ Processes. One ``tx`` child and one ``rx`` child per receiver, started once with
 workload; each child hosts its side of all three paths (a path that is not
 being measured sits idle). The parent writes one JSON command per line to a
 child's stdin and reads one JSON reply per line from its stdout; NIXL metadata
-travels as base64 inside JSON. Nothing is pickled. Everything a library prints
+travels as base64 inside JSON; nothing richer than JSON is decoded. Everything a library prints
 on a child's stdout is moved to stderr, so the reply stream stays clean.
 
 A workload runs as: set up (new pools and NIXL agents, a new Sender and
