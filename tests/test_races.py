@@ -170,7 +170,8 @@ class RawPeer:
     def _send(self, msg: wire._Msg) -> None:
         self.dealer.send(wire.encode(msg))
 
-    def register(self) -> RawPeer:
+    def try_register(self) -> wire.RegisterReply:
+        """Send Register; the sender's reply, whatever it says."""
         self._send(
             wire.Register(
                 receiver_id=self.receiver_id,
@@ -182,7 +183,12 @@ class RawPeer:
             )
         )
         reply = self.next_message()
-        assert isinstance(reply, wire.RegisterReply) and reply.ok, reply
+        assert isinstance(reply, wire.RegisterReply), reply
+        return reply
+
+    def register(self) -> RawPeer:
+        reply = self.try_register()
+        assert reply.ok, reply
         return self
 
     def fetch(
@@ -701,21 +707,10 @@ def test_new_work_during_the_drain_is_refused_as_draining(h: Harness) -> None:
     assert (late.fetch_id, late.status, late.reason) == (2, "failed", Reason.DRAINING)
     newcomer = RawPeer(sx, "peer-late")
     try:
-        newcomer._send(
-            wire.Register(
-                receiver_id="peer-late",
-                result_endpoint=newcomer.result_endpoint,
-                agent_metadata=b"peer-late",
-                layout=newcomer.layout,
-                kv_base=0,
-                aux_base=0,
-            )
-        )
-        reply = newcomer.next_message()
+        reply = newcomer.try_register()
     finally:
         newcomer.close()
-    assert isinstance(reply, wire.RegisterReply) and not reply.ok
-    assert reply.reason is Reason.DRAINING
+    assert not reply.ok and reply.reason is Reason.DRAINING
 
     assert t.is_alive(), "the drain ended before the in-flight write did"
     x.finish(True)
@@ -772,20 +767,10 @@ def test_a_full_peer_table_with_every_peer_busy_refuses_busy(h: Harness) -> None
     x = dp.wait_posted(1)
     c = RawPeer(sx, "peer-c")
     try:
-        c._send(
-            wire.Register(
-                receiver_id="peer-c",
-                result_endpoint=c.result_endpoint,
-                agent_metadata=b"peer-c",
-                layout=c.layout,
-                kv_base=0,
-                aux_base=0,
-            )
-        )
-        reply = c.next_message()
+        reply = c.try_register()
     finally:
         c.close()
-    assert isinstance(reply, wire.RegisterReply) and not reply.ok and reply.reason is Reason.BUSY
+    assert not reply.ok and reply.reason is Reason.BUSY
     assert sx.stats.get("peers_evicted") == 0 and "peer-a" in dp.peers
     x.finish(True)
     assert a.next_result().status == "done"
