@@ -463,14 +463,7 @@ class Receiver:
         """
         total = self.settings.deadlines.shutdown_timeout_ms / 1000 if timeout is None else timeout
         t0 = time.monotonic()
-        if not self._shutdown_once.claim():
-            return bool(self._shutdown_once.wait(total))
-        safe: bool | None = None
-        try:
-            safe = self._shutdown(t0, total)
-            return safe
-        finally:
-            self._shutdown_once.finish(safe)
+        return bool(self._shutdown_once.run(lambda: self._shutdown(t0, total), total))
 
     def _shutdown(self, t0: float, total: float) -> bool:
         d = self.settings.deadlines

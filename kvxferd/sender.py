@@ -674,19 +674,12 @@ class Sender:
         """
         total = self.settings.deadlines.shutdown_timeout_ms / 1000 if timeout is None else timeout
         t0 = time.monotonic()
-        if not self._shutdown_once.claim():
-            earlier = self._shutdown_once.wait(total)
-            if earlier is not None:
-                return earlier
+        report = self._shutdown_once.run(lambda: self._shutdown(t0, total), total)
+        if report is None:  # another call's shutdown is still running (or failed)
             return ShutdownReport(
                 False, False, self.writes_in_flight(), False, time.monotonic() - t0
             )
-        report: ShutdownReport | None = None
-        try:
-            report = self._shutdown(t0, total)
-            return report
-        finally:
-            self._shutdown_once.finish(report)
+        return report
 
     def _shutdown(self, t0: float, total: float) -> ShutdownReport:
         d = self.settings.deadlines

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -86,6 +87,17 @@ class Once(Generic[T]):
         self._claimed = False
         self._done = threading.Event()
         self._result: T | None = None
+
+    def run(self, work: Callable[[], T], timeout: float) -> T | None:
+        """``work()`` for the first caller; the others get its result (None after ``timeout``)."""
+        if not self.claim():
+            return self.wait(timeout)
+        result: T | None = None
+        try:
+            result = work()
+            return result
+        finally:
+            self.finish(result)
 
     def claim(self) -> bool:
         """True for the first caller only: it must call :meth:`finish`, also on failure."""

@@ -110,3 +110,20 @@ def test_once_runs_for_the_first_caller_and_the_others_get_its_result() -> None:
     assert sorted(claims) == [False, False, False, True]
     assert results == ["report"] * 3
     assert once.wait(0) == "report" and not once.claim()
+
+
+@pytest.mark.timeout(10)
+def test_once_run_calls_the_work_once_and_survives_a_failing_first_call() -> None:
+    """run() does the work for the first caller only; a first call that raised leaves None."""
+    calls: list[int] = []
+    once: Once[int] = Once()
+    assert once.run(lambda: calls.append(1) or 7, 1.0) == 7
+    assert once.run(lambda: calls.append(2) or 8, 1.0) == 7 and calls == [1]
+
+    def boom() -> int:
+        raise RuntimeError("first shutdown failed")
+
+    failed: Once[int] = Once()
+    with pytest.raises(RuntimeError):
+        failed.run(boom, 1.0)
+    assert failed.run(lambda: 9, 0.0) is None, "a later caller must not redo or hang on failed work"
