@@ -97,6 +97,7 @@ class Deadlines(_Frozen):
     cancel_fence_ms: int = Field(5_000, ge=1)
     drain_timeout_ms: int = Field(10_000, ge=0)
     shutdown_timeout_ms: int = Field(15_000, ge=1)
+    clock_skew_ms: int = Field(500, ge=0, le=60_000)
 
     @model_validator(mode="after")
     def _drain_fits_shutdown(self) -> Deadlines:

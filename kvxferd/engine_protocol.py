@@ -67,6 +67,8 @@ class EngineReason(StrEnum):
     STALLED = "stalled"
     SESSION_FAILED = "session_failed"
     PEER_LOST = "peer_lost"
+    PEER_RESTARTED = "peer_restarted"
+    BAD_ENDPOINT = "bad_endpoint"
     # The gateway's own.
     UNKNOWN_HANDLE = "unknown_handle"  # never issued, already closed, or another connection's
     WRONG_ROLE = "wrong_role"  # Publish on a receiver, Fetch on a sender

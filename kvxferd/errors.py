@@ -49,6 +49,8 @@ class Reason(StrEnum):
     STALLED = "stalled"  # NIXL still in progress past xfer_stall_timeout: outcome in doubt
     SESSION_FAILED = "session_failed"  # another slice of the same request failed first
     PEER_LOST = "peer_lost"  # the peer's connection is gone
+    PEER_RESTARTED = "peer_restarted"  # the sender restarted (new incarnation); fetch not re-sent
+    BAD_ENDPOINT = "bad_endpoint"  # an endpoint kvxferd will not connect to (see endpoints.py)
 
 
 class KvxferdError(Exception):

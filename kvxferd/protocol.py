@@ -28,7 +28,7 @@ from msgspec import Meta
 from kvxferd.errors import ProtocolError, Reason
 from kvxferd.layout import Layout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KX"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 
@@ -110,6 +110,9 @@ class RequestData(_Msg, tag="request_data"):
     layer_end: U31 = 0  # 0 means "all layers"
     aux_slot: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
     timeout_ms: Annotated[int, Meta(ge=1, le=3_600_000)] = 60_000
+    # The receiver's own deadline, absolute: Unix time in ms on the receiver's clock (0: none).
+    # The sender starts no write after min(arrival + timeout_ms, deadline_unix_ms + clock_skew_ms).
+    deadline_unix_ms: U63 = 0
 
 
 class Cancel(_Msg, tag="cancel"):
