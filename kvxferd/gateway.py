@@ -57,6 +57,7 @@ import zmq.asyncio
 from kvxferd import engine_protocol as ep
 from kvxferd.control import process_context
 from kvxferd.errors import ProtocolError, RejectedError
+from kvxferd.guard import Guard
 from kvxferd.pool import KvPool
 from kvxferd.receiver import Receiver, RxHandle
 from kvxferd.sender import Sender, TxHandle
@@ -108,6 +109,7 @@ class Gateway:
         self.max_handles = max_handles
         self.max_frame_bytes = max_frame_bytes
         self.stats = Stats()
+        self.guard = Guard(self.stats, log)  # unexpected errors of its threads
         self.last_progress = time.monotonic()  # the serve task took a message or ticked
         self._handle_ids = itertools.count(1)
         self._handles: dict[int, _Entry] = {}
@@ -172,6 +174,14 @@ class Gateway:
         if r not in (ep.EngineReason.DRAINING, ep.EngineReason.SHUTTING_DOWN):
             raise ValueError(f"refuse_new reason must be draining or shutting_down, not {r}")
         self._refusing = r
+
+    def broken(self) -> str | None:
+        """Why the gateway is not live (a caught unexpected error, its serve task ended), or None."""
+        why = self.guard.broken()
+        task = self._serve_task
+        if why is None and task is not None and task.done() and self._sock is not None:
+            return "gateway serve task ended"
+        return why
 
     @property
     def refusing(self) -> ep.EngineReason | None:

@@ -43,6 +43,7 @@ from kvxferd.config import ReceiverSettings
 from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError, SendTimeout
+from kvxferd.guard import Guard
 from kvxferd.layout import check_blocks, check_layers
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Fence, RxOutcome, RxSession, RxState
@@ -119,6 +120,7 @@ class Receiver:
             )
         self.settings = settings
         self.stats = Stats()
+        self.guard = Guard(self.stats, log)  # unexpected errors of its threads
         self.receiver_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
         self.pool = pool or KvPool(settings.pool, owner="rx")
         self._owns_pool = pool is None
@@ -157,6 +159,18 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    def broken(self) -> str | None:
+        """Why this receiver is not live (a caught unexpected error, a dead io thread), or None."""
+        why = self.guard.broken()
+        if (
+            why is None
+            and self._started
+            and not self._stopping.is_set()
+            and not self._io.is_alive()
+        ):
+            return f"{self._io.name}: thread ended"
+        return why
 
     def fetches_in_flight(self) -> int:
         with self._lock:

@@ -57,6 +57,7 @@ from kvxferd.control import (
 )
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
+from kvxferd.guard import Guard
 from kvxferd.layout import check_blocks, check_layers
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Slice, SliceState, TxOutcome, TxSession
@@ -131,6 +132,7 @@ class Sender:
     ) -> None:
         self.settings = settings
         self.stats = Stats()
+        self.guard = Guard(self.stats, log)  # unexpected errors of its threads
         self.sender_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
         self.pool = pool or KvPool(settings.pool, owner="tx")
         self._owns_pool = pool is None
@@ -181,6 +183,15 @@ class Sender:
     @property
     def draining(self) -> bool:
         return self._draining.is_set()
+
+    def broken(self) -> str | None:
+        """Why this sender is not live (a caught unexpected error, a dead thread), or None."""
+        why = self.guard.broken()
+        if why is None and self._started and not self._stopping.is_set():
+            for t in [self._listener, *(w.thread for w in self._workers)]:
+                if not t.is_alive():
+                    return f"{t.name}: thread ended"
+        return why
 
     def worker_progress(self) -> list[float]:
         return [w.last_progress for w in self._workers]
