@@ -32,6 +32,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 5.0  # a round trip to a local daemon; waits add their own timeout
 _IO_TICK_MS = 100
+_CLOSE_POLL_S = 0.005  # close_client: how often it checks whether a busy loop has stopped
 _call_ids = itertools.count(1)  # process-wide, never reused: a late reply can never match
 
 R = TypeVar("R", bound=ep._Msg)
@@ -109,40 +111,71 @@ def _check(reply: ep.ToEngine, expected: type[R] | tuple[type[Any], ...]) -> Any
     return reply
 
 
+def _deadline_ms(bound_s: float) -> int:
+    """When a call that waits ``bound_s`` from now gives up, as Unix ms (the daemon shares the clock)."""
+    return time.time_ns() // 1_000_000 + int(bound_s * 1000)
+
+
+Build = Callable[[int, int], ep._Msg]  # (call id, deadline_unix_ms) -> the request
+
+
 def _publish_msg(
     request_id: str, block_ids: Sequence[int] | np.ndarray, aux: bytes | None, expected_fetches: int
-) -> Callable[[int], ep.Publish]:
+) -> Build:
     """The Publish message for a call id (block ids converted and checked once, here)."""
     blocks = _blocks(block_ids)
-    return lambda call_id: ep.Publish(
+    return lambda call_id, deadline: ep.Publish(
         call_id=call_id,
         request_id=request_id,
         block_ids=blocks,
         aux=aux,
         expected_fetches=expected_fetches,
+        deadline_unix_ms=deadline,
     )
 
 
 def _fetch_msg(
-    call_id: int,
     request_id: str,
     sender_endpoint: str,
     block_ids: Sequence[int] | np.ndarray,
     layers: tuple[int, int] | None,
     timeout_ms: int | None,
     want_aux: bool,
-) -> ep.Fetch:
+) -> Build:
     lb, le = layers if layers is not None else (0, 0)
-    return ep.Fetch(
+    blocks = _blocks(block_ids)
+    return lambda call_id, deadline: ep.Fetch(
         call_id=call_id,
         request_id=request_id,
         sender_endpoint=sender_endpoint,
-        block_ids=_blocks(block_ids),
+        block_ids=blocks,
         layer_begin=lb,
         layer_end=le,
         timeout_ms=timeout_ms or 0,
         want_aux=want_aux,
+        deadline_unix_ms=deadline,
     )
+
+
+def _lookup_msg(
+    request_id: str, sender_endpoint: str | None, layers: tuple[int, int] | None
+) -> Build:
+    lb, le = layers if layers is not None else (0, 0)
+    return lambda call_id, deadline: ep.Lookup(
+        call_id=call_id,
+        request_id=request_id,
+        sender_endpoint=sender_endpoint,
+        layer_begin=lb,
+        layer_end=le,
+        deadline_unix_ms=deadline,
+    )
+
+
+def _found(reply: ep.ToEngine) -> int | None:
+    """A Lookup's handle id, or None when nothing is open under that key."""
+    if isinstance(reply, ep.Error) and reply.reason is EngineReason.UNKNOWN_HANDLE:
+        return None
+    return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
 
 # -- synchronous client -------------------------------------------------------------------
@@ -178,7 +211,7 @@ class Client:
     # -- calls ---------------------------------------------------------------------------
     def describe(self) -> PoolInfo:
         """The daemon's role, pool layout, shared-memory name and endpoint."""
-        reply = self._call(lambda c: ep.Describe(call_id=c))
+        reply = self._call(lambda c, _: ep.Describe(call_id=c))
         return _check(reply, ep.PoolInfo)  # type: ignore[no-any-return]
 
     def publish(
@@ -189,7 +222,11 @@ class Client:
         aux: bytes | None = None,
         expected_fetches: int = 1,
     ) -> int:
-        """Sender daemon: offer these blocks as ``request_id``; the handle id."""
+        """Sender daemon: offer these blocks as ``request_id``; the handle id.
+
+        Safe to retry with the same arguments (after a timeout, or from a new
+        Client): the daemon returns the same handle while it is open.
+        """
         reply = self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
@@ -203,36 +240,79 @@ class Client:
         timeout_ms: int | None = None,
         want_aux: bool = True,
     ) -> int:
-        """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``; the handle id."""
+        """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``; the handle id.
+
+        Keyed by (request_id, sender_endpoint, layers): safe to retry like ``publish``.
+        """
         reply = self._call(
-            lambda c: _fetch_msg(
-                c, request_id, sender_endpoint, block_ids, layers, timeout_ms, want_aux
-            )
+            _fetch_msg(request_id, sender_endpoint, block_ids, layers, timeout_ms, want_aux)
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    def lookup(
+        self,
+        request_id: str,
+        *,
+        sender_endpoint: str | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> int | None:
+        """The handle of the open publish (sender) or fetch (receiver) with this key, or None.
+
+        On a receiver give the fetch's ``sender_endpoint`` (and ``layers`` if it had
+        a range). The handle becomes usable on this Client too.
+        """
+        return _found(self._call(_lookup_msg(request_id, sender_endpoint, layers)))
+
+    def close_request(
+        self,
+        request_id: str,
+        timeout: float,
+        *,
+        sender_endpoint: str | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> bool:
+        """``close`` the work open under this key (found with ``lookup``); True when nothing is open."""
+        handle = self.lookup(request_id, sender_endpoint=sender_endpoint, layers=layers)
+        if handle is None:
+            return True
+        try:
+            return self.close(handle, timeout)
+        except EngineRejected as e:
+            if e.reason is EngineReason.UNKNOWN_HANDLE:  # closed safe by another connection
+                return True
+            raise
 
     def wait(self, handle: int, timeout: float) -> Outcome | None:
         """The outcome once the transfer ended, or None after ``timeout`` seconds."""
         reply = self._call(
-            lambda c: ep.Wait(call_id=c, handle_id=handle, timeout_ms=_ms(timeout)), timeout
+            lambda c, d: ep.Wait(
+                call_id=c, handle_id=handle, timeout_ms=_ms(timeout), deadline_unix_ms=d
+            ),
+            timeout,
         )
         out = _check(reply, (ep.Outcome, ep.Pending))
         return out if isinstance(out, ep.Outcome) else None
 
     def poll(self, handle: int) -> Outcome | None:
         """The outcome if the transfer ended, else None; never waits on the transfer."""
-        reply = self._call(lambda c: ep.Poll(call_id=c, handle_id=handle))
+        reply = self._call(lambda c, _: ep.Poll(call_id=c, handle_id=handle))
         out = _check(reply, (ep.Outcome, ep.Pending))
         return out if isinstance(out, ep.Outcome) else None
 
     def cancel(self, handle: int) -> None:
         """End the transfer; its blocks stay fenced until ``close`` reports them safe."""
-        _check(self._call(lambda c: ep.Cancel(call_id=c, handle_id=handle)), ep.Ok)
+        _check(
+            self._call(lambda c, d: ep.Cancel(call_id=c, handle_id=handle, deadline_unix_ms=d)),
+            ep.Ok,
+        )
 
     def close(self, handle: int, timeout: float) -> bool:
         """Cancel if open and wait for in-flight writes; True once the blocks may be reused."""
         reply = self._call(
-            lambda c: ep.Close(call_id=c, handle_id=handle, timeout_ms=_ms(timeout)), timeout
+            lambda c, d: ep.Close(
+                call_id=c, handle_id=handle, timeout_ms=_ms(timeout), deadline_unix_ms=d
+            ),
+            timeout,
         )
         return bool(_check(reply, ep.Closed).safe)
 
@@ -252,9 +332,10 @@ class Client:
             os.close(self._wake)
 
     # -- plumbing ------------------------------------------------------------------------
-    def _call(self, build: Callable[[int], ep._Msg], wait_s: float = 0.0) -> ep.ToEngine:
+    def _call(self, build: Build, wait_s: float = 0.0) -> ep.ToEngine:
         call_id = next(_call_ids)
-        frame = ep.encode(build(call_id))
+        bound = max(0.0, wait_s) + self.timeout_s
+        frame = ep.encode(build(call_id, _deadline_ms(bound)))  # before the wait below starts
         slot = _Slot()
         with self._lock:
             if self._closed:
@@ -262,7 +343,6 @@ class Client:
             self._pending[call_id] = slot
             self._outbox.append((call_id, frame))
             os.eventfd_write(self._wake, 1)
-        bound = max(0.0, wait_s) + self.timeout_s
         if not slot.event.wait(bound):
             with self._lock:
                 self._pending.pop(call_id, None)
@@ -330,7 +410,11 @@ class Client:
 
 # -- asyncio client -----------------------------------------------------------------------
 class _LoopConn:
-    """One event loop's DEALER, reader task and in-flight calls; touched only on that loop."""
+    """One event loop's DEALER, reader task and in-flight calls; touched only on that loop.
+
+    The one exception: once the loop does not run, ``close_raw`` closes it from
+    another thread (nothing on the loop can touch it then).
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: str, max_inflight: int) -> None:
         self.loop = loop
@@ -342,6 +426,8 @@ class _LoopConn:
         self.sem = asyncio.Semaphore(max_inflight)
         self.pending: dict[int, asyncio.Future[ep.ToEngine]] = {}
         self.closed = False
+        self._close_lock = threading.Lock()  # closed: set once, by the loop or by close_client
+        self.shut = threading.Event()  # the socket is closed
         self.reader = loop.create_task(self._read(), name="kvxferd-client-reader")
 
     async def _read(self) -> None:
@@ -364,24 +450,37 @@ class _LoopConn:
                 fut.set_result(reply)
 
     def shutdown(self) -> None:
-        """Fail calls in flight, stop the reader, close the socket; on this conn's loop."""
-        if self.closed:
-            return
-        self.closed = True
-        self.reader.cancel()
-        pending, self.pending = self.pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(EngineUnavailable(EngineReason.PEER_LOST, "client closed"))
-        self.sock.close(linger=0)
+        """Fail calls in flight, stop the reader, close the socket: on this conn's loop."""
+        self._close(on_loop=True)
 
     def close_raw(self) -> None:
-        """Close the socket of a loop that no longer runs (nothing else can touch it now)."""
-        self.closed = True
+        """The same, from another thread, once this conn's loop does not run (stopped or closed).
+
+        Calls in flight fail with peer_lost when the loop runs again; on a closed
+        loop nothing can run again and only the socket matters.
+        """
+        self._close(on_loop=False)
+
+    def _close(self, on_loop: bool) -> None:
+        with self._close_lock:  # at most once, whichever thread comes first
+            if self.closed:
+                return
+            self.closed = True
+            pending, self.pending = self.pending, {}
+        try:
+            self.reader.cancel()
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(EngineUnavailable(EngineReason.PEER_LOST, "client closed"))
+        except RuntimeError as e:  # the loop is closed: no callback can be scheduled on it
+            log.debug("failing a closed loop's calls: %s", e)
         try:
             self.sock.close(linger=0)
-        except Exception as e:  # the loop's selector is gone; the socket is closed regardless
-            log.debug("closing a stopped loop's socket: %s", e)
+        except Exception as e:
+            if on_loop:
+                raise
+            log.debug("closing a stopped loop's socket: %s", e)  # it is closed regardless
+        self.shut.set()
 
 
 class AsyncClient:
@@ -409,7 +508,7 @@ class AsyncClient:
                 conn = self._conns[loop] = _LoopConn(loop, self.endpoint, self.max_inflight)
         return conn
 
-    async def _call(self, build: Callable[[int], ep._Msg], wait_s: float = 0.0) -> ep.ToEngine:
+    async def _call(self, build: Build, wait_s: float = 0.0) -> ep.ToEngine:
         conn = self._conn()
         bound = max(0.0, wait_s) + self.timeout_s
         async with conn.sem:
@@ -418,7 +517,8 @@ class AsyncClient:
             conn.pending[call_id] = fut
             try:
                 try:
-                    await conn.sock.send(ep.encode(build(call_id)), flags=zmq.NOBLOCK)
+                    frame = ep.encode(build(call_id, _deadline_ms(bound)))
+                    await conn.sock.send(frame, flags=zmq.NOBLOCK)
                 except zmq.ZMQError as e:
                     raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
                 return await asyncio.wait_for(fut, bound)
@@ -430,7 +530,7 @@ class AsyncClient:
                 conn.pending.pop(call_id, None)
 
     async def describe(self) -> PoolInfo:
-        return _check(await self._call(lambda c: ep.Describe(call_id=c)), ep.PoolInfo)  # type: ignore[no-any-return]
+        return _check(await self._call(lambda c, _: ep.Describe(call_id=c)), ep.PoolInfo)  # type: ignore[no-any-return]
 
     async def publish(
         self,
@@ -454,32 +554,68 @@ class AsyncClient:
         want_aux: bool = True,
     ) -> int:
         reply = await self._call(
-            lambda c: _fetch_msg(
-                c, request_id, sender_endpoint, block_ids, layers, timeout_ms, want_aux
-            )
+            _fetch_msg(request_id, sender_endpoint, block_ids, layers, timeout_ms, want_aux)
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
+    async def lookup(
+        self,
+        request_id: str,
+        *,
+        sender_endpoint: str | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> int | None:
+        return _found(await self._call(_lookup_msg(request_id, sender_endpoint, layers)))
+
+    async def close_request(
+        self,
+        request_id: str,
+        timeout: float,
+        *,
+        sender_endpoint: str | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> bool:
+        handle = await self.lookup(request_id, sender_endpoint=sender_endpoint, layers=layers)
+        if handle is None:
+            return True
+        try:
+            return await self.close(handle, timeout)
+        except EngineRejected as e:
+            if e.reason is EngineReason.UNKNOWN_HANDLE:
+                return True
+            raise
+
     async def wait(self, handle: int, timeout: float) -> Outcome | None:
         reply = await self._call(
-            lambda c: ep.Wait(call_id=c, handle_id=handle, timeout_ms=_ms(timeout)), timeout
+            lambda c, d: ep.Wait(
+                call_id=c, handle_id=handle, timeout_ms=_ms(timeout), deadline_unix_ms=d
+            ),
+            timeout,
         )
         out = _check(reply, (ep.Outcome, ep.Pending))
         return out if isinstance(out, ep.Outcome) else None
 
     async def poll(self, handle: int) -> Outcome | None:
         out = _check(
-            await self._call(lambda c: ep.Poll(call_id=c, handle_id=handle)),
+            await self._call(lambda c, _: ep.Poll(call_id=c, handle_id=handle)),
             (ep.Outcome, ep.Pending),
         )
         return out if isinstance(out, ep.Outcome) else None
 
     async def cancel(self, handle: int) -> None:
-        _check(await self._call(lambda c: ep.Cancel(call_id=c, handle_id=handle)), ep.Ok)
+        _check(
+            await self._call(
+                lambda c, d: ep.Cancel(call_id=c, handle_id=handle, deadline_unix_ms=d)
+            ),
+            ep.Ok,
+        )
 
     async def close(self, handle: int, timeout: float) -> bool:
         reply = await self._call(
-            lambda c: ep.Close(call_id=c, handle_id=handle, timeout_ms=_ms(timeout)), timeout
+            lambda c, d: ep.Close(
+                call_id=c, handle_id=handle, timeout_ms=_ms(timeout), deadline_unix_ms=d
+            ),
+            timeout,
         )
         return bool(_check(reply, ep.Closed).safe)
 
@@ -492,19 +628,43 @@ class AsyncClient:
             conn.shutdown()
             await asyncio.sleep(0)  # let the reader see its cancellation
 
-    def close_client(self) -> None:
-        """Close every loop's connection: on its own loop if it runs, directly if it stopped."""
+    def close_client(self, timeout: float = 1.0) -> None:
+        """Close every loop's connection; calls still in flight fail with peer_lost.
+
+        Safe from any thread, a loop's own included. A connection is closed on its
+        own loop while that loop runs: this waits up to ``timeout`` for that; a loop
+        that stops meanwhile (before it got to the close) has its connection closed
+        here, so no socket is left open behind a stopped loop.
+        """
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns.values()), {}
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        handed: list[_LoopConn] = []
         for conn in conns:
-            if not conn.loop.is_running():  # stopped or closed: nobody else touches it
+            if conn.loop is here:
+                conn.shutdown()
+            elif not conn.loop.is_running():  # stopped or closed: nobody else touches it
                 conn.close_raw()
-                continue
-            try:
-                conn.loop.call_soon_threadsafe(conn.shutdown)
-            except RuntimeError:  # closed meanwhile
-                conn.close_raw()
+            else:
+                try:
+                    conn.loop.call_soon_threadsafe(conn.shutdown)
+                    handed.append(conn)
+                except RuntimeError:  # closed meanwhile
+                    conn.close_raw()
+        deadline = time.monotonic() + timeout
+        for conn in handed:
+            # The loop may stop before it runs the close; then it is ours to do.
+            while not conn.shut.wait(_CLOSE_POLL_S):
+                if not conn.loop.is_running():
+                    conn.close_raw()
+                    break
+                if time.monotonic() >= deadline:
+                    log.warning("a loop did not close its connection to %s in time", self.endpoint)
+                    break
 
 
 # -- the pool, mapped in the engine process ----------------------------------------------

@@ -17,10 +17,19 @@ Calls and their replies (engine DEALER -> gateway ROUTER and back)::
     Describe                                         -> PoolInfo
     Publish(request_id, block_ids, aux, expected)    -> Handle | Error     (sender only)
     Fetch(request_id, sender_endpoint, block_ids...) -> Handle | Error     (receiver only)
+    Lookup(request_id[, sender_endpoint, layers])    -> Handle | Error(unknown_handle)
     Wait(handle_id, timeout_ms)                      -> Outcome | Pending | Error
     Poll(handle_id)                                  -> Outcome | Pending | Error
     Cancel(handle_id)                                -> Ok | Error
     Close(handle_id, timeout_ms)                     -> Closed | Error
+
+Every call but Describe and Poll carries ``deadline_unix_ms``: the moment (Unix
+time in ms, on the host's clock, which the engine and its local daemon share)
+at which the engine stops waiting for the reply; 0 means none. The gateway
+never starts a call whose deadline has passed: it answers ``Error(timeout)``.
+Publish and Fetch are idempotent by key (the request id on a sender; request
+id, sender endpoint and layer range on a receiver): a retry with the same key
+and parameters gets the same handle, with other parameters ``Error(duplicate)``.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from msgspec import Meta
 from kvxferd.errors import ProtocolError, Reason
 from kvxferd.protocol import U31, U63, BlockIds, Endpoint, RequestId, Text, decode_frame
 
-ENGINE_PROTOCOL_VERSION = 1
+ENGINE_PROTOCOL_VERSION = 2  # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch
 MAGIC = b"KE"
 HEADER = MAGIC + bytes([ENGINE_PROTOCOL_VERSION])
 MAX_FRAME_BYTES = 16 << 20  # a Publish of 1M block ids fits; nothing bigger is accepted
@@ -42,6 +51,7 @@ MAX_FRAME_BYTES = 16 << 20  # a Publish of 1M block ids fits; nothing bigger is 
 CallId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 HandleId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 WaitMs = Annotated[int, Meta(ge=0, le=3_600_000)]
+DeadlineMs = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # Unix time in ms; 0 = no deadline
 Aux = Annotated[bytes, Meta(max_length=1 << 20)]
 
 
@@ -128,6 +138,7 @@ class Publish(_Msg, tag="publish", frozen=True):
     block_ids: BlockIds
     aux: Aux | None = None
     expected_fetches: Annotated[int, Meta(ge=1, le=65_536)] = 1
+    deadline_unix_ms: DeadlineMs = 0
 
 
 class Fetch(_Msg, tag="fetch", frozen=True):
@@ -141,6 +152,22 @@ class Fetch(_Msg, tag="fetch", frozen=True):
     layer_end: U31 = 0  # 0 means "all layers"
     timeout_ms: WaitMs = 0  # 0 means the daemon's kv_transfer_timeout_ms
     want_aux: bool = True
+    deadline_unix_ms: DeadlineMs = 0
+
+
+class Lookup(_Msg, tag="lookup", frozen=True):
+    """The handle of the open publish (sender) or fetch (receiver) with this key, shared with the caller.
+
+    On a receiver the key is (request_id, sender_endpoint, layer range) as in the
+    Fetch; on a sender only ``request_id`` counts.
+    """
+
+    call_id: CallId
+    request_id: RequestId
+    sender_endpoint: Endpoint | None = None
+    layer_begin: U31 = 0
+    layer_end: U31 = 0  # 0 means "all layers"
+    deadline_unix_ms: DeadlineMs = 0
 
 
 class Wait(_Msg, tag="wait", frozen=True):
@@ -149,6 +176,7 @@ class Wait(_Msg, tag="wait", frozen=True):
     call_id: CallId
     handle_id: HandleId
     timeout_ms: WaitMs
+    deadline_unix_ms: DeadlineMs = 0
 
 
 class Poll(_Msg, tag="poll", frozen=True):
@@ -163,6 +191,7 @@ class Cancel(_Msg, tag="cancel", frozen=True):
 
     call_id: CallId
     handle_id: HandleId
+    deadline_unix_ms: DeadlineMs = 0
 
 
 class Close(_Msg, tag="close", frozen=True):
@@ -171,6 +200,7 @@ class Close(_Msg, tag="close", frozen=True):
     call_id: CallId
     handle_id: HandleId
     timeout_ms: WaitMs
+    deadline_unix_ms: DeadlineMs = 0
 
 
 # -- gateway -> engine ---------------------------------------------------------------------
@@ -192,7 +222,11 @@ class PoolInfo(_Msg, tag="pool_info", frozen=True):
 
 
 class Handle(_Msg, tag="handle", frozen=True):
-    """A publish or fetch was accepted; ``handle_id`` names it for this connection only."""
+    """A publish or fetch was accepted (or found by key); ``handle_id`` names it.
+
+    Handle ids are never reused, not even by a restarted daemon; a handle serves
+    the connections that created it or obtained it by key (retry or Lookup).
+    """
 
     call_id: CallId
     handle_id: HandleId
@@ -249,7 +283,7 @@ class Closed(_Msg, tag="closed", frozen=True):
     safe: bool
 
 
-ToGateway = Describe | Publish | Fetch | Wait | Poll | Cancel | Close
+ToGateway = Describe | Publish | Fetch | Lookup | Wait | Poll | Cancel | Close
 ToEngine = PoolInfo | Handle | Error | Outcome | Pending | Ok | Closed
 
 

@@ -14,8 +14,8 @@ Where things run::
     what                         runs on                   owns
     ---------------------------  ------------------------  -------------------------------------
     serve task, call tasks       the loop start() ran on   the ROUTER (zmq.asyncio), _handles,
-                                                           _calls, _refusing; no lock: only this
-                                                           loop touches them
+                                                           _work, _calls, _refusing; no lock: only
+                                                           this loop touches them
     publish / fetch / cancel     kvxferd-gw-quick threads  nothing; they call the service
     close(timeout)               kvxferd-gw-close threads  nothing; they may block up to timeout
     Wait                         the loop (wait_async)     the awaiting future, on this loop
@@ -24,23 +24,51 @@ A call that may block never runs on the loop. Calls served at once are bounded
 by ``max_inflight``: one more gets ``Error(busy)`` at once, it is never queued.
 Describe and Poll answer inline and are not counted. A malformed frame gets
 ``Error(malformed)`` (or the ProtocolError's reason), is counted in ``stats``,
-and never stops the serve task.
+and never stops the serve task. An unexpected exception in the serve task or a
+call task goes through ``self.guard`` (logged, counted, ``broken()`` names it)
+and the engine gets ``Error(internal)``; the serve task goes on.
 
-A handle id comes from a counter that is never reused; a handle belongs to the
-connection (routing id) that created it, and any other connection gets
-``Error(unknown_handle)``. Close forgets a handle only when it reports the
-memory safe; otherwise the handle stays so the engine can Poll or Close again.
+Deadlines. A call's ``deadline_unix_ms`` is when its engine stops waiting. A
+call whose deadline has passed is not executed: it is checked when the frame is
+decoded and again on the gateway thread right before the service is called (a
+daemon that was frozen reads and queues calls late), and gets ``Error(timeout)``
+(``rejected_timeout``). A Close still runs waits at most until its deadline.
+
+Keys and handles. Publish is keyed by request id, Fetch by (request id, sender
+endpoint, layer range). ``_work`` maps a key to its :class:`_Work`, entered on
+the loop *before* the service is called, so a retry or Lookup that arrives
+while the first call still runs waits for it (up to its own deadline) instead of
+starting a second one::
+
+    key state     _work[key]                  a Publish/Fetch with that key        Lookup
+    ------------  --------------------------  -----------------------------------  --------------
+    free          absent                      runs; -> running                     unknown_handle
+    running       _Work, done pending         same parameters: waits, then as      waits, then
+                                              open; other parameters: duplicate    as open
+    open          _Work, done = handle id     same parameters: that handle; other  that handle
+                                              parameters: duplicate
+    (the call failed or expired: running -> free, and waiters retry; Close(safe) of the
+    handle: open -> free)
+
+A handle id comes from a counter that starts at the daemon's start time in ms
+shifted left by 20 bits, so no id is ever reused, not even by a restarted
+daemon. A handle serves the connections (routing ids) that created it or found
+it by key (a retried Publish/Fetch or a Lookup; the last ``MAX_OWNERS``); any
+other connection gets ``Error(unknown_handle)``. Close forgets a handle only when
+it reports the memory safe; otherwise the handle stays so the engine can Poll or
+Close again.
 
 Known limit: ZMQ does not say when an engine disconnects, so handles of an
-engine that died stay in the table (bounded by ``max_handles``) until the
-service ends their sessions (publish_ttl / kv_transfer_timeout) and the daemon
-stops.
+engine that died stay in the table (bounded by ``max_handles``) until an engine
+finds them by key and closes them, or the daemon stops; the service ends their
+sessions (publish_ttl / kv_transfer_timeout) in the meantime.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -71,16 +99,53 @@ T = TypeVar("T")
 MAX_HANDLES = 65_536  # live handles across all engines; one more publish/fetch gets BUSY
 QUICK_THREADS = 8  # publish / fetch / cancel: short calls, never wait on a peer
 CLOSE_THREADS = 32  # close(timeout): may block up to the engine's timeout
+MAX_OWNERS = 16  # connections that may use one handle (its creator, then those that found it)
+
+_Key = tuple[str, str, str, int, int]  # (kind, request id, sender endpoint, layer begin, end)
 
 
 @dataclass(slots=True)
 class _Entry:
-    owner: bytes  # routing id of the engine connection that created the handle
+    owners: list[bytes]  # routing ids that may use the handle, oldest first
     handle: TxHandle | RxHandle
+    key: _Key
+
+
+@dataclass(slots=True)
+class _Work:
+    """One Publish/Fetch key in use: its parameters' digest and, once the call returned, its handle."""
+
+    digest: bytes
+    done: asyncio.Future[int | None]  # the handle id, or None: the call failed, the key is free
 
 
 class _UnknownHandle(Exception):
     pass
+
+
+class _Expired(Exception):
+    """The call's deadline passed before the service was called."""
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _left_s(deadline_ms: int) -> float | None:
+    """Seconds until ``deadline_ms`` (Unix ms; negative once passed), None for no deadline."""
+    return None if deadline_ms == 0 else (deadline_ms - _now_ms()) / 1000
+
+
+def _before(deadline_ms: int, fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn``, run only if ``deadline_ms`` has not passed when a gateway thread gets to it."""
+
+    def run() -> T:
+        left = _left_s(deadline_ms)
+        if left is not None and left <= 0:
+            raise _Expired
+        return fn()
+
+    return run
 
 
 class Gateway:
@@ -111,8 +176,9 @@ class Gateway:
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
         self.last_progress = time.monotonic()  # the serve task took a message or ticked
-        self._handle_ids = itertools.count(1)
+        self._handle_ids = itertools.count((_now_ms() << 20) + 1)  # never an earlier daemon's
         self._handles: dict[int, _Entry] = {}
+        self._work: dict[_Key, _Work] = {}
         self._calls: dict[asyncio.Task[None], int] = {}  # call task -> call id
         self._refusing: ep.EngineReason | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -162,6 +228,7 @@ class Gateway:
             max_workers=min(self.max_inflight, CLOSE_THREADS), thread_name_prefix="kvxferd-gw-close"
         )
         self._serve_task = self._loop.create_task(self._serve(), name="kvxferd-gateway")
+        self._serve_task.add_done_callback(self._serve_done)
         log.info("engine gateway (%s) serving at %s", self.role, self.endpoint)
         return self.endpoint
 
@@ -221,6 +288,7 @@ class Gateway:
             if ex is not None:  # running calls end on their own bounds; queued ones are dropped
                 ex.shutdown(wait=False, cancel_futures=True)
         self._handles.clear()
+        self._work.clear()
         log.info("engine gateway stopped (%s)", self.endpoint)
 
     # -- serving ------------------------------------------------------------------------
@@ -229,23 +297,51 @@ class Gateway:
         assert sock is not None
         while True:
             try:
-                frames = await asyncio.wait_for(sock.recv_multipart(), 1.0)
-            except TimeoutError:
-                self.last_progress = time.monotonic()
-                continue
-            except zmq.ZMQError as e:
-                if sock.closed:
+                if not await self._serve_one(sock):
                     return
-                self.stats.add("recv_errors")
-                log.warning("gateway: receive failed: %s", e)
+            except Exception:  # a bug on one turn must not stop the gateway
+                self.guard.caught("gateway")
                 await asyncio.sleep(0.01)  # never spin on a persistent error
-                continue
+
+    async def _serve_one(self, sock: zmq.asyncio.Socket) -> bool:
+        """Take one frame (or tick); False once the socket is closed."""
+        try:
+            frames = await asyncio.wait_for(sock.recv_multipart(), 1.0)
+        except TimeoutError:
             self.last_progress = time.monotonic()
-            try:
-                self._on_frames(frames)
-            except Exception:  # a bug on one message must not stop the gateway
-                log.exception("gateway: message failed")
-                self.stats.add("internal_errors")
+            return True
+        except zmq.ZMQError as e:
+            if sock.closed:
+                return False
+            self.stats.add("recv_errors")
+            log.warning("gateway: receive failed: %s", e)
+            await asyncio.sleep(0.01)
+            return True
+        self.last_progress = time.monotonic()
+        try:
+            self._on_frames(frames)
+        except Exception:
+            self.guard.caught("gateway")
+            self.stats.add("internal_errors")
+            self._reply(
+                frames[0],
+                ep.Error(
+                    call_id=ep.salvage_call_id(frames[1:]),
+                    reason=ep.EngineReason.INTERNAL,
+                    detail="the daemon failed on this message (a bug; see its log)",
+                ),
+            )
+        return True
+
+    def _serve_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("gateway: serve task died", exc_info=exc)
+            self.guard.dead("gateway")
+        elif self._sock is not None:  # its socket closed while the gateway was not stopping
+            self.guard.dead("gateway")
 
     def _on_frames(self, frames: list[bytes]) -> None:
         rid, body = frames[0], frames[1:]
@@ -263,6 +359,11 @@ class Gateway:
             return
         tag = msg.__struct_config__.tag
         self.stats.add(f"calls_{tag}")
+        deadline = getattr(msg, "deadline_unix_ms", 0)
+        if deadline and _now_ms() >= deadline:
+            self.stats.add("rejected_timeout")
+            self._reply(rid, _expired(msg.call_id, "it arrived"))
+            return
         if isinstance(msg, ep.Describe):
             assert self._pool_info is not None
             self._reply(rid, msgspec.structs.replace(self._pool_info, call_id=msg.call_id))
@@ -288,8 +389,13 @@ class Gateway:
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._calls.pop(task, None)
-        if not task.cancelled() and task.exception() is not None:
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:  # _call answers every error itself; this one escaped it (a bug)
             self.stats.add("internal_errors")
+            try:
+                raise exc
+            except Exception:
+                self.guard.caught("gateway call")
 
     def _reply(self, rid: bytes, msg: ep._Msg) -> None:
         sock = self._sock
@@ -297,9 +403,14 @@ class Gateway:
             self.stats.add("reply_dropped")
             return
         # NOBLOCK: the send happens now and its future is already done; the loop never waits.
-        fut = cast(
-            "asyncio.Future[object]", sock.send_multipart([rid, ep.encode(msg)], flags=zmq.NOBLOCK)
-        )
+        try:
+            fut = cast(
+                "asyncio.Future[object]",
+                sock.send_multipart([rid, ep.encode(msg)], flags=zmq.NOBLOCK),
+            )
+        except zmq.ZMQError:  # the socket is closing
+            self.stats.add("reply_dropped")
+            return
         if fut.exception() is not None:  # the engine is gone or not reading
             self.stats.add("reply_dropped")
 
@@ -324,13 +435,16 @@ class Gateway:
                 reason=ep.EngineReason.UNKNOWN_HANDLE,
                 detail="no such handle on this connection",
             )
+        except _Expired:
+            self.stats.add("rejected_timeout")
+            reply = _expired(msg.call_id, "a gateway thread got to it")
         except RejectedError as e:
             self.stats.add(f"rejected_{e.reason}")
             reply = ep.Error(
                 call_id=msg.call_id, reason=ep.EngineReason(e.reason.value), detail=e.detail[:1024]
             )
         except Exception as e:
-            log.exception("gateway: %s call failed", msg.__struct_config__.tag)
+            self.guard.caught(f"gateway {msg.__struct_config__.tag} call")
             self.stats.add("internal_errors")
             reply = ep.Error(
                 call_id=msg.call_id, reason=ep.EngineReason.INTERNAL, detail=repr(e)[:1024]
@@ -339,39 +453,9 @@ class Gateway:
 
     async def _dispatch(self, rid: bytes, msg: ep.ToGateway) -> ep._Msg:
         if isinstance(msg, ep.Publish | ep.Fetch):
-            refusal = self._refusal(msg)
-            if refusal is not None:
-                return refusal
-            if isinstance(msg, ep.Publish):
-                sender = self.service
-                assert isinstance(sender, Sender)
-                fn: Callable[[], TxHandle | RxHandle] = functools.partial(
-                    sender.publish,
-                    msg.request_id,
-                    msg.block_ids,
-                    aux=msg.aux,
-                    expected_fetches=msg.expected_fetches,
-                )
-            else:
-                receiver = self.service
-                assert isinstance(receiver, Receiver)
-                layers = None
-                if msg.layer_begin or msg.layer_end:
-                    end = msg.layer_end or receiver.pool.layout.num_layers
-                    layers = (msg.layer_begin, end)
-                fn = functools.partial(
-                    receiver.fetch,
-                    msg.request_id,
-                    msg.sender_endpoint,
-                    msg.block_ids,
-                    layers=layers,
-                    want_aux=msg.want_aux,
-                    timeout_ms=msg.timeout_ms or None,
-                )
-            handle = await self._blocking(self._quick, fn, on_orphan=_cancel_handle)
-            hid = next(self._handle_ids)
-            self._handles[hid] = _Entry(rid, handle)
-            return ep.Handle(call_id=msg.call_id, handle_id=hid)
+            return await self._start(rid, msg)
+        if isinstance(msg, ep.Lookup):
+            return await self._lookup(rid, msg)
         if isinstance(msg, ep.Wait):
             entry = self._entry(rid, msg.handle_id)
             value = await entry.handle.wait_async(msg.timeout_ms / 1000)
@@ -380,43 +464,154 @@ class Gateway:
             return _outcome(msg.call_id, entry.handle, value)
         if isinstance(msg, ep.Cancel):
             entry = self._entry(rid, msg.handle_id)
-            await self._blocking(self._quick, entry.handle.cancel)
+            await self._blocking(self._quick, _before(msg.deadline_unix_ms, entry.handle.cancel))
             return ep.Ok(call_id=msg.call_id)
         if isinstance(msg, ep.Close):
             entry = self._entry(rid, msg.handle_id)
             safe = await self._blocking(
-                self._slow, functools.partial(entry.handle.close, msg.timeout_ms / 1000)
+                self._slow,
+                functools.partial(_close, entry.handle, msg.timeout_ms, msg.deadline_unix_ms),
             )
             if safe and self._handles.get(msg.handle_id) is entry:
                 del self._handles[msg.handle_id]
+                work = self._work.get(entry.key)
+                if work is not None and work.done.done() and work.done.result() == msg.handle_id:
+                    del self._work[entry.key]
             return ep.Closed(call_id=msg.call_id, safe=bool(safe))
         raise AssertionError(f"unexpected message {type(msg).__name__}")  # Describe/Poll inline
 
-    def _refusal(self, msg: ep.Publish | ep.Fetch) -> ep.Error | None:
+    async def _start(self, rid: bytes, msg: ep.Publish | ep.Fetch) -> ep._Msg:
+        """Publish or Fetch: the handle of the open call with this key, or a new one."""
         want = "sender" if isinstance(msg, ep.Publish) else "receiver"
         if want != self.role:
-            reason, detail = ep.EngineReason.WRONG_ROLE, f"this daemon is a {self.role}"
-        elif self._refusing is not None:
-            reason, detail = (
+            return self._refuse(
+                msg.call_id, ep.EngineReason.WRONG_ROLE, f"this daemon is a {self.role}"
+            )
+        key, digest = self._key(msg), _digest(msg)
+        while (work := self._work.get(key)) is not None:
+            if work.digest != digest:
+                what = "published" if isinstance(msg, ep.Publish) else "fetched"
+                return self._refuse(
+                    msg.call_id,
+                    ep.EngineReason.DUPLICATE,
+                    f"request {msg.request_id} is already {what} with other parameters",
+                )
+            found = await self._found(rid, key, work, msg.deadline_unix_ms)
+            if found is not None:
+                self.stats.add("calls_found_by_key")
+                return ep.Handle(call_id=msg.call_id, handle_id=found)
+        if self._refusing is not None:
+            return self._refuse(
+                msg.call_id,
                 self._refusing,
                 f"the daemon is {self._refusing.value.replace('_', ' ')}",
             )
-        elif len(self._handles) >= self.max_handles:
-            reason, detail = ep.EngineReason.BUSY, f"{self.max_handles} handles open (max_handles)"
-        else:
+        if len(self._handles) >= self.max_handles:
+            return self._refuse(
+                msg.call_id, ep.EngineReason.BUSY, f"{self.max_handles} handles open (max_handles)"
+            )
+        assert self._loop is not None
+        work = self._work[key] = _Work(digest, self._loop.create_future())
+        hid: int | None = None
+        try:
+            handle = await self._blocking(
+                self._quick,
+                _before(msg.deadline_unix_ms, self._service_call(msg)),
+                on_orphan=_cancel_handle,
+            )
+            hid = next(self._handle_ids)
+            self._handles[hid] = _Entry([rid], handle, key)
+        finally:
+            if hid is None and self._work.get(key) is work:
+                del self._work[key]
+            work.done.set_result(hid)
+        return ep.Handle(call_id=msg.call_id, handle_id=hid)
+
+    async def _lookup(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
+        """The open call with this key (waiting for one still running), shared with this connection."""
+        if self.role == "receiver" and msg.sender_endpoint is None:
+            return self._refuse(
+                msg.call_id, ep.EngineReason.MALFORMED, "lookup on a receiver needs sender_endpoint"
+            )
+        key = self._key(msg)
+        while (work := self._work.get(key)) is not None:
+            found = await self._found(rid, key, work, msg.deadline_unix_ms)
+            if found is not None:
+                return ep.Handle(call_id=msg.call_id, handle_id=found)
+        return self._refuse(
+            msg.call_id,
+            ep.EngineReason.UNKNOWN_HANDLE,
+            f"no open {'publish' if self.role == 'sender' else 'fetch'} of request {msg.request_id}",
+        )
+
+    async def _found(self, rid: bytes, key: _Key, work: _Work, deadline_ms: int) -> int | None:
+        """Wait (up to ``deadline_ms``) for the call that holds ``key``; its handle id, now also ``rid``'s.
+
+        None when that call failed or its handle is gone: the key is free again.
+        """
+        if not work.done.done():
+            left = _left_s(deadline_ms)
+            try:
+                await asyncio.wait_for(asyncio.shield(work.done), left)
+            except TimeoutError:
+                raise _Expired from None
+        hid = work.done.result()
+        entry = None if hid is None else self._handles.get(hid)
+        if entry is None:
+            if self._work.get(key) is work:
+                del self._work[key]
             return None
+        if rid not in entry.owners:
+            entry.owners.append(rid)
+            del entry.owners[:-MAX_OWNERS]
+        return hid
+
+    def _key(self, msg: ep.Publish | ep.Fetch | ep.Lookup) -> _Key:
+        if self.role == "sender":
+            return ("publish", msg.request_id, "", 0, 0)
+        assert not isinstance(msg, ep.Publish)
+        end = msg.layer_end or self.service.pool.layout.num_layers
+        return ("fetch", msg.request_id, msg.sender_endpoint or "", msg.layer_begin, end)
+
+    def _service_call(self, msg: ep.Publish | ep.Fetch) -> Callable[[], TxHandle | RxHandle]:
+        if isinstance(msg, ep.Publish):
+            sender = self.service
+            assert isinstance(sender, Sender)
+            return functools.partial(
+                sender.publish,
+                msg.request_id,
+                msg.block_ids,
+                aux=msg.aux,
+                expected_fetches=msg.expected_fetches,
+            )
+        receiver = self.service
+        assert isinstance(receiver, Receiver)
+        layers = None
+        if msg.layer_begin or msg.layer_end:
+            layers = (msg.layer_begin, msg.layer_end or receiver.pool.layout.num_layers)
+        return functools.partial(
+            receiver.fetch,
+            msg.request_id,
+            msg.sender_endpoint,
+            msg.block_ids,
+            layers=layers,
+            want_aux=msg.want_aux,
+            timeout_ms=msg.timeout_ms or None,
+        )
+
+    def _refuse(self, call_id: int, reason: ep.EngineReason, detail: str) -> ep.Error:
         self.stats.add(f"rejected_{reason}")
-        return ep.Error(call_id=msg.call_id, reason=reason, detail=detail)
+        return ep.Error(call_id=call_id, reason=reason, detail=detail)
 
     def _entry(self, rid: bytes, handle_id: int) -> _Entry:
         entry = self._handles.get(handle_id)
-        if entry is None or entry.owner != rid:
+        if entry is None or rid not in entry.owners:
             raise _UnknownHandle
         return entry
 
     def _poll(self, rid: bytes, msg: ep.Poll) -> ep._Msg:
         entry = self._handles.get(msg.handle_id)
-        if entry is None or entry.owner != rid:
+        if entry is None or rid not in entry.owners:
             self.stats.add("rejected_unknown_handle")
             return ep.Error(
                 call_id=msg.call_id,
@@ -443,17 +638,42 @@ class Gateway:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             if on_orphan is not None:
-                fut.add_done_callback(functools.partial(_orphaned, on_orphan))
+                fut.add_done_callback(functools.partial(self._orphaned, on_orphan))
             raise
 
+    def _orphaned(self, on_orphan: Callable[[T], None], fut: asyncio.Future[T]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        try:
+            on_orphan(fut.result())
+        except Exception:
+            self.guard.caught("gateway: cleaning up an orphaned call")
 
-def _orphaned(on_orphan: Callable[[T], None], fut: asyncio.Future[T]) -> None:
-    if fut.cancelled() or fut.exception() is not None:
-        return
-    try:
-        on_orphan(fut.result())
-    except Exception:
-        log.exception("gateway: cleaning up an orphaned call failed")
+
+def _expired(call_id: int, when: str) -> ep.Error:
+    return ep.Error(
+        call_id=call_id,
+        reason=ep.EngineReason.TIMEOUT,
+        detail=f"the call's deadline had passed when {when}; it was not executed",
+    )
+
+
+def _digest(msg: ep.Publish | ep.Fetch) -> bytes:
+    """What a retry must repeat to get the same handle: blocks and aux / aux wanted."""
+    if isinstance(msg, ep.Publish):
+        params: list[object] = [msg.block_ids, msg.aux, msg.expected_fetches]
+    else:
+        params = [msg.block_ids, msg.want_aux]
+    return hashlib.blake2b(msgspec.msgpack.encode(params), digest_size=16).digest()
+
+
+def _close(handle: TxHandle | RxHandle, timeout_ms: int, deadline_ms: int) -> bool:
+    """Close on a gateway thread: not at all once the deadline passed, else waiting at most until it."""
+    left = _left_s(deadline_ms)
+    if left is not None and left <= 0:
+        raise _Expired
+    timeout = timeout_ms / 1000 if left is None else min(timeout_ms / 1000, left)
+    return handle.close(timeout)
 
 
 def _cancel_handle(handle: TxHandle | RxHandle) -> None:

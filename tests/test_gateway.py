@@ -10,6 +10,7 @@ fixture finalizers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import stat
@@ -37,9 +38,10 @@ from kvxferd.client import (
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.engine_protocol import EngineReason
 from kvxferd.errors import Reason
-from kvxferd.gateway import Gateway
+from kvxferd.gateway import QUICK_THREADS, Gateway
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
+from tests.conditions import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -501,3 +503,345 @@ def test_calls_toward_a_stopped_gateway_fail_within_their_bound(
         assert time.monotonic() - t0 < 0.3 + 1.0
     finally:
         never.close_client()
+
+
+# -- deadlines, idempotent calls, work found again by key ------------------------------------
+def _sessions_of(sender: Sender, request_id: str) -> int:
+    """How many sessions the sender holds for ``request_id`` (live or ended, not yet closed)."""
+    with sender._lock:
+        return sum(1 for s in sender._sessions.values() if s.request_id == request_id)
+
+
+def _fetches_of(receiver: Receiver, request_id: str) -> int:
+    with receiver._lock:
+        return sum(1 for rx in receiver._fetches.values() if rx.request_id == request_id)
+
+
+@contextlib.contextmanager
+def hold_quick_threads(gw: Gateway) -> Iterator[None]:
+    """Keep every gateway quick thread busy (as a frozen or overloaded daemon would) until exit."""
+    release, busy = threading.Event(), threading.Semaphore(0)
+
+    def hold() -> None:
+        busy.release()
+        release.wait(4 * CALL_S)
+
+    assert gw._quick is not None
+    held = [gw._quick.submit(hold) for _ in range(QUICK_THREADS)]
+    try:
+        for _ in held:
+            assert busy.acquire(timeout=CALL_S)
+        yield
+    finally:
+        release.set()
+        for f in held:
+            f.result(CALL_S)
+
+
+def _unix_ms(offset_s: float = 0.0) -> int:
+    return int((time.time() + offset_s) * 1000)
+
+
+def test_publish_queued_past_its_deadline_never_runs(
+    sender: Sender, start_gateway: Callable[..., Started]
+) -> None:
+    """A publish still waiting for a gateway thread when its caller gives up is refused (timeout) and creates no session; a retry then creates one."""
+    gw, _, endpoint = start_gateway(sender, "late")
+    rid = "gw-late"
+    with Client(endpoint, timeout_s=0.5) as c:
+        with hold_quick_threads(gw):
+            with pytest.raises(EngineUnavailable) as ei:
+                c.publish(rid, [10, 11])
+            assert ei.value.reason is EngineReason.TIMEOUT
+        # The held threads are free: the queued publish reaches its check (or, unfixed, runs).
+        wait_until(
+            lambda: gw.stats.get("rejected_timeout") >= 1 or _sessions_of(sender, rid) > 0,
+            CALL_S,
+            "the late publish was taken off the queue",
+        )
+        assert _sessions_of(sender, rid) == 0, "a publish ran after its caller gave up"
+        assert gw.stats.get("rejected_timeout") == 1
+    with Client(endpoint, timeout_s=CALL_S) as c:
+        h = c.publish(rid, [10, 11])
+        assert _sessions_of(sender, rid) == 1
+        assert c.close(h, CALL_S)
+
+
+def test_expired_calls_are_refused_when_decoded(
+    clients: tuple[Client, Client],
+    gateways: tuple[Started, Started],
+    sender: Sender,
+    receiver: Receiver,
+) -> None:
+    """A publish, fetch, cancel or close that arrives after its deadline gets Error(timeout) and does nothing."""
+    (tx_gw, _, tx_ep), (rx_gw, _, rx_ep) = gateways
+    tx, _ = clients
+    h = tx.publish("gw-expired-open", [48])
+    past = _unix_ms(-1.0)
+    with RawEngine(tx_ep) as raw_tx, RawEngine(rx_ep) as raw_rx:
+        calls: list[tuple[RawEngine, ep._Msg]] = [
+            (
+                raw_tx,
+                ep.Publish(
+                    call_id=1, request_id="gw-expired", block_ids=[49], deadline_unix_ms=past
+                ),
+            ),
+            (
+                raw_rx,
+                ep.Fetch(
+                    call_id=2,
+                    request_id="gw-expired",
+                    sender_endpoint=sender.endpoint,
+                    block_ids=[49],
+                    deadline_unix_ms=past,
+                ),
+            ),
+            (raw_tx, ep.Lookup(call_id=3, request_id="gw-expired-open", deadline_unix_ms=past)),
+        ]
+        for raw, msg in calls:
+            reply = raw.call(msg)
+            assert isinstance(reply, ep.Error) and reply.reason is EngineReason.TIMEOUT, reply
+    assert _sessions_of(sender, "gw-expired") == 0 and _fetches_of(receiver, "gw-expired") == 0
+    with RawEngine(tx_ep) as raw_tx:
+        hid = raw_tx.call(ep.Lookup(call_id=4, request_id="gw-expired-open")).handle_id
+        assert hid == h
+        for msg in (
+            ep.Cancel(call_id=5, handle_id=hid, deadline_unix_ms=past),
+            ep.Close(call_id=6, handle_id=hid, timeout_ms=1000, deadline_unix_ms=past),
+        ):
+            reply = raw_tx.call(msg)
+            assert isinstance(reply, ep.Error) and reply.reason is EngineReason.TIMEOUT, reply
+    assert tx.poll(h) is None  # neither the cancel nor the close happened
+    assert tx_gw.stats.get("rejected_timeout") == 4 and rx_gw.stats.get("rejected_timeout") == 1
+    assert tx.close(h, CALL_S)
+
+
+def test_publish_retried_while_the_first_is_queued_gets_the_same_handle(
+    sender: Sender, start_gateway: Callable[..., Started]
+) -> None:
+    """A retry arriving while the first publish still waits for a thread ends with one session and one handle for both; other blocks get duplicate."""
+    gw, _, endpoint = start_gateway(sender, "retry")
+    rid = "gw-retry"
+    with RawEngine(endpoint) as raw:
+        with hold_quick_threads(gw):
+            raw.send(ep.Publish(call_id=1, request_id=rid, block_ids=[50, 51], aux=b"a"))
+            raw.send(ep.Publish(call_id=2, request_id=rid, block_ids=[50, 51], aux=b"a"))
+            other = raw.call(ep.Publish(call_id=3, request_id=rid, block_ids=[50], aux=b"a"))
+            assert isinstance(other, ep.Error) and other.call_id == 3, other
+            assert other.reason is EngineReason.DUPLICATE
+        replies = {r.call_id: r for r in (raw.recv(), raw.recv())}
+        assert {type(r) for r in replies.values()} == {ep.Handle}, replies
+        assert replies[1].handle_id == replies[2].handle_id
+        assert _sessions_of(sender, rid) == 1
+        again = raw.call(ep.Publish(call_id=4, request_id=rid, block_ids=[50, 51], aux=b"a"))
+        assert isinstance(again, ep.Handle) and again.handle_id == replies[1].handle_id
+        for aux, n in ((b"b", 1), (None, 1)):  # other aux: duplicate, never a second session
+            dup = raw.call(
+                ep.Publish(
+                    call_id=5, request_id=rid, block_ids=[50, 51], aux=aux, expected_fetches=n
+                )
+            )
+            assert isinstance(dup, ep.Error) and dup.reason is EngineReason.DUPLICATE, dup
+        closed = raw.call(ep.Close(call_id=6, handle_id=again.handle_id, timeout_ms=5000))
+        assert isinstance(closed, ep.Closed) and closed.safe
+    assert _sessions_of(sender, rid) == 0
+
+
+def test_a_recreated_client_finds_its_work_by_key_and_closes_it(
+    clients: tuple[Client, Client],
+    gateways: tuple[Started, Started],
+    sender: Sender,
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After its Client was recreated, an engine finds its publish and fetch by key (retry or lookup), waits on them and closes them by request id."""
+    tx, rx = clients
+    (_, _, tx_ep), (_, _, rx_ep) = gateways
+    src_kv, dst_kv = _attach(tx.describe()), _attach(rx.describe())
+    data = _fill(src_kv, [52, 53], seed=3)
+    rid = "gw-lost"
+    calls: list[str] = []  # every publish / fetch the gateway asked of the service
+
+    def counted(name: str, fn: Callable[..., T]) -> Callable[..., T]:
+        def call(*args: Any, **kwargs: Any) -> T:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(sender, "publish", counted("publish", sender.publish))
+    monkeypatch.setattr(receiver, "fetch", counted("fetch", receiver.fetch))
+    h_tx = tx.publish(rid, [52, 53], aux=b"x")
+    h_rx = rx.fetch(rid, sender.endpoint, [54, 55], layers=(0, 2))
+    tx.close_client()
+    rx.close_client()  # the handles are lost with their connections
+    with Client(tx_ep, timeout_s=CALL_S) as tx2, Client(rx_ep, timeout_s=CALL_S) as rx2:
+        assert tx2.lookup(rid) == h_tx
+        assert tx2.publish(rid, [52, 53], aux=b"x") == h_tx  # a retry from another connection
+        # Layers (0, 2) are all the layers: the same key as a fetch without a range.
+        assert rx2.lookup(rid, sender_endpoint=sender.endpoint) == h_rx
+        assert rx2.fetch(rid, sender.endpoint, [54, 55]) == h_rx
+        with pytest.raises(EngineRejected) as ei:
+            rx2.fetch(rid, sender.endpoint, [56, 57])
+        assert ei.value.reason is EngineReason.DUPLICATE
+        assert sorted(calls) == ["fetch", "publish"] and _sessions_of(sender, rid) == 1
+        assert rx2.lookup(rid, sender_endpoint=sender.endpoint, layers=(1, 2)) is None
+        assert rx2.lookup("gw-never-fetched", sender_endpoint=sender.endpoint) is None
+        out = rx2.wait(h_rx, CALL_S)
+        assert out is not None and out.ok and out.aux == b"x", out
+        assert torch.equal(dst_kv[:, [54, 55], :], data)
+        assert tx2.close_request(rid, CALL_S)
+        assert rx2.close_request(rid, CALL_S, sender_endpoint=sender.endpoint)
+        assert tx2.lookup(rid) is None and rx2.lookup(rid, sender_endpoint=sender.endpoint) is None
+        assert tx2.close_request(rid, CALL_S)  # nothing open under that key: nothing to wait for
+    assert _sessions_of(sender, rid) == 0 and _fetches_of(receiver, rid) == 0
+
+
+def test_handle_ids_of_a_restarted_gateway_are_new(
+    sender: Sender, start_gateway: Callable[..., Started]
+) -> None:
+    """A restarted gateway never issues a handle id of its predecessor, and knows none of them."""
+    gw, lt, endpoint = start_gateway(sender, "first")
+    with Client(endpoint, timeout_s=CALL_S) as c:
+        old = c.publish("gw-restart-1", [58])
+        assert c.close(old, CALL_S)
+    lt.run(gw.stop(2.0))
+    _, _, endpoint = start_gateway(sender, "second")
+    with Client(endpoint, timeout_s=CALL_S) as c:
+        new = c.publish("gw-restart-2", [58])
+        assert new != old
+        with pytest.raises(EngineRejected) as ei:
+            c.poll(old)
+        assert ei.value.reason is EngineReason.UNKNOWN_HANDLE
+        assert c.close(new, CALL_S)
+
+
+# -- the gateway survives its own bugs, and says so -------------------------------------------
+def test_an_unexpected_error_in_the_serve_task_is_caught_counted_and_reported(
+    gateways: tuple[Started, Started], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug while receiving or handling a frame is logged, counted in thread_errors, makes broken() name it, and serving goes on."""
+    (gw, lt, endpoint), _ = gateways
+    assert gw.broken() is None
+    sock = gw._sock
+    assert sock is not None
+    real_recv = sock.recv_multipart
+    failed = threading.Event()
+
+    def recv_fails_once(*args: Any, **kwargs: Any) -> Any:
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("injected receive bug")
+        return real_recv(*args, **kwargs)
+
+    monkeypatch.setattr(sock, "recv_multipart", recv_fails_once)
+    with Client(endpoint, timeout_s=CALL_S) as c:
+        assert failed.wait(CALL_S)
+        assert c.describe().role == "sender"  # the serve task lives on
+        real_decode = ep.decode_to_gateway
+
+        def decode_fails(frames: list[bytes], max_bytes: int = ep.MAX_FRAME_BYTES) -> Any:
+            msg = real_decode(frames, max_bytes)
+            if isinstance(msg, ep.Poll):
+                raise RuntimeError("injected handling bug")
+            return msg
+
+        monkeypatch.setattr(ep, "decode_to_gateway", decode_fails)
+        with pytest.raises(EngineRejected) as ei:  # the engine hears of the bug at once
+            c.poll(1)
+        assert ei.value.reason is EngineReason.INTERNAL
+        assert c.describe().role == "sender"
+    assert gw.stats.get("thread_errors") == 2
+    why = gw.broken()
+    assert why is not None and "injected receive bug" in why
+
+
+def test_an_unexpected_error_in_a_call_task_is_caught_and_reported(
+    clients: tuple[Client, Client],
+    gateways: tuple[Started, Started],
+    sender: Sender,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A service call that raises an unexpected exception answers Error(internal), counts thread_errors and makes broken() name it."""
+    tx, _ = clients
+    (gw, _, _), _ = gateways
+
+    def bug(*args: Any, **kwargs: Any) -> Any:
+        raise ZeroDivisionError("injected service bug")
+
+    monkeypatch.setattr(sender, "publish", bug)
+    with pytest.raises(EngineRejected) as ei:
+        tx.publish("gw-bug", [59])
+    assert ei.value.reason is EngineReason.INTERNAL
+    assert gw.stats.get("thread_errors") == 1
+    why = gw.broken()
+    assert why is not None and "injected service bug" in why
+
+
+# -- AsyncClient.close_client from another thread --------------------------------------------
+def test_async_close_client_racing_a_stopping_loop_still_closes_its_socket(
+    gateways: tuple[Started, Started],
+) -> None:
+    """close_client from another thread while a connection's loop is stopping still closes that loop's socket."""
+    (_, _, tx_ep), _ = gateways
+    ac = AsyncClient(tx_ep, timeout_s=CALL_S)
+    lt = LoopThread("engine-stopping")
+    try:
+        assert lt.run(ac.describe()).role == "sender"
+        conn = ac._conns[lt.loop]
+        entered, release, scheduled = threading.Event(), threading.Event(), threading.Event()
+
+        def busy_then_stop() -> None:  # the loop's last turn: it stops before its next one
+            entered.set()
+            release.wait(CALL_S)
+            lt.loop.stop()
+
+        lt.loop.call_soon_threadsafe(busy_then_stop)
+        assert entered.wait(CALL_S)
+        schedule = lt.loop.call_soon_threadsafe
+
+        def spy(callback: Callable[..., object], *args: Any) -> asyncio.Handle:
+            handle = schedule(callback, *args)
+            scheduled.set()
+            return handle
+
+        lt.loop.call_soon_threadsafe = spy  # type: ignore[method-assign]
+        closer = threading.Thread(target=ac.close_client, name="closer")
+        closer.start()
+        assert scheduled.wait(CALL_S)  # close_client handed the close to the loop...
+        release.set()  # ...which stops before it gets to it
+        closer.join(CALL_S)
+        assert not closer.is_alive()
+        lt.thread.join(CALL_S)
+        assert not lt.loop.is_running()
+        wait_until(lambda: conn.sock.closed, CALL_S, "the stopped loop's socket is closed")
+    finally:
+        ac.close_client()
+        lt.stop()
+
+
+def test_async_close_client_fails_a_stopped_loops_calls_when_it_runs_again(
+    gateways: tuple[Started, Started],
+) -> None:
+    """A wait in flight on a loop that stopped fails with peer_lost as soon as the loop runs again after close_client, not at its own timeout."""
+    (tx_gw, _, tx_ep), _ = gateways
+    ac = AsyncClient(tx_ep, timeout_s=CALL_S)
+    lt = LoopThread("engine-paused")
+    try:
+        h = lt.run(ac.publish("gw-paused", [61]))
+        waiting = lt.submit(ac.wait(h, 60.0))
+        wait_until(lambda: tx_gw.calls_in_flight == 1, CALL_S, "the wait reached the gateway")
+        lt.loop.call_soon_threadsafe(lt.loop.stop)
+        lt.thread.join(CALL_S)
+        assert not lt.loop.is_running()
+        ac.close_client()  # from the main thread, while that loop does not run
+        lt.thread = threading.Thread(target=lt.loop.run_forever, name="engine-resumed", daemon=True)
+        lt.thread.start()
+        with pytest.raises(EngineUnavailable) as ei:
+            waiting.result(2.0)
+        assert ei.value.reason is EngineReason.PEER_LOST
+    finally:
+        ac.close_client()
+        lt.stop()
+    with Client(tx_ep, timeout_s=CALL_S) as c:
+        assert c.close_request("gw-paused", CALL_S)
