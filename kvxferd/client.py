@@ -10,7 +10,11 @@ Errors (both are :class:`~kvxferd.errors.KvxferdError`)::
 
 Every call is bounded: a call that waits (``wait``, ``close``) is allowed its own
 timeout plus ``timeout_s``; every other call ``timeout_s``. A dead or stopped
-daemon therefore costs at most that long, then raises EngineUnavailable.
+daemon therefore costs at most that long, then raises EngineUnavailable. The
+call carries that bound as ``deadline_unix_ms`` (computed before it is sent), and
+the daemon does not execute a call whose deadline has passed; ``publish`` and
+``fetch`` are idempotent by key, and ``lookup`` / ``close_request`` find work
+whose handle was lost (docs/engine-api.md, section 5).
 
 Threads, loops and sockets::
 
@@ -20,9 +24,12 @@ Threads, loops and sockets::
     AsyncClient   one zmq.asyncio DEALER per event loop, created on first use in that loop,
                   with its own reader task and semaphore; a reply resolves a future on the
                   loop that made the call. ``_lock`` guards only the loop -> connection map.
+                  ``close_client`` (any thread) hands each connection's close to its loop
+                  and, if that loop stops first, closes it itself (``_LoopConn.close_raw``).
 
-A handle belongs to the daemon connection that created it: for a Client, any
-thread may use it; for an AsyncClient, use it from the loop that created it.
+A handle serves the daemon connection that created it, and those that found it
+by key (``lookup`` or a retried publish/fetch): for a Client, any thread may use
+it; for an AsyncClient, use it from the loop that created or found it.
 """
 
 from __future__ import annotations
