@@ -4,22 +4,48 @@ Threads and what each owns::
 
     thread          owns                                  does
     --------------  ------------------------------------  -----------------------------------------
-    kvxferd-rx-io   the result ROUTER, one DEALER per     registers with each sender once, sends
-                    sender endpoint, the command queue    REQUEST_DATA / CANCEL, takes Results and
-                                                          CancelAcks, enforces every deadline
-                                                          (register, kv_transfer_timeout, cancel fence)
+    kvxferd-rx-io   the result ROUTER, one DEALER per     registers with each sender (again after
+                    sender endpoint and its monitor       a reconnect), sends REQUEST_DATA /
+                    socket, the command queue             CANCEL, takes Results and CancelAcks,
+                                                          enforces every deadline (register,
+                                                          connect refused, kv_transfer_timeout,
+                                                          cancel fence), re-asks about fetches
+                                                          in doubt
     API callers     nothing long-lived                    fetch / cancel / close: they enqueue a
                                                           command and wake the io thread (eventfd)
 
-``_lock`` guards ``_fetches`` (fetch id -> RxSession), ``_forgotten_in_doubt``
-and ``_commands``; each RxSession has its own lock (session.py). Fetch ids are a process-wide counter,
-never reused, so a late result can never land on a newer fetch.
+``_lock`` guards ``_fetches`` (fetch id -> open RxSession, or ended with its fence
+up), ``_in_doubt`` (ended in doubt, still asked about), ``_forgotten_in_doubt``,
+``_aux_quarantined`` and ``_commands``; each RxSession has its own lock
+(session.py). Fetch ids are a process-wide counter, never reused, so a late
+result can never land on a newer fetch. The io thread's loop body is guarded
+(guard.py): an unexpected exception is logged and counted, the thread goes on,
+and ``broken()`` makes liveness fail.
 
 A fetch completes only on the sender's ``done`` Result, which the sender sends
 only after NIXL reported its WRITE complete. On cancel or timeout the blocks
 stay fenced until the sender acknowledges that no write is in flight, or until
-``cancel_fence_ms`` passes (then the outcome is in doubt and the blocks must
-not be reused).
+``cancel_fence_ms`` passes; then the outcome is in doubt and the blocks (and aux
+slot) must not be reused. A fetch in doubt moves to ``_in_doubt`` (bounded by
+``max_fetches_in_flight``); the io thread re-sends its Cancel with a bounded
+backoff (``in_doubt_retry_ms`` .. ``in_doubt_retry_max_ms``), and a
+CancelAck(in_doubt=false), late or unsolicited, or a late done/failed Result
+releases it.
+
+A link (one sender endpoint) and its sender's incarnation::
+
+    new link --Register--> waiting --RegisterReply ok--> ready
+       |  every connect refused for connect_refused_ms --> dropped (waiting fetches: peer_lost)
+       |  no reply within register_timeout_ms ----------> dropped (waiting fetches: timeout)
+    ready --disconnected, then connected (monitor)--> Register again --> waiting
+    ready --Result failed/unknown_peer--> Register again, that fetch waits (once per fetch)
+    RegisterReply with another sender_id: a new sender process. Open fetches sent to the
+    old one are sent again (same fetch id) while their deadline allows, else fail
+    peer_restarted; fences toward the old one are released (it is gone).
+
+Shutdown admits no fetch once draining (``fetch`` checks under ``_lock``), ends
+every fetch it cannot wait for, asks once more about fetches in doubt, and
+deregisters memory (data plane, pool) only when no outcome is in doubt.
 """
 
 from __future__ import annotations
@@ -101,7 +127,12 @@ class RxHandle:
         self._receiver._command(("cancel", self.session))
 
     def close(self, timeout: float | None = None) -> bool:
-        """Cancel if open; True once the destination blocks are safe to reuse."""
+        """Cancel if open; True once the destination blocks are safe to reuse.
+
+        False while the outcome is in doubt. That can change: when the sender later
+        answers, the blocks are released and ``close`` returns True (``session.reusable``
+        is set then).
+        """
         if not self.session.ended:
             self.cancel()
         if timeout is None:
