@@ -510,6 +510,7 @@ class ReceiverProbe:
         rx = self.receiver
         with rx._lock:
             fetches = list(rx._fetches.values())
+            in_doubt = len(rx._in_doubt)
             queued = len(rx._commands)
         by_state = dict.fromkeys((s.value for s in RxState), 0)
         for f in fetches:
@@ -520,8 +521,8 @@ class ReceiverProbe:
             stats=rx.stats.snapshot(),
             sessions_by_state=by_state,
             queue_depths=[queued],
-            # A fetch in our table may still receive a write into its blocks.
-            writes_in_flight=len(fetches),
+            # A fetch in our table, or one in doubt, may still receive a write into its blocks.
+            writes_in_flight=len(fetches) + in_doubt,
             peers=sum(1 for link in links if link.ready),
             durations_s=rx.stats.take_samples("fetch_seconds"),
         )

@@ -7,8 +7,10 @@ test can watch each fetch's handle and its blocks.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ from kvxferd.receiver import Receiver, RxHandle
 from kvxferd.session import RxState
 from tests.conditions import wait_until
 from tests.peers import PeerProcess, check_request, request_content
+from tests.test_daemon import DaemonProcess, Engines, daemon_env, gauge
 from tests.test_integration import _peer_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -158,3 +161,61 @@ def test_a_thawed_sender_resolves_every_in_doubt_fetch_and_shutdown_is_safe(
     assert r.aux_slots.free == r.pool.layout.aux_slots
     print(f"{len(stuck)} in doubt resolved after the thaw; stats {r.stats.snapshot()}")
     assert r.shutdown() is True
+
+
+@pytest.fixture
+def daemon_pair() -> Iterator[tuple[DaemonProcess, DaemonProcess, Engines]]:
+    """A sender and a receiver daemon (TCP data plane: slow enough to freeze mid-transfer)."""
+    sock_dir = tempfile.mkdtemp(prefix="kx")
+    env = daemon_env(KVXFERD_DATAPLANE__UCX_TLS="tcp", KVXFERD_DEADLINES__IN_DOUBT_RETRY_MS=200)
+    tx = DaemonProcess("sender", "tx", sock_dir, env, ["--listen", "tcp://127.0.0.1:0"])
+    rx = DaemonProcess("receiver", "rx", sock_dir, env, [])
+    engines = Engines()
+    try:
+        tx.wait_ready(), rx.wait_ready()
+        yield tx, rx, engines
+    finally:
+        engines.close()
+        tx.kill(), rx.kill()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_a_receiver_daemon_exits_0_once_a_frozen_sender_resumed_and_answered(
+    daemon_pair: tuple[DaemonProcess, DaemonProcess, Engines],
+) -> None:
+    """Fetches in doubt while the sender was SIGSTOPped are resolved after SIGCONT, so SIGTERM exits 0, not 3."""
+    tx, rx, engines = daemon_pair
+    ct, pt = engines.client(tx)
+    cr, _ = engines.client(rx)
+    n, blocks = 8, 64
+    for i in range(n):
+        pt[:, i * blocks : (i + 1) * blocks] = request_content(f"p-{i}", 2, blocks, 256 << 10)
+        ct.publish(f"p-{i}", list(range(i * blocks, (i + 1) * blocks)))
+    gets = [
+        cr.fetch(f"p-{i}", tx.endpoint, list(range(i * blocks, (i + 1) * blocks))) for i in range(n)
+    ]
+    first = cr.wait(gets[0], 10)
+    assert first is not None and first.state == "done", first
+    tx.signal(signal.SIGSTOP)
+    outs = [cr.wait(h, 10) for h in gets]
+    assert all(o is not None for o in outs), outs
+    if all(o is not None and o.state == "done" for o in outs):
+        pytest.skip("every fetch finished before the freeze: nothing was in doubt")
+    # kv_transfer_timeout passed; the fence (0.5 s) passes unanswered: those fetches are in doubt.
+    open_ones = [h for h, o in zip(gets, outs, strict=True) if o is not None and o.state != "done"]
+
+    def in_doubt() -> list[bool]:
+        return [bool(o is not None and o.in_doubt) for o in map(cr.poll, open_ones)]
+
+    wait_until(lambda: all(in_doubt()), 5, "fetches in doubt")
+    tx.signal(signal.SIGCONT)
+    wait_until(
+        lambda: all(o is not None and o.reusable for o in map(cr.poll, open_ones)),
+        20,
+        "every in-doubt fetch resolved after the thaw",
+    )
+    assert gauge(rx.probe_port, "kvxferd_writes_in_flight") == 0
+    rx.signal(signal.SIGTERM)
+    code, elapsed = rx.wait_exit(10)
+    print(f"receiver daemon after the thaw: exit {code} in {elapsed:.3f}s")
+    assert code == 0, rx.describe()
