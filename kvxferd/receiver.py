@@ -468,10 +468,19 @@ class Receiver:
                     link.refused_since = time.monotonic()
 
     def _on_register_reply(self, link: _Link, msg: wire.RegisterReply) -> None:
-        known = link.sender_id
-        link.sender_id = msg.sender_id
-        if known and known != msg.sender_id:
-            self._sender_restarted(link, known, resend=msg.ok)
+        known, link.sender_id = link.sender_id, msg.sender_id
+        # Fetches sent to another incarnation at this endpoint, whether this link or an
+        # earlier one (dropped meanwhile) carried them: that process is gone.
+        with self._lock:
+            stale = [
+                rx
+                for rx in (*self._fetches.values(), *self._in_doubt.values())
+                if rx.sender_endpoint == link.endpoint
+                and rx.sent
+                and rx.sent_to not in ("", msg.sender_id)
+            ]
+        if stale or (known and known != msg.sender_id):
+            self._sender_restarted(link, stale, resend=msg.ok)
         if not msg.ok:
             self._drop_link(link, msg.reason or Reason.INCOMPATIBLE, msg.detail)
             return
@@ -481,23 +490,17 @@ class Receiver:
             if not rx.ended:
                 self._send_request(link, rx)
 
-    def _sender_restarted(self, link: _Link, old_id: str, *, resend: bool) -> None:
+    def _sender_restarted(self, link: _Link, stale: list[RxSession], *, resend: bool) -> None:
         """A new sender process answers at ``link``: nothing of the old one can still land.
 
-        Open fetches sent to the old incarnation are sent again (same fetch id: the new
+        Open fetches sent to an old incarnation are sent again (same fetch id: the new
         one never saw it) while their deadline allows, or fail with peer_restarted;
-        fences toward the old incarnation are released.
+        fences toward an old incarnation are released.
         """
         self.stats.add("sender_restarts")
-        log.warning("sender at %s restarted (%s -> %s)", link.endpoint, old_id, link.sender_id)
+        log.warning("sender at %s is a new process (%s)", link.endpoint, link.sender_id)
         now = time.monotonic()
-        with self._lock:
-            mine = [
-                rx
-                for rx in (*self._fetches.values(), *self._in_doubt.values())
-                if rx.sender_endpoint == link.endpoint and rx.sent and rx.sent_to == old_id
-            ]
-        for rx in mine:
+        for rx in stale:
             if not rx.ended:
                 self._reregistered.discard(rx.fetch_id)
                 if resend and now < rx.deadline:
@@ -505,7 +508,7 @@ class Receiver:
                         link.waiting.append(rx)
                     self.stats.add("fetches_resent")
                 else:
-                    self._fail(rx, Reason.PEER_RESTARTED, f"sender {old_id} restarted")
+                    self._fail(rx, Reason.PEER_RESTARTED, f"sender {rx.sent_to} restarted")
             elif rx.release():
                 self.stats.add("fences_released_restart")
                 self._settle(rx)

@@ -466,3 +466,18 @@ def test_receiver_readiness_fails_when_no_aux_slot_is_free(
             h.cancel()
     finally:
         rx.shutdown(timeout=3)
+
+
+def test_sender_liveness_fails_naming_an_error_its_threads_caught(
+    sender: tuple[Sender, ControlledDataPlane],
+) -> None:
+    """Once the sender's guard caught an unexpected exception, its liveness fails and names it."""
+    sx, _ = sender
+    probe = SenderProbe(sx, sx.settings)
+    assert probe.liveness()[0]
+    try:
+        raise RuntimeError("injected listener fault")
+    except RuntimeError:
+        sx.guard.caught("listener")
+    ok, text = probe.liveness()
+    assert not ok and "injected listener fault" in text, text

@@ -413,3 +413,32 @@ def test_unknown_peer_refusals_register_again_and_resend_every_refused_fetch(
     for h in handles:
         out = h.wait(WAIT_S)
         assert out is not None and out.state is RxState.DONE, out
+
+
+def test_a_new_incarnation_that_refuses_the_register_fails_open_fetches_peer_restarted(
+    make_rx: Any,
+) -> None:
+    """When the new sender at an endpoint refuses our Register, fetches sent to the old one fail peer_restarted at once."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    old = ScriptedSender(endpoint, "scripted-tx-old")
+    rx = make_rx()
+    try:
+        h = rx.fetch("req-gone", endpoint, [1], timeout_ms=20_000)
+        old.accept_register()
+        old.next(wire.RequestData)
+    finally:
+        old.close()
+    new = ScriptedSender(endpoint, "scripted-tx-new")
+    try:
+        new.next(wire.Register)
+        new.send(
+            wire.RegisterReply(
+                ok=False, sender_id=new.sender_id, reason=Reason.DRAINING, detail="draining"
+            )
+        )
+        out = h.wait(WAIT_S)
+        assert out is not None and out.state is RxState.FAILED, out
+        assert out.reason is Reason.PEER_RESTARTED, out
+        assert h.close(0) is True  # the old process is gone: nothing of it can land
+    finally:
+        new.close()
