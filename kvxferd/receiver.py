@@ -82,6 +82,7 @@ from kvxferd.waiters import Once
 log = logging.getLogger("kvxferd.receiver")
 
 _fetch_ids = itertools.count(1)
+_monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
@@ -392,7 +393,15 @@ class Receiver:
         except zmq.ZMQError as e:  # connect_problem let it through, libzmq did not
             self.stats.add("connect_errors")
             return f"cannot connect to {endpoint!r}: {e}"
-        monitor = dealer.get_monitor_socket(_MONITORED)
+        try:
+            # A name of our own: pyzmq's default (the socket's fd) can repeat after a close.
+            monitor = dealer.get_monitor_socket(
+                _MONITORED, f"inproc://kvxferd-rx-monitor-{next(_monitor_ids)}"
+            )
+        except zmq.ZMQError as e:
+            dealer.close(linger=0)
+            self.stats.add("connect_errors")
+            return f"cannot watch the connection to {endpoint!r}: {e}"
         link = _Link(endpoint, dealer, monitor, 0.0)
         self._links[endpoint] = link
         self._by_socket[dealer] = link
