@@ -98,6 +98,17 @@ class Deadlines(_Frozen):
     drain_timeout_ms: int = Field(10_000, ge=0)
     shutdown_timeout_ms: int = Field(15_000, ge=1)
     clock_skew_ms: int = Field(500, ge=0, le=60_000)
+    connect_refused_ms: int = Field(
+        1_000,
+        ge=1,
+        description="receiver: a new link whose every connect is refused this long fails its fetches",
+    )
+    in_doubt_retry_ms: int = Field(
+        1_000, ge=1, description="receiver: first re-send of Cancel for a fetch in doubt"
+    )
+    in_doubt_retry_max_ms: int = Field(
+        30_000, ge=1, description="receiver: the re-send interval doubles up to this"
+    )
 
     @model_validator(mode="after")
     def _drain_fits_shutdown(self) -> Deadlines:

@@ -6,8 +6,10 @@ Told top-down, as ``run -> startup -> serve -> drain -> teardown``:
   bound, NIXL agent up), starts the engine gateway and the probe port, then
   tells systemd ``READY=1`` and prints one JSON ``ready`` line on stdout.
 * **serve** waits for SIGTERM/SIGINT; meanwhile a watchdog task sends
-  ``WATCHDOG=1`` at half of ``WATCHDOG_USEC`` *only while* the listener and
-  every worker made progress, and a status line every few seconds.
+  ``WATCHDOG=1`` at half of ``WATCHDOG_USEC`` *only while* liveness holds (the
+  listener and every worker made progress, and neither the service nor the
+  gateway met an unexpected exception: ``broken()``), and a status line every
+  few seconds.
 * **drain** (first signal): ``STOPPING=1``; readiness drops; the gateway
   refuses new sessions with DRAINING; the service's own shutdown lets
   in-flight transfers finish up to ``drain_timeout_ms``, fails the rest with
@@ -133,6 +135,7 @@ class Daemon:
         self.gateway = Gateway(
             self.service, svc.engine_socket, max_inflight=svc.max_client_inflight
         )
+        probe.gateway = self.gateway  # a broken gateway fails liveness (and the watchdog)
         engine_socket = await self.gateway.start()
         self.probe_server = ProbeServer(
             probe,

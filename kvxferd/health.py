@@ -4,10 +4,11 @@ Health that lies is a known failure (an HTTP thread answering 200 while the
 workers are wedged), so::
 
     /healthz  200 only when the listener/io thread, EVERY worker and this event loop
-              made progress recently. Never depends on peers: one dead decode pod
-              must not restart every prefill pod.
+              made progress recently, and neither the service nor the engine gateway
+              met an unexpected exception (``broken()``, see guard.py). Never depends
+              on peers: one dead decode pod must not restart every prefill pod.
     /readyz   200 only when new work would be accepted: not draining, every thread
-              alive, the session/fetch table below its limit.
+              alive, the session/fetch table below its limit, (receiver) a free aux slot.
     /metrics  Prometheus text from one :class:`Snapshot`, built in a worker thread
               with a deadline, so a slow scrape never stalls the loop.
 
@@ -341,6 +342,15 @@ class SnapshotCollector(Collector):
 # -- the probes the daemon uses -------------------------------------------------------------
 
 
+def _broken(service: Any, gateway: Any) -> str | None:
+    """Why the service or the engine gateway is not live (a caught unexpected error), or None."""
+    why = service.broken()
+    if why is None and gateway is not None:
+        gw = gateway.broken()
+        why = f"gateway: {gw}" if gw else None
+    return why
+
+
 def _thread_stalls(
     names_progress: Iterable[tuple[str, float, bool]], now: float, limit_s: float, stopping: bool
 ) -> list[str]:
@@ -368,9 +378,10 @@ class SenderProbe:
     bounded write must not restart the pod.
     """
 
-    def __init__(self, sender: Sender, settings: SenderSettings) -> None:
+    def __init__(self, sender: Sender, settings: SenderSettings, gateway: Any = None) -> None:
         self.sender = sender
         self.settings = settings
+        self.gateway = gateway  # the daemon's engine gateway (its broken() fails liveness)
         svc, d = settings.service, settings.deadlines
         self.listener_stall_s = svc.liveness_stall_ms / 1000
         task_bound_ms = 2 * d.xfer_stall_timeout_ms + d.worker_send_timeout_ms + 1000
@@ -396,6 +407,9 @@ class SenderProbe:
             self.worker_stall_s,
             stopping,
         )
+        broken = _broken(snd, self.gateway)
+        if broken:
+            stalls.append(broken)
         if stalls:
             return False, "; ".join(stalls)
         oldest = max((now - t for t in snd.worker_progress()), default=0.0)
@@ -450,9 +464,10 @@ class ReceiverProbe:
     50 ms poll, so it is judged against ``liveness_stall_ms`` as it is.
     """
 
-    def __init__(self, receiver: Receiver, settings: ReceiverSettings) -> None:
+    def __init__(self, receiver: Receiver, settings: ReceiverSettings, gateway: Any = None) -> None:
         self.receiver = receiver
         self.settings = settings
+        self.gateway = gateway  # the daemon's engine gateway (its broken() fails liveness)
         self.io_stall_s = settings.service.liveness_stall_ms / 1000
 
     @property
@@ -464,6 +479,9 @@ class ReceiverProbe:
         stalls = _thread_stalls(
             [("io thread", rx.io_progress, rx._io.is_alive())], now, self.io_stall_s, self.draining
         )
+        broken = _broken(rx, self.gateway)
+        if broken:
+            stalls.append(broken)
         if stalls:
             return False, "; ".join(stalls)
         return True, f"io thread {now - rx.io_progress:.2f}s ago"
@@ -478,6 +496,12 @@ class ReceiverProbe:
         limit = self.settings.limits.max_fetches_in_flight
         if len(rx._fetches) >= limit:  # without the lock, like SenderProbe
             failing.append(f"fetch table full (max_fetches_in_flight={limit})")
+        free, quarantined = rx.aux_slot_counts()
+        if free == 0:  # every fetch with aux would be refused busy
+            failing.append(
+                f"no free aux slot ({free} free, {quarantined} quarantined by outcomes in doubt,"
+                f" aux_slots={self.settings.pool.aux_slots})"
+            )
         if _dataplane_closed(rx.dataplane):
             failing.append("data plane closed (pool not registered)")
         return not failing, failing
@@ -486,6 +510,7 @@ class ReceiverProbe:
         rx = self.receiver
         with rx._lock:
             fetches = list(rx._fetches.values())
+            in_doubt = len(rx._in_doubt)
             queued = len(rx._commands)
         by_state = dict.fromkeys((s.value for s in RxState), 0)
         for f in fetches:
@@ -496,8 +521,8 @@ class ReceiverProbe:
             stats=rx.stats.snapshot(),
             sessions_by_state=by_state,
             queue_depths=[queued],
-            # A fetch in our table may still receive a write into its blocks.
-            writes_in_flight=len(fetches),
+            # A fetch in our table, or one in doubt, may still receive a write into its blocks.
+            writes_in_flight=len(fetches) + in_doubt,
             peers=sum(1 for link in links if link.ready),
             durations_s=rx.stats.take_samples("fetch_seconds"),
         )

@@ -4,22 +4,48 @@ Threads and what each owns::
 
     thread          owns                                  does
     --------------  ------------------------------------  -----------------------------------------
-    kvxferd-rx-io   the result ROUTER, one DEALER per     registers with each sender once, sends
-                    sender endpoint, the command queue    REQUEST_DATA / CANCEL, takes Results and
-                                                          CancelAcks, enforces every deadline
-                                                          (register, kv_transfer_timeout, cancel fence)
+    kvxferd-rx-io   the result ROUTER, one DEALER per     registers with each sender (again after
+                    sender endpoint and its monitor       a reconnect), sends REQUEST_DATA /
+                    socket, the command queue             CANCEL, takes Results and CancelAcks,
+                                                          enforces every deadline (register,
+                                                          connect refused, kv_transfer_timeout,
+                                                          cancel fence), re-asks about fetches
+                                                          in doubt
     API callers     nothing long-lived                    fetch / cancel / close: they enqueue a
                                                           command and wake the io thread (eventfd)
 
-``_lock`` guards ``_fetches`` (fetch id -> RxSession), ``_forgotten_in_doubt``
-and ``_commands``; each RxSession has its own lock (session.py). Fetch ids are a process-wide counter,
-never reused, so a late result can never land on a newer fetch.
+``_lock`` guards ``_fetches`` (fetch id -> open RxSession, or ended with its fence
+up), ``_in_doubt`` (ended in doubt, still asked about), ``_forgotten_in_doubt``,
+``_aux_quarantined`` and ``_commands``; each RxSession has its own lock
+(session.py). Fetch ids are a process-wide counter, never reused, so a late
+result can never land on a newer fetch. The io thread's loop body is guarded
+(guard.py): an unexpected exception is logged and counted, the thread goes on,
+and ``broken()`` makes liveness fail.
 
 A fetch completes only on the sender's ``done`` Result, which the sender sends
 only after NIXL reported its WRITE complete. On cancel or timeout the blocks
 stay fenced until the sender acknowledges that no write is in flight, or until
-``cancel_fence_ms`` passes (then the outcome is in doubt and the blocks must
-not be reused).
+``cancel_fence_ms`` passes; then the outcome is in doubt and the blocks (and aux
+slot) must not be reused. A fetch in doubt moves to ``_in_doubt`` (bounded by
+``max_fetches_in_flight``); the io thread re-sends its Cancel with a bounded
+backoff (``in_doubt_retry_ms`` .. ``in_doubt_retry_max_ms``), and a
+CancelAck(in_doubt=false), late or unsolicited, or a late done/failed Result
+releases it.
+
+A link (one sender endpoint) and its sender's incarnation::
+
+    new link --Register--> waiting --RegisterReply ok--> ready
+       |  every connect refused for connect_refused_ms --> dropped (waiting fetches: peer_lost)
+       |  no reply within register_timeout_ms ----------> dropped (waiting fetches: timeout)
+    ready --disconnected, then connected (monitor)--> Register again --> waiting
+    ready --Result failed/unknown_peer--> Register again, that fetch waits (once per fetch)
+    RegisterReply with another sender_id: a new sender process. Open fetches sent to the
+    old one are sent again (same fetch id) while their deadline allows, else fail
+    peer_restarted; fences toward the old one are released (it is gone).
+
+Shutdown admits no fetch once draining (``fetch`` checks under ``_lock``), ends
+every fetch it cannot wait for, asks once more about fetches in doubt, and
+deregisters memory (data plane, pool) only when no outcome is in doubt.
 """
 
 from __future__ import annotations
@@ -34,14 +60,17 @@ import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvxferd import protocol as wire
 from kvxferd.config import ReceiverSettings
 from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, NixlDataPlane
+from kvxferd.endpoints import connect_problem
 from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.layout import check_blocks, check_layers
@@ -53,19 +82,25 @@ from kvxferd.waiters import Once
 log = logging.getLogger("kvxferd.receiver")
 
 _fetch_ids = itertools.count(1)
+_monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 @dataclass(slots=True)
 class _Link:
-    """Our connection to one sender."""
+    """Our connection to one sender endpoint, and what its monitor told us about it."""
 
     endpoint: str
     dealer: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]  # libzmq's events for ``dealer`` (connected, disconnected, retried)
     register_deadline: float
-    ready: bool = False
-    sender_id: str = ""
+    ready: bool = False  # the last Register was answered ok
+    sender_id: str = ""  # the incarnation that answered it; another one means a restart
+    ever_connected: bool = False
+    disconnected: bool = False  # the connection dropped; the next CONNECTED registers again
+    refused_since: float | None = None  # first refused connect while never connected
     waiting: list[RxSession] = field(default_factory=list)  # fetches queued until registered
 
 
@@ -93,7 +128,12 @@ class RxHandle:
         self._receiver._command(("cancel", self.session))
 
     def close(self, timeout: float | None = None) -> bool:
-        """Cancel if open; True once the destination blocks are safe to reuse."""
+        """Cancel if open; True once the destination blocks are safe to reuse.
+
+        False while the outcome is in doubt. That can change: when the sender later
+        answers, the blocks are released and ``close`` returns True (``session.reusable``
+        is set then).
+        """
         if not self.session.ended:
             self.cancel()
         if timeout is None:
@@ -133,12 +173,15 @@ class Receiver:
             settings.result_endpoint, self.socket_limits
         )
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # notified when an in-doubt fetch resolves
         self._fetches: dict[int, RxSession] = {}
-        self._forgotten_in_doubt = 0  # fetches dropped from _fetches with blocks in doubt
-        self._commands: deque[tuple[str, RxSession]] = deque()
+        self._in_doubt: dict[int, RxSession] = {}  # ended in doubt, still asked about (bounded)
+        self._forgotten_in_doubt = 0  # fetches ended in doubt and not resolved yet
+        self._aux_quarantined = 0  # aux slots held by those fetches
+        self._commands: deque[tuple[str, RxSession | None]] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._links: dict[str, _Link] = {}  # io thread only
-        self._by_dealer: dict[zmq.Socket[bytes], _Link] = {}  # io thread only
+        self._by_socket: dict[zmq.Socket[bytes], _Link] = {}  # io thread only: dealers, monitors
         self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
         self._stopping = threading.Event()
         self._draining = threading.Event()
@@ -176,6 +219,15 @@ class Receiver:
         with self._lock:
             return len(self._fetches)
 
+    def in_doubt(self) -> int:
+        """Fetches whose outcome is in doubt: a write may still land in their blocks."""
+        with self._lock:
+            return self._forgotten_in_doubt
+
+    def aux_slot_counts(self) -> tuple[int, int]:
+        """(free aux slots, aux slots quarantined by fetches in doubt)."""
+        return self.aux_slots.free, self._aux_quarantined
+
     # -- engine API --------------------------------------------------------------------
     def fetch(
         self,
@@ -187,21 +239,48 @@ class Receiver:
         want_aux: bool = True,
         timeout_ms: int | None = None,
     ) -> RxHandle:
-        """Ask ``sender_endpoint`` to write ``request_id`` into ``block_ids``; returns at once."""
+        """Ask ``sender_endpoint`` to write ``request_id`` into ``block_ids``; returns at once.
+
+        Refusals are :class:`RejectedError` with a reason (draining, malformed,
+        bad_endpoint, too_large, bad_blocks, busy), raised on the caller's thread.
+        """
+        try:
+            return self._fetch(request_id, sender_endpoint, block_ids, layers, want_aux, timeout_ms)
+        except RejectedError as e:
+            self.stats.add(f"fetch_refused_{e.reason}")
+            raise
+
+    def _fetch(
+        self,
+        request_id: str,
+        sender_endpoint: str,
+        block_ids: Sequence[int] | np.ndarray,
+        layers: tuple[int, int] | None,
+        want_aux: bool,
+        timeout_ms: int | None,
+    ) -> RxHandle:
         if self._draining.is_set():
             raise RejectedError(Reason.DRAINING, "receiver is draining")
         if not _REQUEST_ID.match(request_id):
             raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
+        problem = connect_problem(sender_endpoint)
+        if problem is not None:
+            raise RejectedError(Reason.BAD_ENDPOINT, problem)
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if blocks.size > self.settings.limits.max_blocks_per_request:
             raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")
         check_blocks(self.pool.layout, blocks, "destination blocks")
         lb, le = layers or (0, self.pool.layout.num_layers)
         check_layers(self.pool.layout, lb, le)
-        with self._lock:
-            if len(self._fetches) >= self.settings.limits.max_fetches_in_flight:
-                raise RejectedError(Reason.BUSY, "max_fetches_in_flight reached")
-        aux_slot = int(self.aux_slots.take(1)[0]) if want_aux else -1
+        aux_slot = -1
+        if want_aux:
+            try:
+                aux_slot = int(self.aux_slots.take(1)[0])
+            except RejectedError:
+                raise RejectedError(
+                    Reason.BUSY,
+                    f"no free aux slot ({self._aux_quarantined} quarantined by outcomes in doubt)",
+                ) from None
         timeout_ms = timeout_ms or self.settings.deadlines.kv_transfer_timeout_ms
         rx = RxSession(
             fetch_id=next(_fetch_ids),
@@ -213,15 +292,26 @@ class Receiver:
             aux_slot=aux_slot,
             deadline=time.monotonic() + timeout_ms / 1000,
         )
+        # Admission is atomic with the start of a drain: shutdown sets _draining under this
+        # lock and then takes its list of open fetches, so a fetch is refused or on that list.
         with self._lock:
-            self._fetches[rx.fetch_id] = rx
-        self._command(("fetch", rx))
-        return RxHandle(self, rx)
+            if self._draining.is_set():
+                refusal = RejectedError(Reason.DRAINING, "receiver is draining")
+            elif len(self._fetches) >= self.settings.limits.max_fetches_in_flight:
+                refusal = RejectedError(Reason.BUSY, "max_fetches_in_flight reached")
+            else:
+                self._fetches[rx.fetch_id] = rx
+                self._commands.append(("fetch", rx))
+                os.eventfd_write(self._wake, 1)
+                return RxHandle(self, rx)
+        if aux_slot >= 0:
+            self.aux_slots.give_back([aux_slot])
+        raise refusal
 
-    def _command(self, cmd: tuple[str, RxSession]) -> None:
+    def _command(self, cmd: tuple[str, RxSession | None]) -> None:
         with self._lock:
             if self._stopping.is_set():
-                return
+                return  # the io thread is gone; shutdown ends every open fetch itself
             self._commands.append(cmd)
             os.eventfd_write(self._wake, 1)
 
@@ -232,29 +322,41 @@ class Receiver:
         try:
             while not self._stopping.is_set():
                 self.io_progress = time.monotonic()
-                dealers = list(self._by_dealer)
-                if poller is None or dealers != polled:  # links changed: rebuild the poll set
-                    poller, polled = zmq.Poller(), dealers
-                    poller.register(self._router, zmq.POLLIN)
-                    poller.register(self._wake, zmq.POLLIN)
-                    for sock in dealers:
-                        poller.register(sock, zmq.POLLIN)
-                events = dict(poller.poll(int(_TICK_S * 1000)))
-                if self._wake in events:
-                    try:
-                        os.eventfd_read(self._wake)
-                    except BlockingIOError:
-                        pass
-                self._run_commands()
-                for sock in events:
-                    if sock is self._router or sock in self._by_dealer:
-                        self._drain_socket(sock)  # type: ignore[arg-type]
-                self._check_deadlines(time.monotonic())
-                self.dataplane.progress()
+                try:
+                    socks = list(self._by_socket)
+                    if poller is None or socks != polled:  # links changed: rebuild the poll set
+                        poller, polled = zmq.Poller(), socks
+                        poller.register(self._router, zmq.POLLIN)
+                        poller.register(self._wake, zmq.POLLIN)
+                        for sock in socks:
+                            poller.register(sock, zmq.POLLIN)
+                    self._turn(dict(poller.poll(int(_TICK_S * 1000))))
+                except Exception:
+                    self.guard.caught("rx-io")
+                    poller = None
         finally:
-            for link in self._links.values():
-                link.dealer.close(linger=0)
+            for link in list(self._links.values()):
+                self._close_link(link)
             self._router.close(linger=0)
+
+    def _turn(self, events: dict[Any, int]) -> None:
+        """One turn of the io thread: commands, sockets, deadlines, NIXL progress."""
+        if self._wake in events:
+            try:
+                os.eventfd_read(self._wake)
+            except BlockingIOError:
+                pass
+        self._run_commands()
+        for sock in events:
+            link = self._by_socket.get(sock)
+            if link is not None and sock is link.monitor:
+                self._on_monitor(link)
+            elif sock is self._router or link is not None:
+                self._drain_socket(sock)
+        now = time.monotonic()
+        self._check_deadlines(now)
+        self._retry_in_doubt(now)
+        self.dataplane.progress()
 
     def _run_commands(self) -> None:
         while True:
@@ -262,27 +364,57 @@ class Receiver:
                 if not self._commands:
                     return
                 kind, rx = self._commands.popleft()
-            if kind == "fetch":
+            if kind == "retry":  # shutdown: ask about every fetch in doubt now
+                with self._lock:
+                    doubtful = list(self._in_doubt.values())
+                for d in doubtful:
+                    d.retry_at = 0.0
+            elif rx is None:
+                continue
+            elif kind == "fetch":
                 self._start_fetch(rx)
             else:
                 self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
 
-    def _link(self, endpoint: str) -> _Link:
+    # -- links -------------------------------------------------------------------------
+    def _link(self, endpoint: str) -> _Link | str:
+        """The link to ``endpoint``, opened and registering if new; why not, if it cannot be."""
         link = self._links.get(endpoint)
         if link is not None:
             return link
-        # Our identity is our receiver id: a reconnect hands the sender's route over to us.
-        dealer = connect_dealer(
-            endpoint,
-            self.socket_limits,
-            self.settings.deadlines.send_timeout_ms,
-            identity=self.receiver_id.encode(),
-        )
-        link = _Link(
-            endpoint, dealer, time.monotonic() + self.settings.deadlines.register_timeout_ms / 1000
-        )
+        try:
+            # Our identity is our receiver id: a reconnect hands the sender's route over to us.
+            dealer = connect_dealer(
+                endpoint,
+                self.socket_limits,
+                self.settings.deadlines.send_timeout_ms,
+                identity=self.receiver_id.encode(),
+            )
+        except zmq.ZMQError as e:  # connect_problem let it through, libzmq did not
+            self.stats.add("connect_errors")
+            return f"cannot connect to {endpoint!r}: {e}"
+        try:
+            # A name of our own: pyzmq's default (the socket's fd) can repeat after a close.
+            monitor = dealer.get_monitor_socket(
+                _MONITORED, f"inproc://kvxferd-rx-monitor-{next(_monitor_ids)}"
+            )
+        except zmq.ZMQError as e:
+            dealer.close(linger=0)
+            self.stats.add("connect_errors")
+            return f"cannot watch the connection to {endpoint!r}: {e}"
+        link = _Link(endpoint, dealer, monitor, 0.0)
         self._links[endpoint] = link
-        self._by_dealer[dealer] = link
+        self._by_socket[dealer] = link
+        self._by_socket[monitor] = link
+        self._register(link)
+        return link
+
+    def _register(self, link: _Link) -> None:
+        """Send Register on ``link``; fetches wait for the reply (``register_timeout_ms``)."""
+        link.ready = False
+        link.register_deadline = (
+            time.monotonic() + self.settings.deadlines.register_timeout_ms / 1000
+        )
         reg = wire.Register(
             receiver_id=self.receiver_id,
             result_endpoint=self.result_endpoint,
@@ -294,25 +426,110 @@ class Receiver:
             device_id=self.pool.device_id,
         )
         try:
-            send_bounded(dealer, wire.encode(reg))
+            send_bounded(link.dealer, wire.encode(reg))
         except SendTimeout:
             self._drop_link(link, Reason.PEER_LOST, "REGISTER could not be sent")
-        return link
 
-    def _drop_link(self, link: _Link, reason: Reason, detail: str) -> None:
-        waiting, link.waiting = link.waiting, []
-        for rx in waiting:
-            self._fail(rx, reason, detail)
+    def _close_link(self, link: _Link) -> None:
         if self._links.get(link.endpoint) is link:
             del self._links[link.endpoint]
-        self._by_dealer.pop(link.dealer, None)
+        self._by_socket.pop(link.dealer, None)
+        self._by_socket.pop(link.monitor, None)
+        try:
+            link.dealer.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        link.monitor.close(linger=0)
         link.dealer.close(linger=0)
 
+    def _drop_link(self, link: _Link, reason: Reason, detail: str) -> None:
+        """Close ``link``; the fetches waiting for its registration fail with ``reason``."""
+        waiting, link.waiting = link.waiting, []
+        self._close_link(link)
+        for rx in waiting:
+            self._fail(rx, reason, detail)
+
+    def _on_monitor(self, link: _Link) -> None:
+        """libzmq's connection events of one link: reconnects register again."""
+        for _ in range(64):
+            if link.monitor.closed:
+                return
+            try:
+                event = recv_monitor_message(link.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_CONNECTED:
+                link.refused_since = None
+                if link.disconnected:
+                    # The sender may be a new process that never heard of us: tell it who we
+                    # are; its reply says whether it is the same incarnation.
+                    link.disconnected = False
+                    self.stats.add("reconnects")
+                    self._register(link)
+                    if self._links.get(link.endpoint) is not link:
+                        return
+                link.ever_connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                link.disconnected = True
+                self.stats.add("disconnects")
+            elif event == zmq.EVENT_CONNECT_RETRIED and not link.ever_connected:
+                if link.refused_since is None:
+                    link.refused_since = time.monotonic()
+
+    def _on_register_reply(self, link: _Link, msg: wire.RegisterReply) -> None:
+        known, link.sender_id = link.sender_id, msg.sender_id
+        # Fetches sent to another incarnation at this endpoint, whether this link or an
+        # earlier one (dropped meanwhile) carried them: that process is gone.
+        with self._lock:
+            stale = [
+                rx
+                for rx in (*self._fetches.values(), *self._in_doubt.values())
+                if rx.sender_endpoint == link.endpoint
+                and rx.sent
+                and rx.sent_to not in ("", msg.sender_id)
+            ]
+        if stale or (known and known != msg.sender_id):
+            self._sender_restarted(link, stale, resend=msg.ok)
+        if not msg.ok:
+            self._drop_link(link, msg.reason or Reason.INCOMPATIBLE, msg.detail)
+            return
+        link.ready = True
+        waiting, link.waiting = link.waiting, []
+        for rx in waiting:
+            if not rx.ended:
+                self._send_request(link, rx)
+
+    def _sender_restarted(self, link: _Link, stale: list[RxSession], *, resend: bool) -> None:
+        """A new sender process answers at ``link``: nothing of the old one can still land.
+
+        Open fetches sent to an old incarnation are sent again (same fetch id: the new
+        one never saw it) while their deadline allows, or fail with peer_restarted;
+        fences toward an old incarnation are released.
+        """
+        self.stats.add("sender_restarts")
+        log.warning("sender at %s is a new process (%s)", link.endpoint, link.sender_id)
+        now = time.monotonic()
+        for rx in stale:
+            if not rx.ended:
+                self._reregistered.discard(rx.fetch_id)
+                if resend and now < rx.deadline:
+                    if rx not in link.waiting:  # sent once the reply made the link ready
+                        link.waiting.append(rx)
+                    self.stats.add("fetches_resent")
+                else:
+                    self._fail(rx, Reason.PEER_RESTARTED, f"sender {rx.sent_to} restarted")
+            elif rx.release():
+                self.stats.add("fences_released_restart")
+                self._settle(rx)
+
+    # -- fetches -----------------------------------------------------------------------
     def _start_fetch(self, rx: RxSession) -> None:
         if rx.ended:
             return
         link = self._link(rx.sender_endpoint)
-        if link.ready:
+        if isinstance(link, str):
+            self._fail(rx, Reason.BAD_ENDPOINT, link)
+        elif link.ready:
             self._send_request(link, rx)
         elif self._links.get(rx.sender_endpoint) is link:
             link.waiting.append(rx)
@@ -320,7 +537,7 @@ class Receiver:
             self._fail(rx, Reason.PEER_LOST, "sender unreachable")
 
     def _send_request(self, link: _Link, rx: RxSession) -> None:
-        remaining_ms = max(1, int((rx.deadline - time.monotonic()) * 1000))
+        left_s = rx.deadline - time.monotonic()
         msg = wire.RequestData(
             request_id=rx.request_id,
             fetch_id=rx.fetch_id,
@@ -328,14 +545,20 @@ class Receiver:
             layer_begin=rx.layer_begin,
             layer_end=rx.layer_end,
             aux_slot=rx.aux_slot,
-            timeout_ms=min(remaining_ms, 3_600_000),
+            timeout_ms=min(max(1, int(left_s * 1000)), 3_600_000),
+            deadline_unix_ms=max(1, int((time.time() + left_s) * 1000)),
         )
         try:
             send_bounded(link.dealer, wire.encode(msg))
         except SendTimeout:
-            self._fail(rx, Reason.PEER_LOST, "REQUEST_DATA could not be sent (sender not reading)")
+            if not rx.sent:
+                self._fail(
+                    rx, Reason.PEER_LOST, "REQUEST_DATA could not be sent (sender not reading)"
+                )
+            # A resend that could not leave: the fetch's own deadline still ends it.
+            self.stats.add("send_timeouts")
             return
-        rx.mark_sent()
+        rx.mark_sent(link.sender_id)
         self.stats.add("requests_sent")
 
     def _cancel(self, rx: RxSession, state: RxState, reason: Reason, detail: str) -> None:
@@ -344,18 +567,25 @@ class Receiver:
             return
         self.stats.add(f"fetches_{state}")
         link = self._links.get(rx.sender_endpoint)
-        if link is not None:
-            if rx in link.waiting:
-                link.waiting.remove(rx)
-            if rx.sent:
-                try:
-                    send_bounded(
-                        link.dealer,
-                        wire.encode(wire.Cancel(request_id=rx.request_id, fetch_id=rx.fetch_id)),
-                    )
-                except SendTimeout:
-                    self.stats.add("send_timeouts")  # the fence deadline still bounds the wait
+        if link is not None and rx in link.waiting:
+            link.waiting.remove(rx)
+        if rx.sent:
+            self._send_cancel(rx)
         self._maybe_forget(rx)
+
+    def _send_cancel(self, rx: RxSession) -> None:
+        """Cancel ``rx`` at its sender: on a registered link, else (re)open one for next time."""
+        link = self._link(rx.sender_endpoint)
+        if isinstance(link, str) or not link.ready:
+            return  # the fence deadline, or the next in-doubt retry, covers it
+        try:
+            send_bounded(
+                link.dealer,
+                wire.encode(wire.Cancel(request_id=rx.request_id, fetch_id=rx.fetch_id)),
+            )
+            self.stats.add("cancels_sent")
+        except SendTimeout:
+            self.stats.add("send_timeouts")  # the fence deadline still bounds the wait
 
     def _fail(self, rx: RxSession, reason: Reason, detail: str) -> None:
         if rx.fail(reason, detail):
@@ -364,23 +594,67 @@ class Receiver:
         self._maybe_forget(rx)
 
     def _maybe_forget(self, rx: RxSession) -> None:
-        """Drop a fetch once no write toward its blocks can come; free its aux slot if safe."""
+        """Drop a fetch once no write toward its blocks can come, or keep asking while in doubt."""
         if not rx.ended or rx.fence is Fence.FENCED:
             return
         self._reregistered.discard(rx.fetch_id)
+        in_doubt = rx.fence is Fence.IN_DOUBT
+        untracked: RxSession | None = None
         with self._lock:
             if self._fetches.pop(rx.fetch_id, None) is None:
                 return
-            if rx.fence is Fence.IN_DOUBT:
+            if in_doubt:
                 self._forgotten_in_doubt += 1
-        if rx.aux_slot >= 0:
-            if rx.fence is Fence.IN_DOUBT:
+                self._in_doubt[rx.fetch_id] = rx
+                if rx.aux_slot >= 0:
+                    self._aux_quarantined += 1
+                if len(self._in_doubt) > self.settings.limits.max_fetches_in_flight:
+                    # Bounded: the oldest stays in doubt (its blocks and slot kept) unasked.
+                    untracked = self._in_doubt.pop(next(iter(self._in_doubt)))
+        if in_doubt:
+            self.stats.add("fetches_in_doubt")
+            if rx.aux_slot >= 0:
                 self.stats.add("aux_slots_quarantined")
-            else:
-                self.aux_slots.give_back([rx.aux_slot])
+            rx.retry_every = self.settings.deadlines.in_doubt_retry_ms / 1000
+            rx.retry_at = 0.0 if self._draining.is_set() else time.monotonic() + rx.retry_every
+            if untracked is not None:
+                self.stats.add("in_doubt_untracked")
+        elif rx.aux_slot >= 0:
+            self.aux_slots.give_back([rx.aux_slot])
 
+    def _settle(self, rx: RxSession) -> None:
+        """After a fence moved: forget an open-table fetch, or resolve one that was in doubt."""
+        self._maybe_forget(rx)
+        if not rx.blocks_reusable:
+            return
+        with self._lock:
+            if self._in_doubt.pop(rx.fetch_id, None) is None:
+                return
+            self._forgotten_in_doubt -= 1
+            if rx.aux_slot >= 0:
+                self._aux_quarantined -= 1
+            self._settled.notify_all()
+        if rx.aux_slot >= 0:
+            self.aux_slots.give_back([rx.aux_slot])
+        self.stats.add("in_doubt_resolved")
+        log.info("fetch %d of %s: outcome no longer in doubt", rx.fetch_id, rx.request_id)
+
+    def _retry_in_doubt(self, now: float) -> None:
+        """Ask again about fetches in doubt, backing off to ``in_doubt_retry_max_ms``."""
+        with self._lock:
+            due = [rx for rx in self._in_doubt.values() if now >= rx.retry_at]
+        cap = self.settings.deadlines.in_doubt_retry_max_ms / 1000
+        for rx in due:
+            rx.retry_at = now + rx.retry_every
+            rx.retry_every = min(rx.retry_every * 2, cap)
+            self.stats.add("in_doubt_retries")
+            self._send_cancel(rx)
+
+    # -- messages ------------------------------------------------------------------------
     def _drain_socket(self, sock: zmq.Socket[bytes]) -> None:
         for _ in range(256):
+            if sock.closed:
+                return  # a message closed its link (a refused Register)
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -396,36 +670,27 @@ class Receiver:
             try:
                 self._on_message(sock, msg)
             except Exception:
-                log.exception("receiver: message failed")
-                self.stats.add("io_errors")
+                self.guard.caught("rx-io message")
 
     def _on_message(self, sock: zmq.Socket[bytes], msg: wire.ToReceiver) -> None:
         if isinstance(msg, wire.RegisterReply):
-            link = self._by_dealer.get(sock)
-            if link is None or link.ready:
-                return
-            if not msg.ok:
-                self._drop_link(link, msg.reason or Reason.INCOMPATIBLE, msg.detail)
-                return
-            link.ready, link.sender_id = True, msg.sender_id
-            waiting, link.waiting = link.waiting, []
-            for rx in waiting:
-                if not rx.ended:
-                    self._send_request(link, rx)
+            link = self._by_socket.get(sock)
+            if link is not None and sock is link.dealer:
+                self._on_register_reply(link, msg)
             return
         if isinstance(msg, wire.Reject):
             self.stats.add(f"peer_rejected_{msg.reason}")
             log.warning("sender rejected a message: %s %s", msg.reason, msg.detail)
             return
         with self._lock:
-            found = self._fetches.get(msg.fetch_id)
+            found = self._fetches.get(msg.fetch_id) or self._in_doubt.get(msg.fetch_id)
         if found is None or found.request_id != msg.request_id:
             self.stats.add("late_messages")
             return
         rx = found
         if isinstance(msg, wire.CancelAck):
             rx.on_cancel_ack(msg.in_doubt)
-            self._maybe_forget(rx)
+            self._settle(rx)
             return
         if (
             msg.status == "failed"
@@ -433,16 +698,23 @@ class Receiver:
             and rx.fetch_id not in self._reregistered
             and not rx.ended
         ):
-            # The sender forgot us (it restarted): nothing was written; register again, once.
+            # The sender forgot us (it restarted, or evicted us): nothing was written.
+            # Register again on the same link, once per fetch, and resend after the reply.
             self._reregistered.add(rx.fetch_id)
             self.stats.add("reregistrations")
             link = self._links.get(rx.sender_endpoint)
-            if link is not None:
-                self._drop_link(link, Reason.PEER_LOST, "sender forgot this receiver")
-            self._start_fetch(rx)
+            if link is None:
+                self._start_fetch(rx)
+                return
+            if link.ready:
+                self._register(link)
+            if self._links.get(rx.sender_endpoint) is link:
+                link.waiting.append(rx)
+            else:
+                self._fail(rx, Reason.PEER_LOST, "REGISTER could not be sent")
             return
         aux = None
-        if msg.status == "done" and rx.aux_slot >= 0 and msg.aux_bytes:
+        if msg.status == "done" and rx.aux_slot >= 0 and msg.aux_bytes and not rx.ended:
             n = min(msg.aux_bytes, self.pool.layout.aux_slot_bytes)
             aux = bytes(self.pool.aux[rx.aux_slot, :n].numpy().tobytes())
         if rx.on_result(msg.status, msg.reason, msg.detail, msg.nbytes, aux):
@@ -450,11 +722,20 @@ class Receiver:
             self.stats.observe("fetch_seconds", time.monotonic() - rx.started)
             if msg.status == "done":
                 self.stats.add("bytes_received", msg.nbytes)
-        self._maybe_forget(rx)
+        self._settle(rx)
 
     def _check_deadlines(self, now: float) -> None:
+        refused_s = self.settings.deadlines.connect_refused_ms / 1000
         for link in list(self._links.values()):
-            if not link.ready and now >= link.register_deadline:
+            if link.ready:
+                continue
+            if link.refused_since is not None and now - link.refused_since >= refused_s:
+                self._drop_link(
+                    link,
+                    Reason.PEER_LOST,
+                    f"connection to {link.endpoint} refused for {refused_s:g}s",
+                )
+            elif now >= link.register_deadline:
                 self._drop_link(link, Reason.TIMEOUT, f"no REGISTER reply from {link.endpoint}")
         with self._lock:
             fetches = list(self._fetches.values())
@@ -471,9 +752,11 @@ class Receiver:
 
         Open fetches may finish by themselves until ``drain_timeout_ms``
         (``drain_complete`` tells whether all did); the rest are cancelled and
-        their fences awaited within the remaining bound. Safe to call again and from
-        several threads: a later call waits (within its own bound) for the first and
-        returns its answer, or False if the first has not finished by then.
+        their fences awaited, and every fetch in doubt is asked about once more,
+        within the remaining bound. Memory is deregistered only when no outcome is
+        in doubt. Safe to call again and from several threads: a later call waits
+        (within its own bound) for the first and returns its answer, or False if
+        the first has not finished by then.
         """
         total = self.settings.deadlines.shutdown_timeout_ms / 1000 if timeout is None else timeout
         t0 = time.monotonic()
@@ -483,8 +766,9 @@ class Receiver:
         d = self.settings.deadlines
         deadline = t0 + total
         drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline - 0.2 * total)
-        self._draining.set()
-        with self._lock:
+        settle_deadline = deadline - 0.1 * total
+        with self._lock:  # fetch() admits under this lock: no fetch slips past this list
+            self._draining.set()
             open_fetches = list(self._fetches.values())
         for rx in open_fetches:
             if self._started:
@@ -493,22 +777,47 @@ class Receiver:
         for rx in open_fetches:
             if not rx.ended:
                 self._command(("cancel", rx))
-        safe = True
+        self._command(("retry", None))
         for rx in open_fetches:
             if self._started:
-                rx.fence_done.wait(max(0.0, deadline - 0.1 * total - time.monotonic()))
-            safe = safe and rx.blocks_reusable
-        with self._lock:  # fetches that ended in doubt earlier: a late write may still land
-            safe = safe and self._forgotten_in_doubt == 0
+                rx.fence_done.wait(max(0.0, settle_deadline - time.monotonic()))
+        if self._started:
+            with self._settled:  # late answers about fetches in doubt, until the bound
+                self._settled.wait_for(
+                    lambda: self._forgotten_in_doubt == 0,
+                    max(0.0, settle_deadline - time.monotonic()),
+                )
         with self._lock:  # _command writes the eventfd under this lock
             self._stopping.set()
         if self._started:
             self._io.join(max(0.0, deadline - time.monotonic()))
         else:
             self._router.close(linger=0)
-        os.close(self._wake)
-        self.dataplane.close()
-        if self._owns_pool and safe:
-            self.pool.close()
-        log.info("receiver shutdown in %.3fs (blocks safe: %s)", time.monotonic() - t0, safe)
-        return safe and not self._io.is_alive()
+        joined = not self._io.is_alive()
+        if joined:
+            os.close(self._wake)
+        abandoned = 0
+        for rx in open_fetches:  # nobody will answer for these any more
+            if rx.abandon(Reason.SHUTTING_DOWN, "receiver shut down before the fetch ended"):
+                abandoned += 1
+        with self._lock:
+            in_doubt = self._forgotten_in_doubt
+            in_doubt += sum(1 for rx in self._fetches.values() if not rx.blocks_reusable)
+        safe = in_doubt == 0 and all(rx.blocks_reusable for rx in open_fetches)
+        if safe and joined:
+            self.dataplane.close()
+            if self._owns_pool:
+                self.pool.close()
+        else:
+            # A write may still land: deregistering now would let it hit freed memory.
+            log.warning(
+                "receiver shutdown: %d outcome(s) in doubt; memory stays registered until exit",
+                in_doubt,
+            )
+        log.info(
+            "receiver shutdown in %.3fs (blocks safe: %s, abandoned: %d)",
+            time.monotonic() - t0,
+            safe,
+            abandoned,
+        )
+        return safe and joined

@@ -31,14 +31,19 @@ Receiver side, one :class:`RxSession` per fetch::
     REQUESTED --Result done--> DONE
         |-- Result failed/in_doubt --> FAILED
         |-- kv_transfer_timeout ----> TIMED_OUT  (fence: CANCEL sent, await CancelAck)
-        +-- cancel() ---------------> CANCELLED  (fence: CANCEL sent, await CancelAck)
+        |-- cancel() ---------------> CANCELLED  (fence: CANCEL sent, await CancelAck)
+        +-- shutdown gave up -------> FAILED/shutting_down (``abandon``; fence IN_DOUBT if sent)
 
     fence: NONE (no write can come) | FENCED (a write may come) -> RELEASED | IN_DOUBT
+           IN_DOUBT -> RELEASED  on CancelAck(in_doubt=false), a late done/failed Result,
+                                 or the sender's restart (``release``)
 
     lock: ``RxSession._lock`` guards state and fence.
 
 The destination blocks are safe to reuse once the fence is NONE or RELEASED; a
-fence that passes its deadline without an acknowledgement ends IN_DOUBT.
+fence that passes its deadline without an acknowledgement ends IN_DOUBT, and
+an in-doubt fence is resolved (RELEASED) as soon as the sender answers that no
+write toward the fetch is in flight, however late (the receiver keeps asking).
 """
 
 from __future__ import annotations
@@ -398,13 +403,18 @@ class RxSession:
     deadline: float  # monotonic
     started: float = field(default_factory=time.monotonic)
     sent: bool = False  # REQUEST_DATA has left (a write may come from now on)
+    sent_to: str = ""  # the sender incarnation (sender_id) it was last sent to
     state: RxState = RxState.REQUESTED
     fence: Fence = Fence.NONE
     fence_deadline: float = 0.0
     outcome: RxOutcome | None = None
+    retry_at: float = 0.0  # io thread only: next Cancel re-send while in doubt
+    retry_every: float = 0.0  # io thread only: its current interval (doubles, bounded)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     completion: Completion[RxOutcome] = field(default_factory=Completion)
     fence_done: threading.Event = field(default_factory=threading.Event)
+    # Set once blocks_reusable is true (maybe long after the outcome: an in-doubt fence resolved).
+    reusable: threading.Event = field(default_factory=threading.Event)
 
     @property
     def ended(self) -> bool:
@@ -426,10 +436,12 @@ class RxSession:
             self.completion.set(self.outcome)
         if self.state in RX_TERMINAL and self.fence is not Fence.FENCED:
             self.fence_done.set()
+        if self.blocks_reusable:
+            self.reusable.set()
 
-    def mark_sent(self) -> None:
+    def mark_sent(self, sender_id: str = "") -> None:
         with self._lock:
-            self.sent = True
+            self.sent, self.sent_to = True, sender_id
 
     def on_result(
         self, status: str, reason: Reason | None, detail: str, nbytes: int, aux: bytes | None
@@ -443,11 +455,12 @@ class RxSession:
                     RxOutcome(RxState.FAILED, reason or Reason.TRANSFER_ERROR, detail)
                 )
             # A final result means the sender's writes for this fetch returned,
-            # except an in-doubt one, which only a CancelAck can clear.
+            # except an in-doubt one, which only a CancelAck can clear. A done/failed
+            # Result that comes after the fence went in doubt resolves it.
             if status == "in_doubt":
                 if self.fence is not Fence.IN_DOUBT:
                     self.fence = Fence.FENCED if self.fence is Fence.FENCED else Fence.IN_DOUBT
-            elif self.fence is Fence.FENCED:
+            elif self.fence in (Fence.FENCED, Fence.IN_DOUBT):
                 self.fence = Fence.RELEASED
         self._publish(committed)
         return committed
@@ -469,11 +482,32 @@ class RxSession:
         self._publish(committed)
         return committed
 
+    def abandon(self, reason: Reason, detail: str) -> bool:
+        """End a fetch nobody will hear about any more (shutdown); in doubt if it was sent."""
+        with self._lock:
+            committed = self._finish(RxOutcome(RxState.FAILED, reason, detail))
+            if self.sent and (committed or self.fence is Fence.FENCED):
+                self.fence = Fence.IN_DOUBT
+        self._publish(committed)
+        return committed
+
     def on_cancel_ack(self, in_doubt: bool) -> None:
+        """The sender's CancelAck, solicited or not, in time or late."""
         with self._lock:
             if self.fence is Fence.FENCED:
                 self.fence = Fence.IN_DOUBT if in_doubt else Fence.RELEASED
+            elif self.fence is Fence.IN_DOUBT and not in_doubt:
+                self.fence = Fence.RELEASED
         self._publish(False)
+
+    def release(self) -> bool:
+        """The sender this fetch was sent to is gone (a new incarnation answered): no write can come."""
+        with self._lock:
+            if self.state not in RX_TERMINAL or self.fence not in (Fence.FENCED, Fence.IN_DOUBT):
+                return False
+            self.fence = Fence.RELEASED
+        self._publish(False)
+        return True
 
     def fence_expired(self, now: float) -> bool:
         with self._lock:

@@ -387,3 +387,97 @@ def test_receiver_probe_is_ready_until_shutdown() -> None:
     ok, failing = probe.readiness()
     assert not ok and "draining" in failing
     assert probe.liveness()[0]
+
+
+def test_receiver_io_error_is_caught_fetches_go_on_and_healthz_is_503(
+    sender: tuple[Sender, ControlledDataPlane], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected exception on the io thread is survived (fetches complete) but /healthz says 503 and why."""
+    sx, dp = sender
+    rx = receiver()
+    try:
+        real_progress = rx.dataplane.progress
+        raised = threading.Event()
+
+        def progress_once() -> None:
+            if not raised.is_set():
+                raised.set()
+                raise RuntimeError("injected io fault")
+            real_progress()
+
+        monkeypatch.setattr(rx.dataplane, "progress", progress_once)
+        assert raised.wait(WAIT_S)
+        sx.publish("req-after-fault", [3])
+        h = rx.fetch("req-after-fault", sx.endpoint, [6])
+        dp.wait_posted(1).finish(True)
+        out = h.wait(WAIT_S)
+        assert out is not None and out.ok, out
+        probe = ReceiverProbe(rx, rx.settings)
+
+        async def main() -> tuple[int, str]:
+            async with serving(probe) as (_, client, base):
+                status, text, _ = await get(client, base + "/healthz")
+                return status, text
+
+        status, text = asyncio.run(main())
+        assert status == 503 and "injected io fault" in text and "rx-io" in text, text
+        assert rx.stats.get("thread_errors") == 1
+    finally:
+        rx.shutdown(timeout=3)
+
+
+@dataclass
+class FakeGateway:
+    why: str | None = None
+
+    def broken(self) -> str | None:
+        return self.why
+
+
+def test_liveness_fails_naming_a_broken_gateway() -> None:
+    """A gateway whose serve task ended makes the receiver's liveness fail with that reason."""
+    rx = receiver()
+    gw = FakeGateway()
+    probe = ReceiverProbe(rx, rx.settings, gateway=gw)
+    try:
+        assert probe.liveness()[0]
+        gw.why = "gateway serve task ended"
+        ok, text = probe.liveness()
+        assert not ok and "gateway serve task ended" in text, text
+    finally:
+        rx.shutdown(timeout=3)
+
+
+def test_receiver_readiness_fails_when_no_aux_slot_is_free(
+    sender: tuple[Sender, ControlledDataPlane],
+) -> None:
+    """With every aux slot held, /readyz fails and names the free and quarantined counts."""
+    sx, _ = sender
+    rx = receiver()
+    probe = ReceiverProbe(rx, rx.settings)
+    try:
+        handles = [rx.fetch(f"req-aux-{i}", sx.endpoint, [i]) for i in range(POOL["aux_slots"])]
+        ok, failing = probe.readiness()
+        assert not ok
+        assert any(f.startswith("no free aux slot (0 free, 0 quarantined") for f in failing), (
+            failing
+        )
+        for h in handles:
+            h.cancel()
+    finally:
+        rx.shutdown(timeout=3)
+
+
+def test_sender_liveness_fails_naming_an_error_its_threads_caught(
+    sender: tuple[Sender, ControlledDataPlane],
+) -> None:
+    """Once the sender's guard caught an unexpected exception, its liveness fails and names it."""
+    sx, _ = sender
+    probe = SenderProbe(sx, sx.settings)
+    assert probe.liveness()[0]
+    try:
+        raise RuntimeError("injected listener fault")
+    except RuntimeError:
+        sx.guard.caught("listener")
+    ok, text = probe.liveness()
+    assert not ok and "injected listener fault" in text, text
