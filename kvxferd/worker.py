@@ -157,6 +157,7 @@ class _Write:
     lane_held: bool = True  # still holds its lane (not stalled, not in doubt)
     doubt: str = ""  # why it is in doubt (a raise, a refused release), "" when not
     error: str = ""
+    over: bool = False  # NIXL released it: settled (or being settled) by _ended
 
 
 @dataclass(slots=True)
@@ -379,7 +380,15 @@ class Worker:
         now = time.monotonic()
         changed = False
         for w in writes:  # each write is put back into self._writes unless it ended
-            changed |= self._poll_one(w, now)
+            try:
+                changed |= self._poll_one(w, now)
+            except Exception:
+                self.host.guard.caught(f"{self.thread.name}: write")
+                changed = True
+                if not w.over and w not in self._writes:  # never lose a write NIXL may hold
+                    self._writes.append(w)
+                elif w.over:
+                    self._free_lane(w)
         return changed
 
     def _poll_one(self, w: _Write, now: float) -> bool:
@@ -442,6 +451,7 @@ class Worker:
 
     def _ended(self, w: _Write, ok: bool) -> None:
         """NIXL released the write: it is over, one way or the other."""
+        w.over = True
         host, task = self.host, w.task
         s, sl = task.session, task.slice
         was_doubt = sl.state is SliceState.IN_DOUBT
