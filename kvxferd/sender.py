@@ -5,28 +5,41 @@ Threads and what each owns::
     thread              owns                                does
     ------------------  ----------------------------------  -------------------------------------------
     kvxferd-listener    the ROUTER socket                   decodes and validates every message; REGISTER
-                                                            (compatibility, NIXL metadata; a full table
+                                                            (result endpoint checked, compatibility, NIXL
+                                                            metadata; a new receiver id at a known result
+                                                            endpoint replaces that peer; a full table
                                                             evicts the longest-idle peer); REQUEST_DATA
-                                                            (attach to a session or park until publish,
+                                                            (deadline from timeout_ms and deadline_unix_ms;
+                                                            attach to a session or park until publish,
                                                             enqueue on worker hash(request, peer) % N);
                                                             CANCEL (end admission, ack through the worker);
                                                             expires pending fetches and unfetched requests
                                                             (a heap of TTL deadlines: cost ~ what expires)
-    kvxferd-worker-i    its queue, its own DEALER per       admits each write (or refuses it), posts the
-                        receiver result endpoint            NIXL WRITE (KV by block index on the lists
-                                                            prepared at REGISTER when the data plane has
-                                                            them), waits with a stall deadline, sends
-                                                            exactly one Result per slice on its own DEALER;
-                                                            closes its DEALER to an evicted peer
-    API callers         nothing long-lived                  publish / cancel / close / shutdown; send to
-                                                            peers only through the SharedDealerPool
+    kvxferd-worker-i    its queue, lanes, writes in flight, admits each write (or refuses it), posts the
+                        its own DEALER + outbox per         NIXL WRITE and polls every write in flight
+                        receiver result endpoint            each turn (one lane per receiver: a frozen
+                                                            receiver holds only its own lane); exactly one
+                                                            Result per slice, sent without blocking
+                                                            (see worker.py)
+    API callers         nothing long-lived                  publish / cancel / close / shutdown; publish
+                                                            hands refusals to workers and never sends;
+                                                            shutdown's parked refusals go through the
+                                                            SharedDealerPool, bounded by its deadline
 
 ``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
 ``_pending``, ``_peers`` and ``_ttl_heap``. Session state has its own lock (see session.py);
-the registry lock is never taken while a session lock is held.
+the registry lock is never taken while a session lock is held. ``_peer_lock`` guards the
+count of writes in flight per NIXL peer and the peers waiting to be removed: a peer that
+is evicted or replaced loses its NIXL remote agent (and prepared list) only once no
+write toward it is in flight (the worker that ends the last one removes it).
+
+A session leaves ``_sessions`` once it is drained and closed, whichever comes last:
+``close()`` re-reads ``drained`` after taking the session out of ``_live``, and a worker
+that drains a closed session removes it (``session_drained``).
 
 All work of one (request, receiver) goes to one worker, so its results (and a
-CancelAck after them) reach the receiver in order. The workers live in worker.py.
+CancelAck after them) reach the receiver in order. The workers live in worker.py and
+see the sender only through ``worker.WorkerHost``.
 """
 
 from __future__ import annotations

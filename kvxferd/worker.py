@@ -11,11 +11,21 @@ Each ``kvxferd-worker-i`` owns its queue, its writes in flight, and one DEALER
   the first refuses it instead of writing bytes for a failed request).
 * **Writes in flight.** A :class:`WriteTask` is admitted through its session
   (or refused), posted, and kept in the worker's in-flight set; every turn polls
-  every write in flight, at most ``limits.max_writes_in_flight_per_worker`` of
-  them, while new tasks keep arriving. KV first, then AUX, one after the other.
+  every write in flight while new tasks keep arriving. At most
+  ``limits.max_writes_in_flight_per_worker`` writes hold a lane at once (writes in
+  doubt aside). KV first, then AUX, one after the other. A write that could not be
+  posted gives its admission back before its Result is queued.
 * **Stall deadline.** A write still in progress past ``xfer_stall_timeout_ms``
   makes its slice IN_DOUBT (the Result says so) and frees its lane; the write
-  stays counted in flight and is polled every turn.
+  stays counted in flight and is polled every turn (every ``TICK_S`` once only
+  writes in doubt are left).
+
+A write's states on the worker (all owned by the worker thread)::
+
+    POSTED (holds its lane) --DONE/ERR + released--> ENDED (finish_write; next write or Result)
+       |  past stall deadline, status check raised with release refused,
+       |  or release refused                 --> IN DOUBT (Result in_doubt; lane freed)
+    IN DOUBT --DONE/ERR + released--> ENDED (finish_write; CancelAck in_doubt=false)
 * **Not finished until released.** A write counts as finished only when NIXL
   gave a terminal state (DONE/ERR) *and* released its handle. A status check
   that raises, or a ``release()`` that says False, leaves the write in flight
