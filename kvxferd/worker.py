@@ -232,7 +232,9 @@ class Worker:
         self._take(self._wait_s())
         self.last_progress = time.monotonic()
         progressed = self._poll_writes()
-        progressed |= self._start_ready()
+        if self._start_ready():
+            progressed = True
+            self._poll_writes()  # a small write is often done at once: report it this turn
         self._flush()
         self._poll_delay = _POLL_MIN_S if progressed else min(self._poll_delay * 2, _POLL_MAX_S)
 
