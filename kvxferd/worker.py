@@ -193,6 +193,7 @@ class Worker:
         self._busy_sessions: dict[int, int] = {}  # session id -> writes holding a lane
         self._writes: list[_Write] = []  # every write in flight, stalled ones included
         self._stopping = False
+        self._again = False  # a lane may be startable now: run the next turn without waiting
         self._poll_delay = _POLL_MIN_S
         self._max_writes = host.settings.limits.max_writes_in_flight_per_worker
         self.last_progress = time.monotonic()
@@ -212,6 +213,7 @@ class Worker:
                     self._turn()
                 except Exception:
                     self.host.guard.caught(self.thread.name)
+                    self._again = True  # whatever was half done gets another turn
         finally:
             # A bounded linger lets the last Results still queued reach their receivers.
             linger_ms = self.host.settings.deadlines.worker_send_timeout_ms
@@ -229,49 +231,43 @@ class Worker:
         )
 
     def _turn(self) -> None:
-        self._take(self._wait_s())
+        took = self._take(self._wait_s())
         self.last_progress = time.monotonic()
         progressed = self._poll_writes()
-        if self._start_ready():
-            progressed = True
-            self._poll_writes()  # a small write is often done at once: report it this turn
-        self._flush()
+        # A lane can become startable only when a task arrived or a write ended or fell
+        # in doubt; otherwise a turn is just a poll (cheap: small requests are CPU-bound).
+        if took or progressed or self._again:
+            self._again = False
+            if self._start_ready():
+                progressed = True
+                # A small write is often done at once: report it this turn (and if that
+                # frees a lane, start its next task next turn without waiting).
+                self._again = self._poll_writes()
+        if self._outbox:
+            self._flush()
         self._poll_delay = _POLL_MIN_S if progressed else min(self._poll_delay * 2, _POLL_MAX_S)
 
     def _wait_s(self) -> float:
-        if self._ready():
+        if self._again:
             return 0.0
-        if any(w.lane_held for w in self._writes):
+        if self._busy_lanes:  # writes in progress
             return self._poll_delay
         if any(self._outbox.values()):
             return 0.005
         return TICK_S  # idle, or only writes in doubt (NIXL is not hurried for those)
 
-    def _ready(self) -> bool:
-        """Some lane could start its next task now."""
-        room = self._stopping or self._lane_writes() < self._max_writes
-        for rid, lane in self._lanes.items():
-            if not lane or rid in self._busy_lanes:
-                continue
-            head = lane[0]
-            if not isinstance(head, WriteTask):
-                return True
-            if room and head.session.session_id not in self._busy_sessions:
-                return True
-        return False
-
-    def _take(self, wait_s: float) -> None:
+    def _take(self, wait_s: float) -> bool:
         """Move every queued task into its lane (waiting up to ``wait_s`` for the first)."""
         try:
             task = self.queue.get(timeout=wait_s) if wait_s > 0 else self.queue.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._intake(task)
             try:
                 task = self.queue.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _intake(self, task: object) -> None:
         if task is STOP:
