@@ -127,6 +127,11 @@ class Limits(_Frozen):
     max_pending_fetches: int = Field(4_096, ge=0)
     max_fetches_in_flight: int = Field(4_096, ge=1)
     sndhwm: int = Field(10_000, ge=1)
+    max_writes_in_flight_per_worker: int = Field(
+        64,
+        ge=1,
+        description="WRITEs in progress at once on one sender worker (in-doubt ones aside)",
+    )
 
 
 class ServiceSettings(_Frozen):

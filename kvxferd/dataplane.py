@@ -22,6 +22,11 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   not measured here; pools over ``MAX_PREPPED_DESCS``; a failed prep) the
   caller falls back to ``post_write`` with descriptors it built. AUX payloads
   are shorter than a slot, so they always use ``post_write``.
+* A peer's prepared list is retired when the peer is removed or prepared again,
+  and released as soon as no write made from it holds a handle (each
+  ``post_blocks`` counts a use until its handle is released), so retired lists
+  stay bounded by the writes in flight, not by the peers ever seen. The sender
+  removes a peer only once no write toward it is in flight.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
@@ -131,12 +137,15 @@ def _quiet_nixl_logger() -> None:
 
 
 class _NixlXfer:
-    __slots__ = ("_agent", "_handle", "_released")
+    __slots__ = ("_agent", "_handle", "_released", "_on_release")
 
-    def __init__(self, agent: object, handle: object) -> None:
+    def __init__(
+        self, agent: object, handle: object, on_release: Callable[[], None] | None = None
+    ) -> None:
         self._agent = agent
         self._handle = handle
         self._released = False
+        self._on_release = on_release  # once, after the handle was released
 
     def poll(self) -> XferState:
         return self._agent.check_xfer_state(self._handle)  # type: ignore[attr-defined,no-any-return]
@@ -149,6 +158,8 @@ class _NixlXfer:
         except Exception:
             return False
         self._released = True
+        if self._on_release is not None:
+            self._on_release()
         return True
 
 
@@ -189,13 +200,14 @@ class NixlDataPlane:
             self._agent.register_memory([pool.kv], mem_type=pool.mem_type),
             self._agent.register_memory([pool.aux], mem_type="DRAM"),
         ]
-        self._lock = threading.Lock()  # guards _peers, _remote, _retired and _closed
+        self._lock = threading.Lock()  # guards _peers, _remote, _uses, _retired and _closed
         self._peers: set[str] = set()
         self._closed = False
         self._layout = pool.layout
         # peer -> (its prepared KV list, its num_blocks); replaced whole, read without the lock
         self._remote: dict[str, tuple[object, int]] = {}
-        self._retired: list[object] = []  # lists of removed peers, released at close
+        self._uses: dict[int, int] = {}  # id(remote list) -> writes holding a handle made from it
+        self._retired: dict[int, object] = {}  # id -> retired list still used by a write
         # The local list is prepared at the first prepare_peer (a receiver never needs one).
         self._pool = pool
         self._want_prepped = prepped and pool.mem_type == "DRAM"
@@ -248,16 +260,51 @@ class NixlDataPlane:
             and layout.num_layers == mine.num_layers
         )
         handle = self._prep(peer, layout, kv_base, device_id) if usable else None
+        free: list[object] = []
         with self._lock:  # a peer prepared again (or refused now) loses its old list
             old = self._remote.pop(peer, None)
             if old is not None:
-                self._retired.append(old[0])
-            if handle is None or peer not in self._peers:
-                if handle is not None:
-                    self._retired.append(handle)
-                return False
-            self._remote[peer] = (handle, layout.num_blocks)
-        return True
+                self._retire_locked(old[0], free)
+            ok = handle is not None and peer in self._peers and not self._closed
+            if ok:
+                self._remote[peer] = (handle, layout.num_blocks)
+            elif handle is not None:
+                free.append(handle)
+        self._release_lists(free)
+        return ok
+
+    def _retire_locked(self, handle: object, free: list[object]) -> None:
+        """Release ``handle`` now if no write uses it (into ``free``), else when the last ends."""
+        if self._uses.get(id(handle), 0) > 0:
+            self._retired[id(handle)] = handle
+        else:
+            free.append(handle)
+
+    def _used_by_one_less(self, handle: object) -> None:
+        free: list[object] = []
+        with self._lock:
+            key = id(handle)
+            left = self._uses.get(key, 0) - 1
+            if left > 0:
+                self._uses[key] = left
+                return
+            self._uses.pop(key, None)
+            retired = self._retired.pop(key, None)
+            if retired is not None and not self._closed:
+                free.append(retired)
+        self._release_lists(free)
+
+    def _release_lists(self, lists: list[object]) -> None:
+        for h in lists:
+            try:
+                self._agent.release_dlist_handle(h)
+            except Exception:
+                log.warning("releasing a prepared descriptor list failed", exc_info=True)
+
+    def retired_lists(self) -> int:
+        """Prepared lists retired but still used by a write (bounded by writes in flight)."""
+        with self._lock:
+            return len(self._retired)
 
     def post_blocks(
         self,
@@ -268,19 +315,27 @@ class NixlDataPlane:
         layer_end: int,
     ) -> tuple[Xfer, XferState]:
         """Post one KV WRITE by block indices; raises on a build or post error (nothing in flight)."""
-        remote = self._remote.get(peer)
-        if remote is None or self._local is None:
-            raise RuntimeError(f"no prepared descriptor list for peer {peer}")
-        handle_r, dst_num_blocks = remote
+        with self._lock:  # the list is counted as used before NIXL sees it
+            remote = self._remote.get(peer)
+            if remote is None or self._local is None:
+                raise RuntimeError(f"no prepared descriptor list for peer {peer}")
+            handle_r, dst_num_blocks = remote
+            self._uses[id(handle_r)] = self._uses.get(id(handle_r), 0) + 1
         agent = self._agent
-        local_idx = prepped_indices(src_blocks, layer_begin, layer_end, self._layout.num_blocks)
-        remote_idx = prepped_indices(dst_blocks, layer_begin, layer_end, dst_num_blocks)
-        handle = agent.make_prepped_xfer("WRITE", self._local, local_idx, handle_r, remote_idx)
-        return self._start(handle)
+        try:
+            local_idx = prepped_indices(src_blocks, layer_begin, layer_end, self._layout.num_blocks)
+            remote_idx = prepped_indices(dst_blocks, layer_begin, layer_end, dst_num_blocks)
+            handle = agent.make_prepped_xfer("WRITE", self._local, local_idx, handle_r, remote_idx)
+        except Exception:
+            self._used_by_one_less(handle_r)
+            raise
+        return self._start(handle, lambda: self._used_by_one_less(handle_r))
 
-    def _start(self, handle: object) -> tuple[Xfer, XferState]:
+    def _start(
+        self, handle: object, on_release: Callable[[], None] | None = None
+    ) -> tuple[Xfer, XferState]:
         agent = self._agent
-        xfer = _NixlXfer(agent, handle)
+        xfer = _NixlXfer(agent, handle, on_release)
         try:
             state = agent.transfer(handle)
         except Exception:
@@ -292,13 +347,16 @@ class NixlDataPlane:
         return xfer, state
 
     def remove_peer(self, peer: str) -> None:
+        """Forget ``peer``; the caller guarantees no write toward it is in flight."""
+        free: list[object] = []
         with self._lock:
             if peer in self._peers:
                 self._peers.discard(peer)
                 old = self._remote.pop(peer, None)
                 if old is not None:
-                    self._retired.append(old[0])
+                    self._retire_locked(old[0], free)
                 self._agent.remove_remote_agent(peer)
+        self._release_lists(free)
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
@@ -319,11 +377,11 @@ class NixlDataPlane:
             if self._closed:
                 return
             self._closed = True
-            lists = [h for h, _ in self._remote.values()] + self._retired
+            lists = [h for h, _ in self._remote.values()] + list(self._retired.values())
             if self._local is not None:
                 lists.append(self._local)
             self._remote.clear()
-            self._retired = []
+            self._retired.clear()
             self._local = None
         for h in lists:
             try:

@@ -5,33 +5,45 @@ Threads and what each owns::
     thread              owns                                does
     ------------------  ----------------------------------  -------------------------------------------
     kvxferd-listener    the ROUTER socket                   decodes and validates every message; REGISTER
-                                                            (compatibility, NIXL metadata; a full table
+                                                            (result endpoint checked, compatibility, NIXL
+                                                            metadata; a new receiver id at a known result
+                                                            endpoint replaces that peer; a full table
                                                             evicts the longest-idle peer); REQUEST_DATA
-                                                            (attach to a session or park until publish,
+                                                            (deadline from timeout_ms and deadline_unix_ms;
+                                                            attach to a session or park until publish,
                                                             enqueue on worker hash(request, peer) % N);
                                                             CANCEL (end admission, ack through the worker);
                                                             expires pending fetches and unfetched requests
                                                             (a heap of TTL deadlines: cost ~ what expires)
-    kvxferd-worker-i    its queue, its own DEALER per       admits each write (or refuses it), posts the
-                        receiver result endpoint            NIXL WRITE (KV by block index on the lists
-                                                            prepared at REGISTER when the data plane has
-                                                            them), waits with a stall deadline, sends
-                                                            exactly one Result per slice on its own DEALER;
-                                                            closes its DEALER to an evicted peer
-    API callers         nothing long-lived                  publish / cancel / close / shutdown; send to
-                                                            peers only through the SharedDealerPool
+    kvxferd-worker-i    its queue, lanes, writes in flight, admits each write (or refuses it), posts the
+                        its own DEALER + outbox per         NIXL WRITE and polls every write in flight
+                        receiver result endpoint            each turn (one lane per receiver: a frozen
+                                                            receiver holds only its own lane); exactly one
+                                                            Result per slice, sent without blocking
+                                                            (see worker.py)
+    API callers         nothing long-lived                  publish / cancel / close / shutdown; publish
+                                                            hands refusals to workers and never sends;
+                                                            shutdown's parked refusals go through the
+                                                            SharedDealerPool, bounded by its deadline
 
 ``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
 ``_pending``, ``_peers`` and ``_ttl_heap``. Session state has its own lock (see session.py);
-the registry lock is never taken while a session lock is held.
+the registry lock is never taken while a session lock is held. ``_peer_lock`` guards the
+count of writes in flight per NIXL peer and the peers waiting to be removed: a peer that
+is evicted or replaced loses its NIXL remote agent (and prepared list) only once no
+write toward it is in flight (the worker that ends the last one removes it).
+
+A session leaves ``_sessions`` once it is drained and closed, whichever comes last:
+``close()`` re-reads ``drained`` after taking the session out of ``_live``, and a worker
+that drains a closed session removes it (``session_drained``).
 
 All work of one (request, receiver) goes to one worker, so its results (and a
-CancelAck after them) reach the receiver in order. The workers live in worker.py.
+CancelAck after them) reach the receiver in order. The workers live in worker.py and
+see the sender only through ``worker.WorkerHost``.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import heapq
 import itertools
@@ -48,14 +60,9 @@ import zmq
 
 from kvxferd import protocol as wire
 from kvxferd.config import SenderSettings
-from kvxferd.control import (
-    SharedDealerPool,
-    SocketLimits,
-    bind_router,
-    process_context,
-    router_reply,
-)
+from kvxferd.control import SharedDealerPool, SocketLimits, bind_router, router_reply
 from kvxferd.dataplane import DataPlane, NixlDataPlane
+from kvxferd.endpoints import connect_problem
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.layout import check_blocks, check_layers
@@ -63,7 +70,7 @@ from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Slice, SliceState, TxOutcome, TxSession
 from kvxferd.stats import Stats
 from kvxferd.waiters import Once
-from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, Worker, WriteTask
+from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, ReplyTask, Worker, WriteTask
 
 log = logging.getLogger("kvxferd.sender")
 
@@ -78,7 +85,7 @@ class _Pending:
     msg: wire.RequestData
     dst: np.ndarray  # msg.dst_blocks, already converted and checked
     deadline: float  # parked until then
-    received: float  # the fetch's own timeout counts from here
+    fetch_deadline: float  # no write starts after it (see Sender._fetch_deadline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +158,11 @@ class Sender:
         self._parked_keys: set[tuple[str, int]] = set()  # keys of parked fetches (duplicates)
         self._peers: dict[bytes, Peer] = {}  # routing id -> peer
         self._peer_seen: dict[bytes, float] = {}  # routing id -> last message (listener only)
+        # NIXL peer name -> writes posted toward it and not yet ended; a peer retired while
+        # some are in flight is removed from the data plane when the last one ends.
+        self._peer_lock = threading.Lock()  # guards _peer_writes and _retiring
+        self._peer_writes: dict[str, int] = {}
+        self._retiring: set[str] = set()
         # (ttl deadline, session id) of every published session, earliest first. Lazy
         # deletion: an entry whose session is gone or fetched is dropped when it comes due,
         # so housekeeping costs what expires, not what is live.
@@ -264,7 +276,8 @@ class Sender:
                 self._pending_count -= len(parked)
                 # Attach under the same lock: a CANCEL must find each fetch parked or attached.
                 attached = [
-                    self._attach_locked(session, p.peer, p.msg, p.dst, p.received) for p in parked
+                    self._attach_locked(session, p.peer, p.msg, p.dst, p.fetch_deadline)
+                    for p in parked
                 ]
                 for task in attached:  # queued under the lock too: an ack never overtakes it
                     if isinstance(task, WriteTask):
@@ -276,23 +289,29 @@ class Sender:
             raise error
         self.stats.add("published")
         for p, outcome in zip(parked, attached, strict=True):
-            if isinstance(outcome, wire.Result):
-                self._dispatch(outcome, functools.partial(self._reply_shared, p.peer))
+            if isinstance(outcome, wire.Result):  # sent by the pair's worker, never from here
+                self.stats.add(f"rejected_{outcome.reason}")
+                self._worker_for(request_id, p.peer.receiver_id).queue.put(
+                    ReplyTask(p.peer, outcome)
+                )
         return TxHandle(self, session)
 
     def _close_session(self, session: TxSession, timeout: float | None) -> bool:
         session.cancel(Reason.CANCELLED, "closed by the engine")
         if timeout is None:
             timeout = self.settings.deadlines.drain_timeout_ms / 1000
-        drained = session.drained_event.wait(timeout)
+        session.drained_event.wait(timeout)
         with self._lock:
             if self._live.get(session.request_id) is session:
                 del self._live[session.request_id]
+        # Read again after the session left _live: a write that ended in between saw it
+        # still live and left the removal to us (reading the wait's answer leaked it).
+        drained = session.drained
         if drained:
-            self._session_drained(session, remove=True)
+            self.session_drained(session, remove=True)
         return drained
 
-    def _session_drained(self, session: TxSession, remove: bool = False) -> None:
+    def session_drained(self, session: TxSession, remove: bool = False) -> None:
         """Forget a drained session once the engine closed it (or it was never going to)."""
         with self._lock:
             closed = self._live.get(session.request_id) is not session
@@ -313,18 +332,24 @@ class Sender:
         max_bytes = self.settings.limits.max_frame_bytes
         try:
             while not self._stopping.is_set():
-                self.listener_progress = time.monotonic()
-                events = dict(poller.poll(int(TICK_S * 1000)))
-                if self._router in events:
-                    for _ in range(256):  # bounded batch, then housekeeping
-                        try:
-                            frames = self._router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle(frames, max_bytes)
-                self._housekeeping(time.monotonic())
+                try:
+                    self._listen_turn(poller, max_bytes)
+                except Exception:
+                    self.guard.caught("listener")
         finally:
             self._router.close(linger=0)
+
+    def _listen_turn(self, poller: zmq.Poller, max_bytes: int) -> None:
+        self.listener_progress = time.monotonic()
+        events = dict(poller.poll(int(TICK_S * 1000)))
+        if self._router in events:
+            for _ in range(256):  # bounded batch, then housekeeping
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(frames, max_bytes)
+        self._housekeeping(time.monotonic())
 
     def _handle(self, frames: list[bytes], max_bytes: int) -> None:
         routing_id, body = frames[0], frames[1:]
@@ -342,8 +367,7 @@ class Sender:
             else:
                 self._on_cancel(routing_id, msg)
         except Exception:  # a bug on one message must not kill the listener
-            log.exception("listener: message failed")
-            self.stats.add("listener_errors")
+            self.guard.caught("listener: message")
 
     def _reply(self, routing_id: bytes, msg: wire._Msg) -> None:
         if not router_reply(self._router, routing_id, wire.encode(msg)):
@@ -370,19 +394,43 @@ class Sender:
 
         if self._draining.is_set():
             return refuse(Reason.DRAINING, "sender is draining")
-        why = wire.check_compatible(self.pool.layout, msg.layout) or _unusable_endpoint(
-            msg.result_endpoint
-        )
+        why = connect_problem(msg.result_endpoint)
+        if why:
+            return refuse(Reason.BAD_ENDPOINT, f"result_endpoint {why}")
+        why = wire.check_compatible(self.pool.layout, msg.layout)
         if why:
             return refuse(Reason.INCOMPATIBLE, why)
         with self._lock:
             known = self._peers.get(routing_id)
-            full = known is None and len(self._peers) >= self.settings.limits.max_peers
+            if known is not None and known.receiver_id == msg.receiver_id:
+                replaced: list[Peer] = []
+            else:
+                # Only one process can bind a result endpoint: a new receiver id there (or
+                # on this route) means the old process is gone; what it held is released.
+                replaced = [
+                    p
+                    for rid, p in self._peers.items()
+                    if rid == routing_id or p.result_endpoint == msg.result_endpoint
+                ]
+                for p in replaced:
+                    del self._peers[p.routing_id]
+                    self._peer_seen.pop(p.routing_id, None)
+            full = (
+                known is None
+                and not replaced
+                and len(self._peers) >= self.settings.limits.max_peers
+            )
             evicted = self._evict_idle_peer_locked() if full else None
         if known is not None and known.receiver_id == msg.receiver_id:
             self._peer_seen[routing_id] = time.monotonic()
             self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
             return
+        for old in replaced:
+            if old.receiver_id == msg.receiver_id:
+                continue  # the same process on a new route: its NIXL agent is the one it sends
+            self._retire_peer(old)
+            self.stats.add("peers_replaced")
+            log.info("receiver %s replaced by %s", old.receiver_id, msg.receiver_id)
         if evicted is not None:
             self._forget_peer(evicted)
         elif full:
@@ -445,12 +493,46 @@ class Sender:
         self._peer_seen.pop(victim, None)
         return self._peers.pop(victim)
 
-    def _forget_peer(self, peer: Peer) -> None:
-        """Release what an evicted peer held: its NIXL remote agent and the DEALERs to it."""
+    # -- peers' NIXL state: never removed under a write ---------------------------------
+    def peer_write_started(self, peer: Peer) -> None:
+        with self._peer_lock:
+            self._peer_writes[peer.nixl_name] = self._peer_writes.get(peer.nixl_name, 0) + 1
+
+    def peer_write_ended(self, peer: Peer) -> None:
+        name = peer.nixl_name
+        with self._peer_lock:
+            left = self._peer_writes.get(name, 0) - 1
+            if left > 0:
+                self._peer_writes[name] = left
+                return
+            self._peer_writes.pop(name, None)
+            if name not in self._retiring:
+                return
+            self._retiring.discard(name)
+        self._remove_from_dataplane(peer)
+
+    def _retire_peer(self, peer: Peer) -> None:
+        """Release the peer's NIXL remote agent and prepared list once no write uses them."""
+        with self._peer_lock:
+            if self._peer_writes.get(peer.nixl_name, 0) > 0:
+                self._retiring.add(peer.nixl_name)
+                self.stats.add("peer_removals_deferred")
+                return
+        self._remove_from_dataplane(peer)
+
+    def _remove_from_dataplane(self, peer: Peer) -> None:
         try:
             self.dataplane.remove_peer(peer.nixl_name)
+            self.stats.add("peers_removed")
         except Exception:  # the entry is gone either way; NIXL keeps a stale remote at worst
             log.exception("removing NIXL peer %s failed", peer.receiver_id)
+
+    def forget_shared(self, endpoint: str) -> None:
+        self._shared.forget(endpoint)
+
+    def _forget_peer(self, peer: Peer) -> None:
+        """Release what an evicted peer held: its NIXL remote agent and the DEALERs to it."""
+        self._retire_peer(peer)
         with self._lock:
             still_used = any(
                 p.result_endpoint == peer.result_endpoint for p in self._peers.values()
@@ -483,6 +565,15 @@ class Sender:
         except RejectedError as e:
             return self._refuse_fetch(routing_id, peer, msg, e.reason, e.detail)
         now = time.monotonic()
+        fetch_deadline = self._fetch_deadline(msg, now)
+        if fetch_deadline <= now:  # the receiver gave up already: nothing may start for it
+            return self._refuse_fetch(
+                routing_id,
+                peer,
+                msg,
+                Reason.TIMEOUT,
+                "the fetch's deadline passed before it was read",
+            )
         outcome: WriteTask | wire.Result | None = None
         with self._lock:
             key = (peer.receiver_id, msg.fetch_id)
@@ -490,14 +581,14 @@ class Sender:
                 refusal: tuple[Reason, str] | None = (Reason.DUPLICATE, "fetch id in use")
             elif (session := self._live.get(msg.request_id)) is not None:
                 refusal = None
-                outcome = self._attach_locked(session, peer, msg, dst, now)
+                outcome = self._attach_locked(session, peer, msg, dst, fetch_deadline)
             elif self._pending_count >= self.settings.limits.max_pending_fetches:
                 refusal = (Reason.BUSY, "max_pending_fetches reached")
             else:
                 refusal = None
-                ttl = min(msg.timeout_ms, self.settings.deadlines.pending_fetch_ttl_ms) / 1000
+                ttl = self.settings.deadlines.pending_fetch_ttl_ms / 1000
                 self._pending.setdefault(msg.request_id, []).append(
-                    _Pending(peer, msg, dst, now + ttl, now)
+                    _Pending(peer, msg, dst, min(now + ttl, fetch_deadline), fetch_deadline)
                 )
                 self._parked_keys.add(key)
                 self._pending_count += 1
@@ -508,6 +599,20 @@ class Sender:
             return None
         self._dispatch(outcome, lambda m: self._reply(routing_id, m))
         return None
+
+    def _fetch_deadline(self, msg: wire.RequestData, now: float) -> float:
+        """When the receiver gives up on ``msg`` (monotonic): no write of it starts later.
+
+        ``timeout_ms`` counts from arrival; ``deadline_unix_ms`` (the receiver's clock, widened
+        by ``clock_skew_ms``) also holds when a frozen or slow sender reads the fetch late.
+        """
+        deadline = now + msg.timeout_ms / 1000
+        if msg.deadline_unix_ms > 0:
+            left_ms = (
+                msg.deadline_unix_ms + self.settings.deadlines.clock_skew_ms - time.time() * 1000
+            )
+            deadline = min(deadline, now + left_ms / 1000)
+        return deadline
 
     def _refuse_fetch(
         self,
@@ -533,14 +638,13 @@ class Sender:
         peer: Peer,
         msg: wire.RequestData,
         dst: np.ndarray,
-        received: float,
+        deadline: float,
     ) -> WriteTask | wire.Result:
         """Attach a fetch to a published session (registry lock held); a task, or the refusal.
 
         ``dst`` is ``msg.dst_blocks`` as the listener converted and checked it (once).
         """
         layer_end = msg.layer_end or self.pool.layout.num_layers
-        deadline = received + msg.timeout_ms / 1000  # from when the fetch arrived, parked or not
         sl = Slice(
             peer.receiver_id,
             msg.fetch_id,
@@ -771,18 +875,6 @@ def _bytes_tensor(data: bytes):  # type: ignore[no-untyped-def]
     import torch
 
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _unusable_endpoint(endpoint: str) -> str | None:
-    """Why ZMQ cannot connect to ``endpoint`` (checked once, at REGISTER), or None."""
-    sock = process_context().socket(zmq.DEALER)
-    try:
-        sock.connect(endpoint)
-        return None
-    except zmq.ZMQError as e:
-        return f"result_endpoint {endpoint!r}: {e}"
-    finally:
-        sock.close(linger=0)
 
 
 def _no_reply(msg: wire.Result) -> None:  # pragma: no cover - only refusals are replied to

@@ -19,8 +19,11 @@ Sender side, one :class:`TxSession` per published request::
   (``finish_write``) or when a write that was never posted gives its admission
   back (``release_admission``). ``drained = ended and writes_in_flight == 0``;
   the source blocks may be reused only once drained.
-* A write still in progress past its stall deadline stays counted in flight:
-  the session fails IN DOUBT and keeps its memory until NIXL returns.
+* A write still in progress past its stall deadline, or one NIXL has not
+  released (its status check raised, ``release()`` said False), stays counted
+  in flight (``write_in_doubt``): the session fails IN DOUBT and keeps its
+  memory until NIXL answers and releases the handle (``finish_write``). The
+  sender then tells the receiver with an unsolicited ``CancelAck(in_doubt=false)``.
 
 Each slice (one receiver's fetch) has one final result on every path:
 ``QUEUED -> WRITING -> DONE | FAILED | IN_DOUBT``; ``take_report`` hands it
@@ -285,11 +288,19 @@ class TxSession:
 
     def write_stalled(self, sl: Slice, detail: str) -> None:
         """A write is still in progress past its stall deadline: in doubt, memory kept."""
+        self.write_in_doubt(sl, Reason.STALLED, detail)
+
+    def write_in_doubt(self, sl: Slice, reason: Reason, detail: str) -> None:
+        """A write may still land (stalled, status check raised, handle not released).
+
+        It stays counted in flight (memory kept) until ``finish_write``; the slice is
+        IN_DOUBT and the session FAILED in doubt.
+        """
         with self._lock:
             if sl.state in (SliceState.QUEUED, SliceState.WRITING):
-                sl.state, sl.reason, sl.detail = SliceState.IN_DOUBT, Reason.STALLED, detail
+                sl.state, sl.reason, sl.detail = SliceState.IN_DOUBT, reason, detail
             committed = self._commit_locked(
-                TxOutcome(TxState.FAILED, Reason.STALLED, detail, in_doubt=True)
+                TxOutcome(TxState.FAILED, reason, detail, in_doubt=True)
             )
         self._after(committed)
 

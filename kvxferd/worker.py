@@ -1,14 +1,55 @@
 """A sender worker thread, the tasks it takes, and the peers it writes to.
 
-Each ``kvxferd-worker-i`` owns its queue and one DEALER per receiver result
-endpoint. For each :class:`WriteTask` it admits the write through the session
-(or is refused), posts the NIXL WRITE, waits for it with a stall deadline and
-sends exactly one Result per slice; an :class:`AckTask` sends a CancelAck after
-the results of the same (request, receiver), which the sender routes to the
-same worker; a :class:`ForgetTask` closes the DEALER to an evicted peer. The
-listener and API callers (kvxferd/sender.py) only enqueue. A write still in
-progress past ``xfer_stall_timeout_ms`` is kept and polled each tick: its
-memory stays registered until NIXL lets go of it.
+Each ``kvxferd-worker-i`` owns its queue, its writes in flight, and one DEALER
+(with an outbox) per receiver result endpoint. It never waits on one peer:
+
+* **Lanes.** Tasks are kept in one FIFO lane per receiver. A lane starts its
+  next task only when it has no write in progress on this worker, so one
+  receiver's results keep their order (and a CancelAck goes out after the same
+  fetch's Result), while the other lanes go on. A write also waits while
+  another write of the same request is in progress on this worker (a failure of
+  the first refuses it instead of writing bytes for a failed request).
+* **Writes in flight.** A :class:`WriteTask` is admitted through its session
+  (or refused), posted, and kept in the worker's in-flight set; every turn polls
+  every write in flight while new tasks keep arriving. At most
+  ``limits.max_writes_in_flight_per_worker`` writes hold a lane at once (writes in
+  doubt aside). KV first, then AUX, one after the other. A write that could not be
+  posted gives its admission back before its Result is queued.
+* **Stall deadline.** A write still in progress past ``xfer_stall_timeout_ms``
+  makes its slice IN_DOUBT (the Result says so) and frees its lane; the write
+  stays counted in flight and is polled every turn (every ``TICK_S`` once only
+  writes in doubt are left).
+
+A write's states on the worker (all owned by the worker thread)::
+
+    POSTED (holds its lane) --DONE/ERR + released--> ENDED (finish_write; next write or Result)
+       |  past stall deadline, status check raised with release refused,
+       |  or release refused                 --> IN DOUBT (Result in_doubt; lane freed)
+    IN DOUBT --DONE/ERR + released--> ENDED (finish_write; CancelAck in_doubt=false)
+* **Not finished until released.** A write counts as finished only when NIXL
+  gave a terminal state (DONE/ERR) *and* released its handle. A status check
+  that raises, or a ``release()`` that says False, leaves the write in flight
+  and its slice in doubt; the worker tries to release it again every turn (the
+  session stays undrained, its source blocks fenced). When an in-doubt write
+  finally ends, the worker sends that fetch's receiver an unsolicited
+  ``CancelAck(in_doubt=false)``: the receiver may release its blocks.
+* **Outboxes.** Results and CancelAcks are sent without blocking: each goes into
+  its endpoint's FIFO outbox and is sent when the DEALER can take it (retried
+  each turn) until its own deadline (``worker_send_timeout_ms``), then dropped
+  and counted (``send_timeouts``). A receiver that stops reading delays only
+  its own messages.
+
+The listener and API callers (kvxferd/sender.py) only enqueue. What the worker
+needs from the sender is the narrow :class:`WorkerHost` (no import of sender.py).
+Each turn's body is guarded: an unexpected exception is logged and counted
+(``Guard.caught``) and the worker goes on with the next turn.
+
+A :class:`ReplyTask` is a Result decided elsewhere (a parked fetch refused at
+publish); a :class:`ForgetTask` closes the DEALER to an evicted peer. On STOP
+the worker refuses what is queued (sessions are ended by then), waits for its
+writes until each ends or stalls, flushes its outboxes within their deadlines,
+and closes its DEALERs with a bounded linger. Writes still in doubt then keep
+their memory registered (the sender's shutdown says so).
 """
 
 from __future__ import annotations
@@ -17,26 +58,29 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import zmq
 
 from kvxferd import protocol as wire
-from kvxferd.control import connect_dealer, send_bounded
-from kvxferd.dataplane import Xfer, wait_xfer
+from kvxferd.config import SenderSettings
+from kvxferd.control import SocketLimits, connect_dealer, send_bounded
+from kvxferd.dataplane import DataPlane, Xfer
 from kvxferd.errors import Reason, SendTimeout
+from kvxferd.guard import Guard
 from kvxferd.layout import Layout, aux_descriptors, write_descriptors
-from kvxferd.session import Slice, TxSession
-
-if TYPE_CHECKING:
-    from kvxferd.sender import Sender
+from kvxferd.pool import KvPool
+from kvxferd.session import Slice, SliceState, TxSession
+from kvxferd.stats import Stats
 
 log = logging.getLogger("kvxferd.sender")
 
 TICK_S = 0.05  # listener/worker housekeeping period
 STOP = object()  # a worker's last task
+_POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3  # back-off between polls of writes in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +114,14 @@ class AckTask:
     fetch_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class ReplyTask:
+    """A Result decided off the worker (a parked fetch refused at publish), sent in its lane."""
+
+    peer: Peer
+    msg: wire.Result
+
+
 @dataclass(slots=True)
 class ForgetTask:
     """A peer was evicted: close this worker's DEALER to its result endpoint (and, for one
@@ -79,95 +131,248 @@ class ForgetTask:
     shared: bool = False
 
 
+class WorkerHost(Protocol):
+    """What a worker needs from its sender (kvxferd.sender.Sender provides it)."""
+
+    settings: SenderSettings
+    stats: Stats
+    guard: Guard
+    pool: KvPool
+    dataplane: DataPlane
+    socket_limits: SocketLimits
+
+    def session_drained(self, session: TxSession) -> None:
+        """A session's last write ended (maybe forget it)."""
+        ...
+
+    def peer_write_started(self, peer: Peer) -> None: ...
+
+    def peer_write_ended(self, peer: Peer) -> None:
+        """A write toward ``peer`` ended; a removal deferred for it may run now."""
+        ...
+
+    def forget_shared(self, endpoint: str) -> None: ...
+
+
 @dataclass(slots=True)
-class Stalled:
-    session: TxSession
-    slice: Slice
+class _Write:
+    """One posted WRITE (KV or AUX of one slice) and where it stands."""
+
+    task: WriteTask
+    kind: str  # "kv" | "aux"
     xfer: Xfer
+    state: str  # last polled: "PROC" | "DONE" | "ERR"
+    nbytes: int
+    stall_at: float  # monotonic; past it the slice is in doubt
+    lane_held: bool = True  # still holds its lane (not stalled, not in doubt)
+    doubt: str = ""  # why it is in doubt (a raise, a refused release), "" when not
+    error: str = ""
+    over: bool = False  # NIXL released it: settled (or being settled) by _ended
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    frame: bytes
+    deadline: float
+    tag: str
+    fetch_id: int
 
 
 class Worker:
-    """One sender worker thread: its queue, its DEALERs, its stalled writes."""
+    """One sender worker thread: its queue, lanes, writes in flight and outboxes."""
 
-    def __init__(self, sender: Sender, index: int) -> None:
-        self.sender = sender
+    def __init__(self, host: WorkerHost, index: int) -> None:
+        self.host = host
         self.index = index
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}  # owned by this thread only
-        self._stalled: list[Stalled] = []
+        # Everything below is owned by this worker's thread only.
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._outbox: dict[str, deque[_Outgoing]] = {}
+        self._lanes: dict[str, deque[object]] = {}  # receiver id -> tasks in arrival order
+        self._busy_lanes: set[str] = set()  # receiver ids with a write holding their lane
+        self._busy_sessions: dict[int, int] = {}  # session id -> writes holding a lane
+        self._writes: list[_Write] = []  # every write in flight, stalled ones included
+        self._stopping = False
+        self._again = False  # a lane may be startable now: run the next turn without waiting
+        self._poll_delay = _POLL_MIN_S
+        self._max_writes = host.settings.limits.max_writes_in_flight_per_worker
         self.last_progress = time.monotonic()
         self.thread = threading.Thread(
             target=self._run, name=f"kvxferd-worker-{index}", daemon=True
         )
 
+    def _lane_writes(self) -> int:
+        """Writes in progress that hold a lane (the ones the per-worker bound counts)."""
+        return len(self._busy_lanes)
+
+    # -- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while True:
+            while not self._finished():
                 try:
-                    task = self.queue.get(timeout=TICK_S)
-                except queue.Empty:
-                    task = None
-                self.last_progress = time.monotonic()
-                if self._stalled:
-                    self._recheck_stalled()
-                if task is STOP:
-                    break
-                if task is None:
-                    continue
-                try:
-                    if isinstance(task, WriteTask):
-                        self._write_slice(task)
-                    elif isinstance(task, AckTask):
-                        self._ack_cancel(task)
-                    elif isinstance(task, ForgetTask):
-                        self._forget(task.endpoint)
-                        if task.shared:
-                            self.sender._shared.forget(task.endpoint)
-                except Exception:  # a bug must not kill the worker; the slice still reports
-                    log.exception("worker %d: task failed", self.index)
-                    if isinstance(task, WriteTask):
-                        task.session.fail_slice(task.slice, Reason.TRANSFER_ERROR, "internal error")
-                        task.session.fail(Reason.TRANSFER_ERROR, "internal error")
-                        self._report(task)
+                    self._turn()
+                except Exception:
+                    self.host.guard.caught(self.thread.name)
+                    self._again = True  # whatever was half done gets another turn
         finally:
             # A bounded linger lets the last Results still queued reach their receivers.
-            linger_ms = self.sender.settings.deadlines.worker_send_timeout_ms
+            linger_ms = self.host.settings.deadlines.worker_send_timeout_ms
             for sock in self._dealers.values():
                 sock.close(linger=linger_ms)
             self._dealers.clear()
 
-    # -- one slice ---------------------------------------------------------------
-    def _write_slice(self, task: WriteTask) -> None:
-        s, sl, peer = task.session, task.slice, task.peer
-        ok = self._one_write(task, "kv")
-        if ok and s.aux_len > 0 and sl.aux_slot >= 0:
-            ok = self._one_write(task, "aux")
-        if ok:
-            s.slice_written(sl)
-        self._report(task)
-        if s.drained:
-            self.sender._session_drained(s)
-        del peer
+    def _finished(self) -> bool:
+        """After STOP: nothing queued, no write holding a lane, every outbox empty."""
+        return (
+            self._stopping
+            and not any(self._lanes.values())
+            and not any(w.lane_held for w in self._writes)
+            and not any(self._outbox.values())
+        )
+
+    def _turn(self) -> None:
+        took = self._take(self._wait_s())
+        self.last_progress = time.monotonic()
+        progressed = self._poll_writes()
+        # A lane can become startable only when a task arrived or a write ended or fell
+        # in doubt; otherwise a turn is just a poll (cheap: small requests are CPU-bound).
+        if took or progressed or self._again:
+            self._again = False
+            if self._start_ready():
+                progressed = True
+                # A small write is often done at once: report it this turn (and if that
+                # frees a lane, start its next task next turn without waiting).
+                self._again = self._poll_writes()
+        if self._outbox:
+            self._flush()
+        self._poll_delay = _POLL_MIN_S if progressed else min(self._poll_delay * 2, _POLL_MAX_S)
+
+    def _wait_s(self) -> float:
+        if self._again:
+            return 0.0
+        if self._busy_lanes:  # writes in progress
+            return self._poll_delay
+        if any(self._outbox.values()):
+            return 0.005
+        return TICK_S  # idle, or only writes in doubt (NIXL is not hurried for those)
+
+    def _take(self, wait_s: float) -> bool:
+        """Move every queued task into its lane (waiting up to ``wait_s`` for the first)."""
+        try:
+            task = self.queue.get(timeout=wait_s) if wait_s > 0 else self.queue.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            self._intake(task)
+            try:
+                task = self.queue.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _intake(self, task: object) -> None:
+        if task is STOP:
+            self._stopping = True
+        elif isinstance(task, ForgetTask):
+            self._forget(task.endpoint)
+            if task.shared:
+                self.host.forget_shared(task.endpoint)
+        elif isinstance(task, WriteTask | AckTask | ReplyTask):
+            self._lanes.setdefault(task.peer.receiver_id, deque()).append(task)
+
+    # -- starting work -----------------------------------------------------------------
+    def _start_ready(self) -> bool:
+        limit = self._max_writes
+        started = False
+        for rid in list(self._lanes):
+            lane = self._lanes[rid]
+            while lane and rid not in self._busy_lanes:
+                task = lane[0]
+                if isinstance(task, WriteTask):
+                    if task.session.session_id in self._busy_sessions:
+                        break
+                    if self._lane_writes() >= limit and not self._stopping:
+                        break
+                    lane.popleft()
+                    self._guarded(task)
+                elif isinstance(task, AckTask):
+                    lane.popleft()
+                    self._guarded(task)
+                else:
+                    assert isinstance(task, ReplyTask)
+                    lane.popleft()
+                    self._enqueue(task.peer.result_endpoint, task.msg)
+                started = True
+            if not lane:
+                del self._lanes[rid]
+        return started
+
+    def _guarded(self, task: WriteTask | AckTask) -> None:
+        try:
+            if isinstance(task, WriteTask):
+                self._begin_slice(task)
+            else:
+                self._ack_cancel(task)
+        except Exception:
+            self.host.guard.caught(f"{self.thread.name}: task")
+            if isinstance(task, WriteTask):  # the slice still gets its one final result
+                task.session.fail_slice(task.slice, Reason.TRANSFER_ERROR, "internal error")
+                task.session.fail(Reason.TRANSFER_ERROR, "internal error")
+                self._report(task)
+
+    def _begin_slice(self, task: WriteTask) -> None:
+        if not self._post(task, "kv"):
+            self._slice_over(task)
+
+    def _post(self, task: WriteTask, kind: str) -> bool:
+        """Admit and post one WRITE; True when it is in flight (the slice goes on later)."""
+        host, s, sl, peer = self.host, task.session, task.slice, task.peer
+        if s.admit_write(sl) is not None:
+            host.stats.add("writes_refused")
+            return False
+        try:
+            if kind == "kv" and peer.prepped:  # prepared lists: block indices, no descriptors
+                xfer, state = host.dataplane.post_blocks(
+                    peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
+                )
+                nbytes = (
+                    s.block_ids.size
+                    * host.pool.layout.block_bytes
+                    * (sl.layer_end - sl.layer_begin)
+                )
+            else:
+                src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
+                xfer, state = host.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
+        except Exception as e:  # nothing was posted: give the admission back first
+            s.release_admission(sl, f"{kind} write not built: {e}")
+            host.stats.add("writes_build_failed")
+            return False
+        host.peer_write_started(peer)
+        stall_at = time.monotonic() + host.settings.deadlines.xfer_stall_timeout_ms / 1000
+        self._writes.append(_Write(task, kind, xfer, state, nbytes, stall_at))
+        self._busy_lanes.add(peer.receiver_id)
+        self._busy_sessions[s.session_id] = self._busy_sessions.get(s.session_id, 0) + 1
+        return True
 
     def _build(self, task: WriteTask, kind: str) -> tuple[np.ndarray, np.ndarray, str, str, int]:
-        snd, s, sl, peer = self.sender, task.session, task.slice, task.peer
+        host, s, sl, peer = self.host, task.session, task.slice, task.peer
+        pool = host.pool
         if kind == "kv":
             src, dst = write_descriptors(
-                snd.pool.layout,
-                snd.pool.kv_base,
+                pool.layout,
+                pool.kv_base,
                 s.block_ids,
                 peer.kv_base,
                 sl.dst_blocks,
                 sl.layer_begin,
                 sl.layer_end,
-                src_dev=snd.pool.device_id,
+                src_dev=pool.device_id,
                 dst_dev=peer.device_id,
                 dst_layer_stride=peer.layout.layer_stride,
             )
-            return src, dst, snd.pool.mem_type, peer.mem_type, int(src[:, 1].sum())
+            return src, dst, pool.mem_type, peer.mem_type, int(src[:, 1].sum())
         src, dst = aux_descriptors(
-            snd.pool.layout,
-            snd.pool.aux_base,
+            pool.layout,
+            pool.aux_base,
             s.aux_slot,
             peer.layout,
             peer.aux_base,
@@ -176,99 +381,181 @@ class Worker:
         )
         return src, dst, "DRAM", "DRAM", s.aux_len
 
-    def _one_write(self, task: WriteTask, kind: str) -> bool:
-        """Admit, post and wait for one WRITE; True when its bytes are in place."""
-        snd, s, sl = self.sender, task.session, task.slice
-        if s.admit_write(sl) is not None:
-            snd.stats.add("writes_refused")
-            return False
-        peer = task.peer
-        try:
-            if kind == "kv" and peer.prepped:  # prepared lists: block indices, no descriptors
-                xfer, state = snd.dataplane.post_blocks(
-                    peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
-                )
-                nbytes = (
-                    s.block_ids.size * snd.pool.layout.block_bytes * (sl.layer_end - sl.layer_begin)
-                )
-            else:
-                src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
-                xfer, state = snd.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
-        except Exception as e:  # nothing was posted: give the admission back first
-            s.release_admission(sl, f"{kind} write not built: {e}")
-            snd.stats.add("writes_build_failed")
-            return False
-        deadline = time.monotonic() + snd.settings.deadlines.xfer_stall_timeout_ms / 1000
-        try:
-            final = wait_xfer(xfer, state, deadline)
-        except Exception as e:  # nixl raises a typed error where its docs say "ERR"
-            final, error = "ERR", f": {e}"
-        else:
-            error = ""
-        if final == "STALLED":
-            s.write_stalled(sl, f"{kind} write in progress past xfer_stall_timeout")
-            self._stalled.append(Stalled(s, sl, xfer))
-            snd.stats.add("writes_stalled")
-            return False
-        xfer.release()
-        ok = final == "DONE"
-        s.finish_write(
-            sl, ok, nbytes if ok else 0, "" if ok else f"NIXL reported an error ({kind}){error}"
-        )
-        snd.stats.add("bytes_written" if ok else "writes_failed", nbytes if ok else 1)
-        return ok
-
-    def _recheck_stalled(self) -> None:
-        still: list[Stalled] = []
-        for st in self._stalled:
+    # -- writes in flight ----------------------------------------------------------------
+    def _poll_writes(self) -> bool:
+        """Poll every write in flight once; settle those that ended. True if any changed."""
+        writes, self._writes = self._writes, []
+        now = time.monotonic()
+        changed = False
+        for w in writes:  # each write is put back into self._writes unless it ended
             try:
-                state = st.xfer.poll()
-            except Exception:  # a raised NIXL error ends the write; it must not end this thread
-                state = "ERR"
-            if state == "PROC":
-                still.append(st)
-                continue
-            st.xfer.release()
-            st.session.finish_write(st.slice, state == "DONE")
-            if st.session.drained:
-                self.sender._session_drained(st.session)
-        self._stalled = still
+                changed |= self._poll_one(w, now)
+            except Exception:
+                self.host.guard.caught(f"{self.thread.name}: write")
+                changed = True
+                if not w.over and w not in self._writes:  # never lose a write NIXL may hold
+                    self._writes.append(w)
+                elif w.over:
+                    self._free_lane(w)
+        return changed
 
-    # -- results -----------------------------------------------------------------
+    def _poll_one(self, w: _Write, now: float) -> bool:
+        """Poll ``w`` once; True when something changed (it ended, stalled, fell in doubt)."""
+        if w.state == "PROC":
+            try:
+                w.state = w.xfer.poll()
+            except Exception as e:  # nixl raises its typed errors here: not an answer
+                w.error = f": {e}"
+                return self._try_release(w, "NIXL status check raised" + w.error)
+        if w.state != "PROC":
+            return self._try_release(w, "")
+        self._writes.append(w)
+        if w.lane_held and now >= w.stall_at:
+            self._in_doubt(w, Reason.STALLED, f"{w.kind} write in progress past xfer_stall_timeout")
+            self.host.stats.add("writes_stalled")
+            return True
+        return False
+
+    def _try_release(self, w: _Write, doubt: str) -> bool:
+        """Release a write NIXL answered for; in doubt (and kept) while it will not let go."""
+        try:
+            released = w.xfer.release()
+        except Exception:
+            released = False
+        if released:
+            self._ended(w, ok=w.state == "DONE" and not doubt)
+            return True
+        w.state = "PROC"  # ask again next turn
+        self._writes.append(w)
+        if w.doubt:
+            return False
+        w.doubt = doubt or f"NIXL did not release the {w.kind} write handle"
+        self.host.stats.add("writes_in_doubt")
+        if w.lane_held:
+            self._in_doubt(w, Reason.TRANSFER_ERROR, w.doubt)
+        return True
+
+    def _in_doubt(self, w: _Write, reason: Reason, detail: str) -> None:
+        """The write may still land: report the slice in doubt and free its lane."""
+        task = w.task
+        task.session.write_in_doubt(task.slice, reason, detail)
+        self._free_lane(w)
+        self._report(task)
+        if task.session.drained:  # pragma: no cover - in doubt means still in flight
+            self.host.session_drained(task.session)
+
+    def _free_lane(self, w: _Write) -> None:
+        if not w.lane_held:
+            return
+        w.lane_held = False
+        task = w.task
+        self._busy_lanes.discard(task.peer.receiver_id)
+        sid = task.session.session_id
+        n = self._busy_sessions.get(sid, 0) - 1
+        if n > 0:
+            self._busy_sessions[sid] = n
+        else:
+            self._busy_sessions.pop(sid, None)
+
+    def _ended(self, w: _Write, ok: bool) -> None:
+        """NIXL released the write: it is over, one way or the other."""
+        w.over = True
+        host, task = self.host, w.task
+        s, sl = task.session, task.slice
+        was_doubt = sl.state is SliceState.IN_DOUBT
+        detail = "" if ok else f"NIXL reported an error ({w.kind}){w.error}"
+        s.finish_write(sl, ok, w.nbytes if ok else 0, detail)
+        host.stats.add("bytes_written" if ok else "writes_failed", w.nbytes if ok else 1)
+        host.peer_write_ended(task.peer)
+        if not w.lane_held:  # it had been reported in doubt: tell the receiver it is over
+            if was_doubt and sl.writes_in_flight == 0:
+                host.stats.add("in_doubt_resolved")
+                self._enqueue(
+                    task.peer.result_endpoint,
+                    wire.CancelAck(request_id=s.request_id, fetch_id=sl.fetch_id, in_doubt=False),
+                )
+            if s.drained:
+                host.session_drained(s)
+            return
+        self._free_lane(w)
+        if ok and w.kind == "kv" and s.aux_len > 0 and sl.aux_slot >= 0:
+            if self._post(task, "aux"):
+                return
+            self._slice_over(task)
+            return
+        if ok:
+            s.slice_written(sl)
+        self._slice_over(task)
+
+    def _slice_over(self, task: WriteTask) -> None:
+        self._report(task)
+        if task.session.drained:
+            self.host.session_drained(task.session)
+
+    # -- results -----------------------------------------------------------------------
     def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
         sock = self._dealers.get(endpoint)
         if sock is None:
-            snd = self.sender
-            sock = connect_dealer(
-                endpoint, snd.socket_limits, snd.settings.deadlines.worker_send_timeout_ms
-            )
+            # SNDTIMEO 0: a send never waits; a message the socket cannot take stays queued.
+            sock = connect_dealer(endpoint, self.host.socket_limits, 0)
             self._dealers[endpoint] = sock
         return sock
 
     def _forget(self, endpoint: str) -> None:
+        self._outbox.pop(endpoint, None)
         sock = self._dealers.pop(endpoint, None)
         if sock is not None:  # a Result still queued gets the usual bounded linger
-            sock.close(linger=self.sender.settings.deadlines.worker_send_timeout_ms)
+            sock.close(linger=self.host.settings.deadlines.worker_send_timeout_ms)
 
-    def _send(self, endpoint: str, msg: wire.Result | wire.CancelAck) -> None:
-        try:
-            send_bounded(self._dealer(endpoint), wire.encode(msg))
-            self.sender.stats.add(f"sent_{msg.__struct_config__.tag}")
-        except SendTimeout:
-            self.sender.stats.add("send_timeouts")
-            log.warning("result for fetch %d dropped: receiver not reading", msg.fetch_id)
-        except zmq.ZMQError as e:
-            self.sender.stats.add("send_errors")
-            log.warning("result for fetch %d dropped: %s", msg.fetch_id, e)
+    def _enqueue(self, endpoint: str, msg: wire.Result | wire.CancelAck) -> None:
+        deadline = time.monotonic() + self.host.settings.deadlines.worker_send_timeout_ms / 1000
+        tag = msg.__struct_config__.tag
+        out = _Outgoing(wire.encode(msg), deadline, str(tag), msg.fetch_id)
+        self._outbox.setdefault(endpoint, deque()).append(out)
+        self._flush_one(endpoint)
+
+    def _flush(self) -> None:
+        for endpoint in [e for e, box in self._outbox.items() if box]:
+            self._flush_one(endpoint)
+
+    def _flush_one(self, endpoint: str) -> None:
+        """Send what ``endpoint``'s DEALER takes now, in order; drop what passed its deadline."""
+        box = self._outbox.get(endpoint)
+        stats = self.host.stats
+        now = time.monotonic()
+        while box:
+            out = box[0]
+            if now >= out.deadline:
+                box.popleft()
+                stats.add("send_timeouts")
+                log.warning("%s for fetch %d dropped: receiver not reading", out.tag, out.fetch_id)
+                continue
+            try:
+                sock = self._dealer(endpoint)
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+                    return  # full: try again next turn
+                send_bounded(sock, out.frame)
+            except SendTimeout:
+                return
+            except zmq.ZMQError as e:
+                box.popleft()
+                stats.add("send_errors")
+                log.warning("%s for fetch %d dropped: %s", out.tag, out.fetch_id, e)
+                continue
+            box.popleft()
+            stats.add(f"sent_{out.tag}")
+        if box is not None and not box:
+            del self._outbox[endpoint]
 
     def _report(self, task: WriteTask) -> None:
         rep = task.session.take_report(task.slice)
         if rep is None:
             return
-        self.sender.stats.add(f"slices_{rep.status}")
-        self.sender.stats.observe("slice_seconds", time.monotonic() - task.queued_at)
-        self.sender.stats.add(f"worker_{self.index}_slices")
-        self._send(
+        stats = self.host.stats
+        stats.add(f"slices_{rep.status}")
+        stats.observe("slice_seconds", time.monotonic() - task.queued_at)
+        stats.add(f"worker_{self.index}_slices")
+        self._enqueue(
             rep.result_endpoint,
             wire.Result(
                 request_id=task.session.request_id,
@@ -286,7 +573,7 @@ class Worker:
     def _ack_cancel(self, task: AckTask) -> None:
         sl = task.session.slice((task.peer.receiver_id, task.fetch_id))
         in_doubt = sl is not None and sl.writes_in_flight > 0
-        self._send(
+        self._enqueue(
             task.peer.result_endpoint,
             wire.CancelAck(
                 request_id=task.session.request_id, fetch_id=task.fetch_id, in_doubt=in_doubt
