@@ -18,6 +18,10 @@ Deadlines (milliseconds)::
     cancel_fence_ms         5000   waiting for a cancel acknowledgement -> in doubt
     drain_timeout_ms       10000   in-flight work at shutdown
     shutdown_timeout_ms    15000   the whole shutdown, joins included
+    clock_skew_ms            500   allowance between hosts' clocks for RequestData.deadline_unix_ms
+    connect_refused_ms      1000   a new receiver link whose every connect is refused -> peer_lost
+    in_doubt_retry_ms       1000   first re-send of Cancel for a fetch in doubt (doubles)
+    in_doubt_retry_max_ms  30000   cap of that backoff
 """
 
 from __future__ import annotations

@@ -79,7 +79,11 @@ def connect_dealer(
     sock.setsockopt(zmq.IMMEDIATE, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
-    sock.connect(endpoint)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError:  # never leak the socket of a refused endpoint
+        sock.close(linger=0)
+        raise
     return sock
 
 
