@@ -30,6 +30,8 @@ def line(r: Result) -> str:
     verdict = "ok  " if not r.broken else "FAIL"
     iso = f", B p99 {_ms(r.base_p99_ms)} -> {_ms(r.fault_p99_ms)} ms" if r.b_failed >= 0 else ""
     why = f"  [{'; '.join(r.broken)}]" if r.broken else ""
+    extra = "; ".join(f"{k}: {v}" for k, v in r.extra.items() if not k.startswith("_"))
+    why += f"  ({extra})" if extra else ""
     return (
         f"{verdict}  {r.name:20s} {r.affected} affected, terminal in {_s(r.terminal_s)} s "
         f"(bound {r.bound_s:.0f}), {r.done} done, {r.verified_bytes / 1e6:.1f} MB verified, "

@@ -94,6 +94,7 @@ class Result:
     b_failed: int = -1  # B's fetches that failed while A was cut off (-1: not measured)
     extra: dict[str, Any] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)  # bounds broken, in words
+    pids: list[int] = field(default_factory=list)  # every daemon process the scenario started
     seconds: float = 0.0
 
     @property
@@ -273,15 +274,18 @@ class Cluster:
 # -- measuring -----------------------------------------------------------------------------
 
 
-def _open_sessions(m: dict[str, float]) -> int:
-    live = ("published", "transferring", "requested")
-    return int(
-        sum(
-            v
-            for k, v in m.items()
-            if k.startswith("kvxferd_sessions{") and any(f'"{s}"' in k for s in live)
-        )
-    )
+LIVE_STATES = ("published", "transferring", "requested")
+
+
+def _open_sessions(m: dict[str, float]) -> dict[str, int]:
+    """Sessions in a non-terminal state, by state, from a daemon's /metrics."""
+    out: dict[str, int] = {}
+    for k, v in m.items():
+        if k.startswith("kvxferd_sessions{") and v:
+            state = next((s for s in LIVE_STATES if f'"{s}"' in k), None)
+            if state is not None:
+                out[state] = out.get(state, 0) + int(v)
+    return out
 
 
 def _window_p99(samples: list[tuple[float, float]], lo: float, hi: float) -> tuple[float, int]:
@@ -320,6 +324,7 @@ def run_scenario(
     netns: Netns | None = None,
     after: Step | None = None,
     hold_s: float | None = None,
+    recover_s: float | None = None,
 ) -> Result:
     res = Result(name, fault_text)
     t_begin = time.monotonic()
@@ -343,7 +348,7 @@ def run_scenario(
         t_resolve = time.monotonic()
         if resolve is not None:
             resolve(run)
-        traffic.stop.wait(timing.recover_s)
+        traffic.stop.wait(timing.recover_s if recover_s is None else recover_s)
         stuck = traffic.finish(TERMINAL_BOUND_S + 4 * CALL_TIMEOUT_S)
         res.hung = len(stuck)
         if after is not None:
@@ -386,14 +391,19 @@ def run_scenario(
             # the second half of the baseline: connections are up, caches warm
             res.base_p99_ms, nb = _window_p99(lat_b, t_fault - timing.base_s / 2, t_fault)
             res.fault_p99_ms, nf = _window_p99(lat_b, t_fault, t_resolve)
-            res.b_failed = sum(
-                1
+            b_failed = [
+                s
                 for s in sessions
                 if s.kind == "fetch"
                 and s.daemon == b.name
                 and t_fault <= s.started < t_resolve
                 and not s.ok
-            )
+            ]
+            res.b_failed = len(b_failed)
+            if b_failed:
+                res.extra["B failed"] = ", ".join(
+                    sorted({f"{s.state or s.unanswered} {s.reason}".strip() for s in b_failed})
+                )
             res.extra["b_fetches"] = f"{nb} baseline / {nf} during the fault"
 
         # leaks in the daemons that are still alive
@@ -402,7 +412,12 @@ def run_scenario(
                 continue
             if d.stopped:
                 d.signal(signal.SIGCONT)
-            res.open_sessions += _open_sessions(d.metrics())
+            m = d.metrics()
+            if not m:
+                res.broken.append(f"{d.name}: /metrics not readable")
+            for state, n in _open_sessions(m).items():
+                res.open_sessions += n
+                res.extra[f"open in {d.name}"] = f"{n} {state}"
             th, fd = d.resources()
             th0, fd0 = base.get(d.name, (th, fd))
             if th0 >= 0 and th >= 0:
@@ -430,6 +445,7 @@ def run_scenario(
         if traffic is not None:
             traffic.finish(1.0)
         cluster.close()
+        res.pids = [pid for d in cluster.daemons for pid in d.pids]
         if netns is not None:
             netns.down()
     _judge(res, killed_ok={d.name for d in cluster.daemons if d.killed})
@@ -479,6 +495,9 @@ def _kill_sender(r: Run) -> None:
 
 
 def _restart_sender(r: Run) -> None:
+    # The old client would reconnect to the new daemon at the same socket path, and
+    # publish blocks of the dead daemon's pool by id into the new one: close it first.
+    r.traffic.tx.client.close_client()
     r.cluster.shm_killed.add(r.tx.shm_name)
     r.tx.restart()
     r.tx.wait_ready(time.monotonic() + READY_TIMEOUT_S)
@@ -601,7 +620,7 @@ def run_one(name: str, timing: Timing, seed: int, ucx_tls: str | None) -> Result
     if name == "kill-sender":
         return run_scenario(name, "SIGKILL the sender mid-transfer, restart it on the same port",
                             fault=_kill_sender, resolve=_restart_sender, after=_after_restart,
-                            **common)  # fmt: skip
+                            recover_s=TERMINAL_BOUND_S + timing.recover_s, **common)  # fmt: skip
     if name == "stop-receiver":
         return run_scenario(name, "SIGSTOP receiver A mid-transfer, SIGCONT after the hold",
                             fault=_stop("a"), resolve=_cont("a"), isolation=True, **common)  # fmt: skip
