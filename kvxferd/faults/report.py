@@ -28,7 +28,11 @@ def line(r: Result) -> str:
     if r.skipped:
         return f"SKIP  {r.name:20s} {r.skipped}"
     verdict = "ok  " if not r.broken else "FAIL"
-    iso = f", B p99 {_ms(r.base_p99_ms)} -> {_ms(r.fault_p99_ms)} ms" if r.b_failed >= 0 else ""
+    iso = (
+        f", B p99 {_ms(r.base_p99_ms)} -> {_ms(r.fault_p99_ms)} ms (max {_ms(r.fault_max_ms)})"
+        if r.b_failed >= 0
+        else ""
+    )
     why = f"  [{'; '.join(r.broken)}]" if r.broken else ""
     extra = "; ".join(f"{k}: {v}" for k, v in r.extra.items() if not k.startswith("_"))
     why += f"  ({extra})" if extra else ""
@@ -43,7 +47,7 @@ def table(results: list[Result]) -> str:
     head = (
         "| scenario | fault | affected | terminal s (bound) | done | MB verified | wrong done "
         "| lost | hung | open sessions | exit codes | shm left | +threads / +fds "
-        "| B p99 ms base -> fault (B failed) | verdict |\n"
+        "| B p99 ms base -> fault, max (B failed) | verdict |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
@@ -52,7 +56,7 @@ def table(results: list[Result]) -> str:
             rows.append(f"| {r.name} | {r.fault} | | | | | | | | | | | | | skipped: {r.skipped} |")
             continue
         iso = (
-            f"{_ms(r.base_p99_ms)} -> {_ms(r.fault_p99_ms)} ({r.b_failed})"
+            f"{_ms(r.base_p99_ms)} -> {_ms(r.fault_p99_ms)}, max {_ms(r.fault_max_ms)} ({r.b_failed})"
             if r.b_failed >= 0
             else "-"
         )

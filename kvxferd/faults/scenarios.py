@@ -91,6 +91,7 @@ class Result:
     blocks_withheld: int = 0  # engine blocks never reused (close did not answer True)
     base_p99_ms: float = float("nan")
     fault_p99_ms: float = float("nan")
+    fault_max_ms: float = float("nan")  # B's slowest fetch started while A was cut off
     b_failed: int = -1  # B's fetches that failed while A was cut off (-1: not measured)
     extra: dict[str, Any] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)  # bounds broken, in words
@@ -391,6 +392,8 @@ def run_scenario(
             # the second half of the baseline: connections are up, caches warm
             res.base_p99_ms, nb = _window_p99(lat_b, t_fault - timing.base_s / 2, t_fault)
             res.fault_p99_ms, nf = _window_p99(lat_b, t_fault, t_resolve)
+            during = [lat for end, lat in lat_b if t_fault <= end - lat < t_resolve]
+            res.fault_max_ms = max(during) * 1000 if during else float("nan")
             b_failed = [
                 s
                 for s in sessions
