@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -55,7 +56,7 @@ ISOLATION_FLOOR_S = 0.05  # below this a p99 is scheduling noise on a shared mac
 
 @dataclass(frozen=True)
 class Timing:
-    base_s: float = 6.0
+    base_s: float = 8.0
     hold_s: float = 8.0
     recover_s: float = 4.0
     soak_s: float = 45.0
@@ -104,9 +105,18 @@ class Result:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the ephemeral range, so that inside a fresh namespace no
+    socket a daemon opens first (UCX listens on ephemeral ports) can already hold it."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(20_000, 30_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise FaultError("no free port in 20000-29999")
 
 
 # -- network namespaces --------------------------------------------------------------------
@@ -289,12 +299,6 @@ def _open_sessions(m: dict[str, float]) -> dict[str, int]:
     return out
 
 
-def _window_p99(samples: list[tuple[float, float]], lo: float, hi: float) -> tuple[float, int]:
-    """p99 (ms) of latencies of fetches that started in [lo, hi), and how many."""
-    xs = [lat for end, lat in samples if lo <= end - lat < hi]
-    return p99(xs) * 1000, len(xs)
-
-
 @dataclass
 class Run:
     """What a scenario's fault function gets: the cluster and its traffic."""
@@ -388,26 +392,33 @@ def run_scenario(
 
         # isolation: B's fetches that started while A was cut off, against B's baseline
         if isolation:
-            lat_b = traffic.latencies[1]
-            # the second half of the baseline: connections are up, caches warm
-            res.base_p99_ms, nb = _window_p99(lat_b, t_fault - timing.base_s / 2, t_fault)
-            res.fault_p99_ms, nf = _window_p99(lat_b, t_fault, t_resolve)
-            during = [lat for end, lat in lat_b if t_fault <= end - lat < t_resolve]
-            res.fault_max_ms = max(during) * 1000 if during else float("nan")
-            b_failed = [
-                s
-                for s in sessions
-                if s.kind == "fetch"
-                and s.daemon == b.name
-                and t_fault <= s.started < t_resolve
-                and not s.ok
+            # B's fetches, failed ones included (their latency is how long B waited for the
+            # failure; one never answered counts as infinitely slow).
+            fb = [x for x in sessions if x.kind == "fetch" and x.daemon == b.name]
+            first = min((x.ended for x in fb if x.ended is not None), default=t_fault)
+            # Baseline: the second half of it, from B's first second of answers on (connections
+            # up), fetches that also ENDED before the fault (else the fault slows the baseline).
+            lo = max(t_fault - timing.base_s / 2, first + 1.0)
+            base_lat = [
+                x.ended - x.started
+                for x in fb
+                if x.ended is not None and lo <= x.started and x.ended < t_fault
             ]
+            during = [
+                (x.ended - x.started) if x.ended is not None else math.inf
+                for x in fb
+                if t_fault <= x.started < t_resolve
+            ]
+            res.base_p99_ms = p99(base_lat) * 1000
+            res.fault_p99_ms = p99(during) * 1000
+            res.fault_max_ms = max(during) * 1000 if during else float("nan")
+            b_failed = [x for x in fb if t_fault <= x.started < t_resolve and not x.ok]
             res.b_failed = len(b_failed)
             if b_failed:
                 res.extra["B failed"] = ", ".join(
-                    sorted({f"{s.state or s.unanswered} {s.reason}".strip() for s in b_failed})
+                    sorted({f"{x.state or x.unanswered} {x.reason}".strip() for x in b_failed})
                 )
-            res.extra["b_fetches"] = f"{nb} baseline / {nf} during the fault"
+            res.extra["b_fetches"] = f"{len(base_lat)} baseline / {len(during)} during the fault"
 
         # leaks in the daemons that are still alive
         for d in cluster.daemons:
