@@ -11,7 +11,7 @@ from kvxferd.faults.scenarios import Timing, run_one
 
 pytestmark = pytest.mark.integration
 
-SHORT = Timing(base_s=1.2, hold_s=1.0, recover_s=0.3, soak_s=1.0, inflight=1)
+SHORT = Timing(base_s=2.5, hold_s=1.0, recover_s=0.3, soak_s=1.0, inflight=1)
 
 
 def _gone(pid: int) -> bool:

@@ -453,8 +453,9 @@ def run_scenario(
         if left:
             res.extra["shm left"] = ", ".join(left)
             cluster.shm_killed.update(left)  # removed by close(): do not fill /dev/shm
-    except FaultError as e:
-        res.broken.append(f"suite error: {e}")
+    except Exception as e:  # the scenario cannot go on: say why, clean up, run the next one
+        why = str(e) if isinstance(e, FaultError) else f"{type(e).__name__}: {e}"
+        res.broken.append(f"suite error: {why}")
     finally:
         if traffic is not None:
             traffic.finish(1.0)
@@ -652,7 +653,7 @@ def run_one(name: str, timing: Timing, seed: int, ucx_tls: str | None) -> Result
         ns = Netns()
         try:
             ns.up()
-        except FaultError as e:
+        except (FaultError, subprocess.SubprocessError) as e:
             ns.down()
             return Result(name, "partition receiver A from the sender", skipped=str(e))
         return run_scenario(name, f"partition receiver A from the sender ({ns.method})",
