@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint types unit setup clean
+.PHONY: run test lint types unit setup clean mutants faults faults-quick
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,18 @@ unit: $(STAMP)
 	$(PY) -m pytest -q
 
 test: lint types unit
+
+# Revert each guarded fix in a copy of the tree; every one must make its tests fail (~2 min).
+mutants: $(STAMP)
+	$(PY) tests/mutants.py
+
+# Real daemons through kills, stops, a partition, SIGTERM under load and a soak (a few minutes;
+# the partition needs root, ip netns and nft). Writes the figures into docs/reliability.md.
+faults: $(STAMP)
+	$(VENV)/bin/kvxferd faults --report docs/reliability.md
+
+faults-quick: $(STAMP)
+	$(VENV)/bin/kvxferd faults --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""Command line: ``kvxferd sender | receiver | demo | bench | print-config``.
+"""Command line: ``kvxferd sender | receiver | demo | bench | faults | print-config``.
 
 ``sender`` and ``receiver`` run until SIGINT/SIGTERM, then shut down within
 their configured bound; the exit code says whether the drain was complete
@@ -65,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
         "bench", help="kvxferd vs raw NIXL vs a plain ZMQ copy on KV-shaped workloads"
     )
     add_bench_arguments(bench)
+    from kvxferd.faults import add_arguments as add_faults_arguments
+
+    add_faults_arguments(
+        sub.add_parser(
+            "faults",
+            help="real daemons through kills, stops, a partition, SIGTERM and a soak; figures",
+        )
+    )
     for hidden_bench in ("_bench-tx", "_bench-rx"):
         sub.add_parser(hidden_bench).add_argument("spec")
 
@@ -102,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvxferd.bench import main_bench
 
             return main_bench(args)
+        if args.cmd == "faults":
+            from kvxferd.faults import main_faults
+
+            return main_faults(args)
         if args.cmd in ("_bench-tx", "_bench-rx"):
             from kvxferd.bench import run_child
 

@@ -13,11 +13,15 @@ Seed 004 fixes and the tests that hold them:
 1. shared sockets         test_control.py; test_workers_send_results_only_on_their_own_dealers
 2. failed slice reopened  test_failed_session_refuses_a_queued_slice_and_stays_failed
 3. source freed in flight test_failed_session_keeps_its_source_until_the_other_write_returns
-4. admission vs ending    test_no_write_is_admitted_after_the_session_ended
+4. admission vs ending    test_no_write_is_admitted_after_the_session_ended;
+                          test_an_ending_during_an_admission_waits_for_it
 5. completion over error  test_completion_never_overwrites_the_first_ending
 6. blocked send/shutdown  test_shutdown_is_bounded_*; test_control.py (close_all)
 7. thread count           test_num_threads_*
 8. build failure          test_build_failure_releases_its_admission_before_reporting
+
+``make mutants`` (tests/mutants.py) reverts each of these fixes in a copy of the tree
+and checks that the tests named here fail.
 
 Beyond the seed: exactly one final Result per fetch on every path, stalled
 writes (in doubt, memory kept), final Results still delivered at shutdown,
@@ -40,6 +44,7 @@ import zmq
 from kvxferd import control
 from kvxferd import protocol as wire
 from kvxferd import sender as sender_mod
+from kvxferd import session as session_mod
 from kvxferd import worker as worker_mod
 from kvxferd.config import (
     DEFAULT_NUM_THREADS,
@@ -566,6 +571,73 @@ def test_no_write_is_admitted_after_the_session_ended(h: Harness, ending: str, w
     assert admissions == [(False, None), (True, reason)]
     assert not [ended for ended, r in admissions if ended and r is None]
     assert hd.close(timeout=0) is True
+
+
+class ArmedClock:
+    """Stands in for the ``time`` module of kvxferd/session.py: the first clock read from a
+    sender worker thread calls ``hook`` there (inside admission, between the state check and
+    the count); every read returns the real clock."""
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        self._hook: Callable[[], None] | None = hook
+        self.fired = threading.Event()
+
+    def _maybe_fire(self) -> None:
+        if self._hook is not None and threading.current_thread().name.startswith("kvxferd-worker"):
+            hook, self._hook = self._hook, None
+            hook()
+            self.fired.set()
+
+    def monotonic(self) -> float:
+        self._maybe_fire()
+        return time.monotonic()
+
+    def time(self) -> float:
+        self._maybe_fire()
+        return time.time()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("ending", ["cancel", "fail"])
+def test_an_ending_during_an_admission_waits_for_it(
+    h: Harness, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    """An ending (cancel or fail) that arrives while a write is being admitted takes effect only after the admission: the write counts in flight, the source stays until it returns, and the session is never reopened."""
+    sx, dp = h.sender(num_threads=1)
+    a = h.peer(sx, "peer-a")
+    hd = sx.publish("req-1", BLOCKS)
+    s = hd.session
+    ending_returned = threading.Event()
+    returned_inside: list[bool] = []
+
+    def end() -> None:
+        if ending == "cancel":
+            hd.cancel()
+        else:
+            s.fail(Reason.PEER_LOST, "another peer is gone")
+        ending_returned.set()
+
+    def inside_admission() -> None:
+        threading.Thread(target=end, name="ending", daemon=True).start()
+        # With admission atomic, the ending cannot commit before this admission is done.
+        returned_inside.append(ending_returned.wait(QUIET_S))
+
+    clock = ArmedClock(inside_admission)
+    monkeypatch.setattr(session_mod, "time", clock)
+    a.fetch("req-1", 1)
+    x = dp.wait_posted(1)
+    assert clock.fired.wait(WAIT_S), "no clock read inside the admission: the hook never ran"
+    assert ending_returned.wait(WAIT_S)
+    assert returned_inside == [False], "the ending committed in the middle of an admission"
+    want = TxState.CANCELLED if ending == "cancel" else TxState.FAILED
+    assert s.state is want, f"session reopened: {s.state}"
+    assert s.writes_in_flight == 1 and not s.drained
+    assert hd.close(timeout=0.05) is False
+    x.finish(True)
+    assert s.drained_event.wait(WAIT_S)
+    assert s.state is want and hd.close(timeout=0) is True
 
 
 # -- 5. a completion never overwrites an error ------------------------------------------------
