@@ -63,8 +63,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/worker.py",
-                "send_bounded(self._dealer(endpoint), wire.encode(msg))",
-                "self.sender._shared.send(endpoint, wire.encode(msg))",
+                "send_bounded(sock, out.frame)",
+                "self.host._shared.send(endpoint, out.frame)  # type: ignore[attr-defined]",
             ),
         ),
         (RACES + "test_workers_send_results_only_on_their_own_dealers",),

@@ -1005,6 +1005,8 @@ def test_a_stalled_write_whose_status_check_raises_leaves_the_worker_serving(h: 
     assert p.next_result().status == "in_doubt"
     raise_on_poll(x)
     assert hd.close(timeout=WAIT_S) is True  # the late failure settled the write
+    # ... and the receiver is told its in-doubt outcome is resolved
+    assert p.next_message() == wire.CancelAck(request_id="req-1", fetch_id=1, in_doubt=False)
     sx.publish("req-2", BLOCKS)
     p.fetch("req-2", 2)
     dp.wait_posted(2).finish(True)
@@ -1131,6 +1133,8 @@ def test_every_slice_gets_exactly_one_final_result(h: Harness, path: str) -> Non
     extra = p.more()
     if path == "peer_cancel_before_aux":  # the CancelAck follows the slice's one Result
         assert extra == [wire.CancelAck(request_id="req-1", fetch_id=1, in_doubt=False)]
+    elif path == "stalled":  # the stalled write ended: its in-doubt outcome is resolved
+        assert extra == [wire.CancelAck(request_id="req-1", fetch_id=1, in_doubt=False)]
     else:
         assert extra == []
 
@@ -1157,5 +1161,6 @@ def test_stalled_write_is_reported_in_doubt_and_keeps_memory_until_it_returns(h:
     assert hd.close(timeout=WAIT_S) is True
     assert s.drained and s.writes_in_flight == 0 and x.released
     assert hd.wait(0) is out  # the late success changes nothing
-    assert p.more() == []
+    # ... except that the receiver is told no write is in flight any more
+    assert p.more() == [wire.CancelAck(request_id="req-1", fetch_id=1, in_doubt=False)]
     assert len(h.tap.results(1)) == 1
