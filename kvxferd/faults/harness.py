@@ -81,6 +81,7 @@ class Session:
     wrong: bool = False  # a done whose bytes or aux differ
     unanswered: str = ""  # why no outcome: the engine call raised
     safe_close: bool | None = None
+    died: bool = False  # its daemon was SIGKILLed (and maybe restarted since): no outcome owed
 
 
 class Daemon:

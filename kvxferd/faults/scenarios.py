@@ -370,12 +370,19 @@ def run_scenario(
         wrong = [e for e in traffic.call_errors if "WRONG" in e]
         if wrong:
             res.extra["wrong"] = "; ".join(wrong[:3])
-        res.died_with_daemon = sum(1 for s in sessions if s.ended is None and s.daemon in killed)
-        res.lost = sum(1 for s in sessions if s.ended is None and s.daemon not in killed)
+        gone = [s for s in sessions if s.ended is None and (s.died or s.daemon in killed)]
+        lost = [s for s in sessions if s.ended is None and not (s.died or s.daemon in killed)]
+        res.died_with_daemon, res.lost = len(gone), len(lost)
+        if lost:
+            res.extra["lost"] = "; ".join(
+                f"{s.kind} {s.request} on {s.daemon} ({s.unanswered or 'no outcome'})"
+                for s in lost[:4]
+            )
         affected = [
             s
             for s in sessions
             if s.daemon not in killed
+            and not s.died
             and s.started <= t_resolve
             and (s.ended is None or s.ended >= t_fault)
         ]
@@ -507,6 +514,11 @@ def _kill_receiver(r: Run) -> None:
 
 def _kill_sender(r: Run) -> None:
     r.tx.signal(signal.SIGKILL)
+    # Its open publishes died with it; the restarted daemon (same name) owes them nothing.
+    with r.traffic.lock:
+        for s in r.traffic.sessions:
+            if s.daemon == r.tx.name and s.ended is None:
+                s.died = True
 
 
 def _restart_sender(r: Run) -> None:
