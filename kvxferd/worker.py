@@ -26,6 +26,7 @@ A write's states on the worker (all owned by the worker thread)::
        |  past stall deadline, status check raised with release refused,
        |  or release refused                 --> IN DOUBT (Result in_doubt; lane freed)
     IN DOUBT --DONE/ERR + released--> ENDED (finish_write; CancelAck in_doubt=false)
+
 * **Not finished until released.** A write counts as finished only when NIXL
   gave a terminal state (DONE/ERR) *and* released its handle. A status check
   that raises, or a ``release()`` that says False, leaves the write in flight
