@@ -1,42 +1,55 @@
 """``make mutants``: revert each guarded fix for a moment and check that its tests fail.
 
 Each :class:`Mutant` is a hand-written revert of one fix the project guards (the
-sender races of seed 004, the wake-up rule of seed 001, issue-9 guards): a few
-exact text replacements and the tests that must catch it. The runner copies the
-working tree (tracked and untracked, not ignored files) into a temporary
-directory once, checks that every named test passes there unchanged (the
-baseline), then, mutant by mutant, applies the replacements, runs only that
-mutant's tests, and puts the files back.
+sender races of seed 004, the wake-up rule of seed 001, and issue 9's fixes item
+by item: bad endpoints and guarded threads, in-doubt writes and their resolution
+on the wire, engine call deadlines and keys, sender restarts, peer isolation,
+deadlines end to end, leaks): a few exact text replacements and the tests that
+must catch it, preferably fast race or wire tests. The runner copies the working
+tree (tracked and untracked, not ignored files) into ``--jobs`` temporary
+directories, checks that every named test passes there unchanged (the baseline),
+then runs the mutants side by side, one at a time in each copy: it applies the
+replacements, runs only that mutant's tests, and puts the files back.
 
-One line per mutant::
+One line per mutant, in list order; a killed mutant names the test that caught it::
 
     killed    seed004-2-reopen            7.9 s  tests failed, as they must
+              test_failed_session_refuses_a_queued_slice_and_stays_failed - AssertionError: ...
     survived  seed001-owner-loop          6.1 s  the tests PASSED with the fix reverted
     stale     seed004-4-cancel-unlocked   0.0 s  old text not found in kvxferd/session.py
 
 The exit code is 0 only when every mutant was killed. A *stale* mutant (its old
 text is no longer in the file, or is there more than once) fails the run too:
 the code it guarded moved, so the mutant must be rewritten to follow it. Keep the
-old texts short and specific, so ordinary edits around them do not make them stale.
+old texts short and specific, so ordinary edits around them do not make them stale
+(tests/test_faults_mutants.py checks this in ``make test``). A *broken* mutant
+(pytest could not even collect, e.g. a revert that is not valid Python) fails too.
 
-Run: ``python tests/mutants.py`` (``--list``, ``--only NAME``, ``--keep`` to keep the copy).
+Run: ``python tests/mutants.py`` (``--list``, ``--only NAME``, ``--jobs N``,
+``-v`` to see each run's failures, ``--keep`` to keep the copies).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTEST_TIMEOUT_S = 60  # per test (pytest-timeout): a hang under a mutant counts as a failure
 RUN_TIMEOUT_S = 240  # per mutant run, as a last resort
+# Mutants run side by side, each in its own copy of the tree: most of a failing run is a
+# test waiting out its bound, so two at once roughly halve the wall time even on 2 cores.
+DEFAULT_JOBS = 2
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,9 @@ class Mutant:
 
 
 RACES = "tests/test_races.py::"
+TXRACES = "tests/test_sender_races.py::"
+RXWIRE = "tests/test_receiver_wire.py::"
+GATEWAY = "tests/test_gateway.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -232,6 +248,513 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_faults_guard.py",),
     ),
+    # -- issue 9, item 1: no argument kills a thread --------------------------------------
+    Mutant(
+        "issue9-rx-bad-endpoint-refused",
+        "the receiver's fetch() does not refuse an endpoint it will not dial (bad_endpoint)",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "problem = connect_problem(sender_endpoint)",
+                "problem = None",
+            ),
+        ),
+        (
+            RXWIRE
+            + "test_a_bad_endpoint_is_refused_on_the_callers_thread_and_later_fetches_complete",
+        ),
+    ),
+    Mutant(
+        "issue9-tx-result-endpoint-checked",
+        "the sender accepts a Register whose result_endpoint zmq would misuse",
+        (Edit("kvxferd/sender.py", "why = connect_problem(msg.result_endpoint)", "why = None"),),
+        (TXRACES + "test_a_result_endpoint_zmq_would_misuse_is_refused_as_bad_endpoint",),
+    ),
+    Mutant(
+        "issue9-rx-io-connect-error",
+        "a connect error in the receiver's _link() escapes instead of failing that fetch",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "except zmq.ZMQError as e:  # connect_problem let it through",
+                "except ImportError as e:  # connect_problem let it through",
+            ),
+        ),
+        (RXWIRE + "test_a_connect_error_on_the_io_thread_fails_only_that_fetch",),
+    ),
+    Mutant(
+        "issue9-rx-io-guarded",
+        "an unexpected exception in the receiver's io turn is not caught (the io thread dies)",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                'except Exception:\n                    self.guard.caught("rx-io")',
+                'except ImportError:\n                    self.guard.caught("rx-io")',
+            ),
+        ),
+        (
+            "tests/test_health.py::test_receiver_io_error_is_caught_fetches_go_on_and_healthz_is_503",
+        ),
+    ),
+    Mutant(
+        "issue9-listener-guarded",
+        "an unexpected exception while the sender's listener handles a message ends the listener",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                'except Exception:\n                    self.guard.caught("listener")',
+                'except ImportError:\n                    self.guard.caught("listener")',
+            ),
+            Edit(
+                "kvxferd/sender.py",
+                "except Exception:  # a bug on one message must not kill the listener",
+                "except ImportError:  # a bug on one message must not kill the listener",
+            ),
+        ),
+        (TXRACES + "test_a_listener_bug_is_counted_and_reported_and_the_listener_goes_on",),
+    ),
+    Mutant(
+        "issue9-worker-guarded",
+        "an unexpected exception in a worker's task or turn ends the worker",
+        (
+            Edit(
+                "kvxferd/worker.py",
+                "except Exception:\n                    self.host.guard.caught(self.thread.name)",
+                "except ImportError:\n                    self.host.guard.caught(self.thread.name)",
+            ),
+            Edit(
+                "kvxferd/worker.py",
+                'except Exception:\n            self.host.guard.caught(f"{self.thread.name}: task")',
+                'except ImportError:\n            self.host.guard.caught(f"{self.thread.name}: task")',
+            ),
+        ),
+        (TXRACES + "test_a_worker_bug_is_counted_and_reported_and_the_worker_goes_on",),
+    ),
+    Mutant(
+        "issue9-liveness-service-broken",
+        "liveness ignores an error the service's threads caught (Guard.broken)",
+        (Edit("kvxferd/health.py", "why = service.broken()", "why = None"),),
+        ("tests/test_health.py::test_sender_liveness_fails_naming_an_error_its_threads_caught",),
+    ),
+    Mutant(
+        "issue9-liveness-gateway-broken",
+        "liveness ignores a broken engine gateway",
+        (Edit("kvxferd/health.py", 'why = f"gateway: {gw}" if gw else None', "why = None"),),
+        ("tests/test_health.py::test_liveness_fails_naming_a_broken_gateway",),
+    ),
+    # -- item 2: nothing is reused while a write may land ----------------------------------
+    Mutant(
+        "issue9-status-check-raises",
+        "a NIXL status check that raises counts as a finished (failed) write",
+        (
+            Edit(
+                "kvxferd/worker.py",
+                'return self._try_release(w, "NIXL status check raised" + w.error)',
+                "w.xfer.release()\n                self._ended(w, ok=False)\n"
+                "                return True",
+            ),
+        ),
+        (TXRACES + "test_a_status_check_that_raises_keeps_the_write_in_flight_until_nixl_answers",),
+    ),
+    Mutant(
+        "issue9-in-doubt-release-false",
+        "a write whose release() said False counts as finished",
+        (
+            Edit(
+                "kvxferd/worker.py",
+                "        if released:\n            self._ended(",
+                "        if True:\n            self._ended(",
+            ),
+        ),
+        (TXRACES + "test_a_refused_release_keeps_the_write_in_flight_until_released",),
+    ),
+    Mutant(
+        "issue9-unsolicited-cancel-ack",
+        "an in-doubt write that ends sends no CancelAck(in_doubt=false)",
+        (
+            Edit(
+                "kvxferd/worker.py",
+                "if was_doubt and sl.writes_in_flight == 0:",
+                "if False:",
+            ),
+        ),
+        (TXRACES + "test_a_stalled_write_that_ends_is_resolved_on_the_wire",),
+    ),
+    Mutant(
+        "issue9-receiver-late-cancel-ack",
+        "the receiver ignores a late or unsolicited CancelAck for a fetch in doubt",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "found = self._fetches.get(msg.fetch_id) or self._in_doubt.get(msg.fetch_id)",
+                "found = self._fetches.get(msg.fetch_id)",
+            ),
+        ),
+        (
+            RXWIRE + "test_an_unsolicited_cancel_ack_releases_an_in_doubt_result",
+            RXWIRE + "test_a_late_cancel_ack_releases_an_in_doubt_fence_and_its_aux_slot",
+        ),
+    ),
+    Mutant(
+        "issue9-cancel-ack-clears-doubt",
+        "a CancelAck(in_doubt=false) does not release a fence already in doubt",
+        (
+            Edit(
+                "kvxferd/session.py",
+                "elif self.fence is Fence.IN_DOUBT and not in_doubt:",
+                "elif False:",
+            ),
+        ),
+        (RXWIRE + "test_a_late_cancel_ack_releases_an_in_doubt_fence_and_its_aux_slot",),
+    ),
+    Mutant(
+        "issue9-in-doubt-cancel-resent",
+        "the receiver does not ask again (Cancel) about fetches in doubt",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "self._retry_in_doubt(now)\n        self.dataplane.progress()",
+                "self.dataplane.progress()",
+            ),
+        ),
+        (RXWIRE + "test_cancel_is_resent_for_an_in_doubt_fetch_until_answered",),
+    ),
+    Mutant(
+        "issue9-quarantined-aux-reclaimed",
+        "an aux slot quarantined by a fetch in doubt is not given back when the doubt is resolved",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "if rx.aux_slot >= 0:\n"
+                "            self.aux_slots.give_back([rx.aux_slot])\n"
+                '        self.stats.add("in_doubt_resolved")',
+                'self.stats.add("in_doubt_resolved")',
+            ),
+        ),
+        (RXWIRE + "test_a_late_cancel_ack_releases_an_in_doubt_fence_and_its_aux_slot",),
+    ),
+    Mutant(
+        "issue9-shutdown-asks-in-doubt",
+        "the receiver's shutdown does not ask again about fetches in doubt before giving up on them",
+        (Edit("kvxferd/receiver.py", 'self._command(("retry", None))', "pass"),),
+        (RXWIRE + "test_shutdown_resends_cancel_and_is_safe_once_the_sender_answers",),
+    ),
+    Mutant(
+        "issue9-aux-readiness",
+        "readiness stays green with no free aux slot",
+        (
+            Edit(
+                "kvxferd/health.py",
+                "if free == 0:  # every fetch with aux",
+                "if False:  # every fetch with aux",
+            ),
+        ),
+        ("tests/test_health.py::test_receiver_readiness_fails_when_no_aux_slot_is_free",),
+    ),
+    # -- item 3: an engine call that timed out did not happen, or can be found again -------
+    Mutant(
+        "issue9-gateway-deadline",
+        "a gateway thread executes a call whose deadline passed while it was queued",
+        (
+            Edit(
+                "kvxferd/gateway.py",
+                "if left is not None and left <= 0:\n            raise _Expired",
+                "if False:\n            raise _Expired",
+            ),
+        ),
+        (GATEWAY + "test_publish_queued_past_its_deadline_never_runs",),
+    ),
+    Mutant(
+        "issue9-gateway-deadline-on-arrival",
+        "the gateway serves a call that arrived after its deadline",
+        (
+            Edit(
+                "kvxferd/gateway.py",
+                "if deadline and _now_ms() >= deadline:",
+                "if False:",
+            ),
+        ),
+        (GATEWAY + "test_expired_calls_are_refused_when_decoded",),
+    ),
+    Mutant(
+        "issue9-idempotent-publish",
+        "a retried Publish/Fetch with the same key runs again instead of returning the same handle",
+        (
+            Edit(
+                "kvxferd/gateway.py",
+                "while (work := self._work.get(key)) is not None:\n            if work.digest",
+                "while False:\n            if work.digest",
+            ),
+        ),
+        (
+            GATEWAY + "test_a_recreated_client_finds_its_work_by_key_and_closes_it",
+            GATEWAY + "test_publish_retried_while_the_first_is_queued_gets_the_same_handle",
+        ),
+    ),
+    Mutant(
+        "issue9-idempotent-while-running",
+        "a Publish/Fetch key is entered only once the service call returned (a retry meanwhile runs again)",
+        (
+            Edit(
+                "kvxferd/gateway.py",
+                "work = self._work[key] = _Work(digest, self._loop.create_future())",
+                "work = _Work(digest, self._loop.create_future())",
+            ),
+            Edit(
+                "kvxferd/gateway.py",
+                "self._handles[hid] = _Entry([rid], handle, key)",
+                "self._handles[hid] = _Entry([rid], handle, key)\n            self._work[key] = work",
+            ),
+        ),
+        (GATEWAY + "test_publish_retried_while_the_first_is_queued_gets_the_same_handle",),
+    ),
+    Mutant(
+        "issue9-lookup",
+        "Lookup does not find an open Publish/Fetch by its key",
+        (
+            Edit(
+                "kvxferd/gateway.py",
+                "key = self._key(msg)\n        while (work := self._work.get(key)) is not None:",
+                "key = self._key(msg)\n        while False:",
+            ),
+        ),
+        (GATEWAY + "test_a_recreated_client_finds_its_work_by_key_and_closes_it",),
+    ),
+    Mutant(
+        "issue9-client-deadline",
+        "the engine client sends calls without their absolute deadline (deadline_unix_ms 0)",
+        (
+            Edit(
+                "kvxferd/client.py",
+                "return time.time_ns() // 1_000_000 + int(bound_s * 1000)",
+                "return 0",
+            ),
+        ),
+        (GATEWAY + "test_publish_queued_past_its_deadline_never_runs",),
+    ),
+    Mutant(
+        "issue9-async-close-fails-calls",
+        "AsyncClient.close_client leaves a stopped loop's calls waiting until their own timeout",
+        (
+            Edit(
+                "kvxferd/client.py",
+                "pending, self.pending = self.pending, {}",
+                "pending: dict[int, Any] = {}",
+            ),
+        ),
+        (GATEWAY + "test_async_close_client_fails_a_stopped_loops_calls_when_it_runs_again",),
+    ),
+    # -- item 4: a sender restart loses no fetch --------------------------------------------
+    Mutant(
+        "issue9-sender-restart-resend",
+        "the receiver does not send open fetches again to a new sender incarnation",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "if stale or (known and known != msg.sender_id):",
+                "if False:",
+            ),
+        ),
+        (RXWIRE + "test_a_new_sender_incarnation_gets_every_open_fetch_again",),
+    ),
+    Mutant(
+        "issue9-refused-register-peer-restarted",
+        "fetches sent to a sender whose new incarnation refuses the Register do not fail peer_restarted",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "self._sender_restarted(link, stale, resend=msg.ok)",
+                "self._sender_restarted(link, stale, resend=True)",
+            ),
+        ),
+        (
+            RXWIRE
+            + "test_a_new_incarnation_that_refuses_the_register_fails_open_fetches_peer_restarted",
+        ),
+    ),
+    Mutant(
+        "issue9-restart-releases-old-fences",
+        "fences toward a sender incarnation that is gone stay up after a new one answers",
+        (Edit("kvxferd/receiver.py", "elif rx.release():", "elif False:"),),
+        (RXWIRE + "test_a_new_sender_incarnation_gets_every_open_fetch_again",),
+    ),
+    # -- item 5: one bad peer never slows another -------------------------------------------
+    Mutant(
+        "issue9-worker-lanes",
+        "a worker starts no task while any write is in progress (not just its own peer's)",
+        (
+            Edit(
+                "kvxferd/worker.py",
+                "while lane and rid not in self._busy_lanes:",
+                "while lane and not self._busy_lanes:",
+            ),
+        ),
+        (TXRACES + "test_a_write_held_toward_one_peer_never_holds_another_peers_write",),
+    ),
+    Mutant(
+        "issue9-outbox-blocking",
+        "workers send Results blocking (up to worker_send_timeout) instead of through the outbox",
+        (
+            Edit(
+                "kvxferd/worker.py",
+                "sock = connect_dealer(endpoint, self.host.socket_limits, 0)",
+                "sock = connect_dealer(\n"
+                "                endpoint,\n"
+                "                self.host.socket_limits,\n"
+                "                self.host.settings.deadlines.worker_send_timeout_ms,\n"
+                "            )",
+            ),
+            Edit(
+                "kvxferd/worker.py",
+                "if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:",
+                "if False:",
+            ),
+        ),
+        (TXRACES + "test_results_to_a_receiver_that_does_not_read_never_delay_another",),
+    ),
+    Mutant(
+        "issue9-publish-sends",
+        "publish sends a parked fetch's refusal on the caller's thread",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "self._worker_for(request_id, p.peer.receiver_id).queue.put(\n"
+                "                    ReplyTask(p.peer, outcome)\n"
+                "                )",
+                "self._reply_shared(p.peer, outcome)",
+            ),
+        ),
+        (TXRACES + "test_publish_never_sends_on_the_callers_thread",),
+    ),
+    # -- item 6: deadlines end to end -------------------------------------------------------
+    Mutant(
+        "issue9-sender-deadline-unix",
+        "the sender ignores a fetch's deadline_unix_ms (budget counted from arrival only)",
+        (Edit("kvxferd/sender.py", "if msg.deadline_unix_ms > 0:", "if False:"),),
+        (TXRACES + "test_a_fetch_whose_receiver_deadline_passed_starts_no_write",),
+    ),
+    Mutant(
+        "issue9-parked-fetch-deadline",
+        "a fetch parked until publish waits its pending TTL, not the receiver's deadline",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "min(now + ttl, fetch_deadline), fetch_deadline)",
+                "now + ttl, fetch_deadline)",
+            ),
+        ),
+        (TXRACES + "test_a_parked_fetch_keeps_the_receivers_deadline",),
+    ),
+    Mutant(
+        "issue9-receiver-sends-deadline",
+        "the receiver leaves RequestData.deadline_unix_ms at 0",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "deadline_unix_ms=max(1, int((time.time() + left_s) * 1000)),",
+                "deadline_unix_ms=0,",
+            ),
+        ),
+        (RXWIRE + "test_request_data_carries_the_fetch_deadline_as_unix_ms",),
+    ),
+    # -- item 7: no leaks -------------------------------------------------------------------
+    Mutant(
+        "issue9-replaced-peer-removal",
+        "a replaced peer's NIXL agent is removed while a write toward it is in flight",
+        (
+            Edit(
+                "kvxferd/sender.py", "if self._peer_writes.get(peer.nixl_name, 0) > 0:", "if False:"
+            ),
+        ),
+        (TXRACES + "test_a_receiver_replaced_at_its_endpoint_loses_its_nixl_peer_after_its_write",),
+    ),
+    Mutant(
+        "issue9-deferred-peer-removal",
+        "a removal deferred under a write never runs when the write ends",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "self._retiring.discard(name)\n        self._remove_from_dataplane(peer)",
+                "self._retiring.discard(name)",
+            ),
+        ),
+        (TXRACES + "test_a_receiver_replaced_at_its_endpoint_loses_its_nixl_peer_after_its_write",),
+    ),
+    Mutant(
+        "issue9-replaced-peer-kept",
+        "a receiver replaced at its result endpoint keeps its NIXL agent",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "            self._retire_peer(old)\n",
+                "",
+            ),
+        ),
+        (TXRACES + "test_a_replaced_idle_receiver_is_removed_at_once",),
+    ),
+    Mutant(
+        "issue9-retired-lists-released",
+        "a prepared list retired under a write is never released (retired lists grow)",
+        (
+            Edit(
+                "kvxferd/dataplane.py",
+                "retired = self._retired.pop(key, None)",
+                "retired = None",
+            ),
+        ),
+        ("tests/test_sender_dataplane.py",),
+    ),
+    Mutant(
+        "issue9-close-race",
+        "TxHandle.close() answers from its wait instead of re-reading drained (leaks the session)",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "session.drained_event.wait(timeout)\n        with self._lock:",
+                "drained = session.drained_event.wait(timeout)\n        with self._lock:",
+            ),
+            Edit(
+                "kvxferd/sender.py", "drained = session.drained\n        if drained:", "if drained:"
+            ),
+        ),
+        (TXRACES + "test_close_racing_the_last_write_never_leaks_the_session",),
+    ),
+    Mutant(
+        "issue9-fetch-racing-shutdown",
+        "a fetch admitted after the drain began is not refused (admission not atomic with drain)",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "if self._draining.is_set():\n                refusal = RejectedError(",
+                "if False:\n                refusal = RejectedError(",
+            ),
+        ),
+        (RXWIRE + "test_a_fetch_racing_shutdown_is_refused_or_ends",),
+    ),
+    Mutant(
+        "issue9-no-deregister-in-doubt",
+        "the receiver's shutdown deregisters memory while an outcome is in doubt",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "if safe and joined:\n            self.dataplane.close()",
+                "self.dataplane.close()\n        if safe and joined:",
+            ),
+        ),
+        (RXWIRE + "test_shutdown_keeps_memory_registered_while_an_outcome_is_in_doubt",),
+    ),
+    Mutant(
+        "issue9-async-close-client",
+        "AsyncClient.close_client leaves open the socket of a loop that stops before closing it",
+        (
+            Edit(
+                "kvxferd/client.py",
+                "conn.loop.call_soon_threadsafe(conn.shutdown)\n                    handed.append(conn)",
+                "conn.loop.call_soon_threadsafe(conn.shutdown)",
+            ),
+        ),
+        (GATEWAY + "test_async_close_client_racing_a_stopping_loop_still_closes_its_socket",),
+    ),
 )
 
 
@@ -256,8 +779,9 @@ def copy_tree(dest: Path) -> None:
 
 
 def run_tests(tree: Path, tests: list[str]) -> tuple[int, float, str]:
-    """pytest on ``tests`` inside ``tree``: (exit code, seconds, output tail); 124 on timeout."""
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    """pytest on ``tests`` inside ``tree``: (exit code, seconds, its output); 124 on timeout."""
+    # COLUMNS: pytest's short summary keeps more of each failure's message.
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", COLUMNS="200")
     cmd = [
         sys.executable,
         "-m",
@@ -277,7 +801,7 @@ def run_tests(tree: Path, tests: list[str]) -> tuple[int, float, str]:
         code, text = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
         code, text = 124, f"timed out after {RUN_TIMEOUT_S} s: {e.stdout!r}"
-    return code, time.monotonic() - t0, "\n".join(text.strip().splitlines()[-15:])
+    return code, time.monotonic() - t0, text
 
 
 def check_edits(tree: Path, m: Mutant) -> str | None:
@@ -304,11 +828,59 @@ def apply(tree: Path, m: Mutant) -> dict[Path, str]:
     return originals
 
 
+def tail_of(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def first_failure(text: str) -> str:
+    """The test that failed and why, as pytest's short summary says it (shortened), or ""."""
+    for line in text.splitlines():
+        if re.match(r"(FAILED|ERROR) \S+::", line):
+            return line.split("::", 1)[-1][:160]
+    return ""
+
+
+def judge(m: Mutant, tree: Path, verbose: bool = False) -> tuple[bool, str]:
+    """Apply ``m`` in ``tree``, run its tests, put the files back: (killed, the report lines)."""
+    problem = check_edits(tree, m)
+    if problem is not None:
+        return False, f"stale     {m.name:40s}   0.0 s  {problem}: rewrite this mutant"
+    originals = apply(tree, m)
+    try:
+        code, secs, text = run_tests(tree, list(m.tests))
+    finally:
+        for path, original in originals.items():
+            path.write_text(original)
+    indent = "\n" + " " * 10
+    if code == 1 or code == 124:
+        how = "tests failed, as they must" if code == 1 else "tests hung (timed out)"
+        line = f"killed    {m.name:40s} {secs:5.1f} s  {how}"
+        more = tail_of(text, 40) if verbose else first_failure(text)
+    elif code == 0:
+        line = f"survived  {m.name:40s} {secs:5.1f} s  the tests PASSED with: {m.why}"
+        more = tail_of(text) if verbose else ""
+    else:
+        line = f"broken    {m.name:40s} {secs:5.1f} s  pytest exit {code} (not a test failure):"
+        more = tail_of(text)
+    if more:
+        line += indent + more.replace("\n", indent)
+    return code in (1, 124), line
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--only", action="append", default=[], help="run only this mutant (repeat)")
-    p.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    p.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="show each run's failures, not just the first"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=DEFAULT_JOBS,
+        help=f"mutants run at once, each in its own copy (default {DEFAULT_JOBS})",
+    )
     args = p.parse_args(argv)
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.list:
@@ -320,49 +892,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mutants: unknown mutant(s): {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
 
-    tree = Path(tempfile.mkdtemp(prefix="kvxferd-mutants-"))
+    jobs = max(1, min(args.jobs, len(mutants)))
+    trees = [Path(tempfile.mkdtemp(prefix="kvxferd-mutants-")) for _ in range(jobs)]
     started = time.monotonic()
     try:
-        copy_tree(tree)
+        for tree in trees:
+            copy_tree(tree)
         tests = sorted({t for m in mutants for t in m.tests})
-        code, secs, tail = run_tests(tree, tests)
+        code, secs, text = run_tests(trees[0], tests)
         if code != 0:
-            print(f"mutants: the named tests fail WITHOUT any mutant ({secs:.1f} s):\n{tail}")
+            print(f"mutants: the named tests fail WITHOUT any mutant ({secs:.1f} s):")
+            print(tail_of(text, 40))
             return 1
-        print(f"baseline  {len(tests)} test selection(s) pass unchanged ({secs:.1f} s)")
-        bad = 0
-        for m in mutants:
-            problem = check_edits(tree, m)
-            if problem is not None:
-                bad += 1
-                print(f"stale     {m.name:40s}   0.0 s  {problem}: rewrite this mutant")
-                continue
-            originals = apply(tree, m)
+        print(f"baseline  {len(tests)} test selection(s) pass unchanged ({secs:.1f} s)", flush=True)
+        free: queue.SimpleQueue[Path] = queue.SimpleQueue()
+        for tree in trees:
+            free.put(tree)
+
+        def run_one(m: Mutant) -> tuple[bool, str]:
+            tree = free.get()  # one mutant at a time in each copy
             try:
-                code, secs, tail = run_tests(tree, list(m.tests))
+                return judge(m, tree, args.verbose)
             finally:
-                for path, text in originals.items():
-                    path.write_text(text)
-            if code == 1 or code == 124:
-                how = "tests failed, as they must" if code == 1 else "tests hung (timed out)"
-                print(f"killed    {m.name:40s} {secs:5.1f} s  {how}")
-            elif code == 0:
-                bad += 1
-                print(f"survived  {m.name:40s} {secs:5.1f} s  the tests PASSED with: {m.why}")
-            else:
-                bad += 1
-                print(
-                    f"broken    {m.name:40s} {secs:5.1f} s  pytest exit {code} (not a test failure):"
-                )
-                print("          " + tail.replace("\n", "\n          "))
+                free.put(tree)
+
+        bad = 0
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for killed, line in pool.map(run_one, mutants):  # reported in list order
+                bad += not killed
+                print(line, flush=True)
         total = time.monotonic() - started
-        print(f"mutants: {len(mutants) - bad}/{len(mutants)} killed in {total:.0f} s")
+        print(
+            f"mutants: {len(mutants) - bad}/{len(mutants)} killed in {total:.0f} s ({jobs} at a time)"
+        )
         return 1 if bad else 0
     finally:
-        if args.keep:
-            print(f"mutants: copy kept at {tree}")
-        else:
-            shutil.rmtree(tree, ignore_errors=True)
+        for tree in trees:
+            if args.keep:
+                print(f"mutants: copy kept at {tree}")
+            else:
+                shutil.rmtree(tree, ignore_errors=True)
 
 
 if __name__ == "__main__":
