@@ -132,6 +132,19 @@ def daemon_env(sock_dir: str, name: str) -> dict[str, str]:
     return env
 
 
+def ready_line(stdout_path: Path) -> dict[str, Any] | None:
+    """The ``ready`` JSON line a daemon printed on its stdout (a file), or None so far."""
+    for line in stdout_path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("event") == "ready":
+                return msg
+    return None
+
+
 class DaemonProc:
     """One ``python -m kvxferd sender|receiver`` child; stdout and stderr go to files."""
 
@@ -156,15 +169,10 @@ class DaemonProc:
     def wait_ready(self, deadline: float) -> dict[str, Any]:
         """The daemon's ``ready`` line (other stdout lines are skipped), bounded by ``deadline``."""
         while True:
-            for line in self.stdout_path.read_text(errors="replace").splitlines():
-                if line.startswith("{"):
-                    try:
-                        msg = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(msg, dict) and msg.get("event") == "ready":
-                        self.ready = msg
-                        return msg
+            msg = ready_line(self.stdout_path)
+            if msg is not None:
+                self.ready = msg
+                return msg
             code = self.proc.poll()
             if code is not None:
                 raise DemoError(f"{self.name} exited with {code} before it was ready{self.tail()}")

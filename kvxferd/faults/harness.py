@@ -15,7 +15,6 @@ started, whatever happened.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -35,7 +34,7 @@ import torch
 from kvxferd.client import Client, EngineError, EngineUnavailable
 from kvxferd.engine_protocol import EngineReason
 from kvxferd.pool import IdAllocator
-from kvxferd.workload import aux_bytes, expected_bytes
+from kvxferd.workload import aux_bytes, expected_bytes, ready_line
 
 FAULT_POOL: dict[str, Any] = dict(
     num_layers=4, num_blocks=1024, block_elems=4096, dtype="float16", aux_slots=256
@@ -142,15 +141,10 @@ class Daemon:
 
     def wait_ready(self, deadline: float) -> dict[str, Any]:
         while True:
-            for line in self.stdout_path.read_text(errors="replace").splitlines():
-                if line.startswith("{"):
-                    try:
-                        msg = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(msg, dict) and msg.get("event") == "ready":
-                        self.ready = msg
-                        return msg
+            msg = ready_line(self.stdout_path)
+            if msg is not None:
+                self.ready = msg
+                return msg
             if self.proc.poll() is not None:
                 raise FaultError(f"{self.name} exited with {self.proc.returncode}{self.tail()}")
             if time.monotonic() > deadline:
