@@ -829,6 +829,10 @@ def test_async_close_client_fails_a_stopped_loops_calls_when_it_runs_again(
     lt = LoopThread("engine-paused")
     try:
         h = lt.run(ac.publish("gw-paused", [61]))
+        # The publish's reply can reach us before its call leaves the gateway's table: wait
+        # for that, so the one call counted next is the wait (else the loop may stop before
+        # the wait was even sent, and its send fails for another reason).
+        wait_until(lambda: tx_gw.calls_in_flight == 0, CALL_S, "the publish call ended")
         waiting = lt.submit(ac.wait(h, 60.0))
         wait_until(lambda: tx_gw.calls_in_flight == 1, CALL_S, "the wait reached the gateway")
         lt.loop.call_soon_threadsafe(lt.loop.stop)
