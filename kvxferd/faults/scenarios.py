@@ -176,13 +176,15 @@ class Netns:
     def cut(self, peer: str) -> None:
         t, p = self.links[peer]
         if self.method == "nftables":
+            # Only the peer's link: in tx's namespace the other receiver's traffic must pass.
+            subnet = self.addr[peer][0].rsplit(".", 1)[0] + ".0/24"
             for ns in (self.ns["tx"], self.ns[peer]):
                 self._ip("nft", "add", "table", "inet", "kvxf", ns=ns)
-                for hook in ("input", "output"):
+                for hook, field in (("input", "saddr"), ("output", "daddr")):
                     self._ip("nft", "add", "chain", "inet", "kvxf", hook,
                              f"{{ type filter hook {hook} priority 0 ; policy accept ; }}", ns=ns)  # fmt: skip
-                    self._ip("nft", "add", "rule", "inet", "kvxf", hook, "ip", "saddr",
-                             "10.77.0.0/16", "drop", ns=ns)  # fmt: skip
+                    self._ip("nft", "add", "rule", "inet", "kvxf", hook, "ip", field,
+                             subnet, "drop", ns=ns)  # fmt: skip
         else:
             self._ip("ip", "link", "set", t, "down", ns=self.ns["tx"])
             self._ip("ip", "link", "set", p, "down", ns=self.ns[peer])
