@@ -182,13 +182,14 @@ def test_engine_socket_under_a_file_exits_2(sock_dir: str) -> None:
 def test_pool_larger_than_dev_shm_exits_2(sock_dir: str) -> None:
     """A cpu pool that cannot fit in /dev/shm's free bytes exits 2 naming the pool and sizes."""
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-    blocks = min(1 << 22, free // (64 << 20) + 1)  # 2 layers x 32 MiB blocks > free
+    # 2 layers x 32 MiB blocks, four times the free bytes: other processes' use may vary meanwhile
+    blocks = min(1 << 22, free // (16 << 20) + 1)
     assert 2 * blocks * (32 << 20) > free
     assert_fails_fast(
         "receiver",
         sock_dir,
         "pool",
-        ["/dev/shm", f"{free} free"],
+        ["/dev/shm", "needs", "free"],
         KVXFERD_POOL__NUM_BLOCKS=str(blocks),
         KVXFERD_POOL__BLOCK_ELEMS=str(32 << 20),
     )
