@@ -2,7 +2,9 @@
 
 Told top-down, as ``run -> startup -> serve -> drain -> teardown``:
 
-* **startup** builds the Sender or Receiver (pool registered once, sockets
+* **startup** first runs :func:`kvxferd.preflight.check` (ports, hosts, ipc
+  paths, a live daemon on the engine socket, /dev/shm room: one-line
+  ConfigError, exit 2), then builds the Sender or Receiver (pool registered once, sockets
   bound, NIXL agent up), starts the engine gateway and the probe port, then
   tells systemd ``READY=1`` and prints one JSON ``ready`` line on stdout.
 * **serve** waits for SIGTERM/SIGINT; meanwhile a watchdog task sends
@@ -112,9 +114,11 @@ class Daemon:
 
     # -- startup -----------------------------------------------------------------------
     async def _startup(self) -> None:
+        from kvxferd import preflight
         from kvxferd.gateway import Gateway
         from kvxferd.health import ProbeServer, ReceiverProbe, SenderProbe
 
+        preflight.check(self.settings)  # one-line ConfigError (exit 2) before the slow set-up
         svc = self.settings.service
         if self.role == "sender":
             from kvxferd.sender import Sender

@@ -1,0 +1,138 @@
+"""Start-up checks that fail in one line, before the slow set-up (NIXL agent, pool).
+
+:func:`check` runs first in the daemon's start-up and raises
+:class:`~kvxferd.errors.ConfigError` naming the setting and its value (the CLI
+prints it on one line and exits 2). Each check is the cheap form of what the
+set-up would do later:
+
+* every TCP address the daemon binds (the sender's ``listen``, the receiver's
+  ``result_endpoint``, a ``tcp://`` engine socket, ``probe_host:probe_port``):
+  a plain socket with ``SO_REUSEADDR`` (as libzmq and the probe server set) is
+  bound and closed at once, so a host that does not resolve, an address not on
+  this machine and a port in use are each named; port 0 only checks the host;
+* every ``ipc://`` path: no longer than :data:`~kvxferd.endpoints.IPC_PATH_MAX`,
+  its directory exists and is writable, or its nearest existing ancestor is
+  (the gateway creates the directory); a socket file there that accepts a
+  connection belongs to a live daemon and is refused, one nobody listens on
+  is stale and is replaced as before;
+* the pool's host part (aux slots, plus the KV blocks on ``device = "cpu"``)
+  fits in the free bytes of /dev/shm.
+
+The checks race with other processes (a port can be taken after the check);
+the later bind still fails then, only less clearly.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+
+from kvxferd.config import ReceiverSettings, SenderSettings
+from kvxferd.endpoints import IPC_PATH_MAX
+from kvxferd.errors import ConfigError
+
+SHM_DIR = "/dev/shm"
+_PROBE_CONNECT_S = 0.5
+
+
+def check(settings: SenderSettings | ReceiverSettings) -> None:
+    """Raise ConfigError naming the first setting that cannot start this daemon."""
+    if isinstance(settings, SenderSettings):
+        _endpoint("listen", settings.listen)
+    else:
+        _endpoint("result_endpoint", settings.result_endpoint)
+    svc = settings.service
+    _endpoint("service.engine_socket", svc.engine_socket)
+    _tcp(
+        "service.probe_host/probe_port",
+        f"{svc.probe_host}:{svc.probe_port}",
+        svc.probe_host,
+        svc.probe_port,
+    )
+    _shm(settings)
+
+
+def _endpoint(name: str, endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        _ipc(name, endpoint, endpoint[len("ipc://") :])
+    elif endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        if not host or not port.isdigit() and port != "*":
+            raise ConfigError(f"{name} = {endpoint!r}: expected tcp://host:port")
+        _tcp(name, endpoint, host, 0 if port == "*" else int(port))
+
+
+def _tcp(name: str, value: str, host: str, port: int) -> None:
+    bind_host = "" if host in ("*", "0.0.0.0") else host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(
+            bind_host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"{name} = {value!r}: host {host!r} does not resolve ({e.strerror})"
+        ) from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                why = f"port {port} is already in use"
+            elif e.errno == errno.EADDRNOTAVAIL:
+                why = f"{host!r} is not an address of this machine"
+            else:
+                why = f"cannot bind {host}:{port} ({e.strerror})"
+            raise ConfigError(f"{name} = {value!r}: {why}") from None
+
+
+def _ipc(name: str, value: str, path: str) -> None:
+    if path.startswith("@"):
+        return  # abstract namespace: no file, no directory
+    if not path or len(path.encode()) > IPC_PATH_MAX:
+        raise ConfigError(
+            f"{name} = {value!r}: ipc path is {len(path.encode())} bytes, the limit is {IPC_PATH_MAX}"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{name} = {value!r}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "directory" if existing == parent else f"directory {parent} is missing and"
+        raise ConfigError(f"{name} = {value!r}: {what} {existing} is not writable")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"{name} = {value!r}: {path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(_PROBE_CONNECT_S)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # stale: nothing listens; the bind replaces it
+        except OSError:
+            return  # cannot tell (a timeout under a full backlog is not proof of life)
+    raise ConfigError(f"{name} = {value!r}: a live daemon is serving on this socket")
+
+
+def _shm(settings: SenderSettings | ReceiverSettings) -> None:
+    pool = settings.pool
+    aux = pool.aux_slots * pool.aux_slot_bytes
+    need = aux + (pool.kv_bytes if pool.device == "cpu" else 0)
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return  # no /dev/shm to measure; the pool's own allocation reports it
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ConfigError(
+            f"pool = {pool.num_layers} layers x {pool.num_blocks} blocks x {pool.block_bytes} B"
+            f" on {pool.device}: needs {need} bytes of {SHM_DIR}, {free} free"
+        )
