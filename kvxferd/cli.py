@@ -2,16 +2,35 @@
 
 ``sender`` and ``receiver`` run until SIGINT/SIGTERM, then shut down within
 their configured bound; the exit code says whether the drain was complete
-(0) or not (3). A configuration error exits 2 with a message naming the setting.
+(0) or not (3). A configuration error exits 2 with a message naming the setting,
+the source its value came from and the limit it broke (precedence: kvxferd.config).
+
+SIGHUP is ignored on purpose by ``sender`` and ``receiver``: there is no reload
+(keys and log level change by restart, which drains), and a SIGHUP from a closing
+terminal or a careless ``kill -HUP`` must not end a daemon that holds transfers.
+
+``--version`` prints the version. The ``_bench-*`` commands are private children
+of ``bench`` and are left out of ``--help``. Output cut short by a closed pipe
+(``kvxferd print-config | head -1``) ends quietly, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import sys
 from typing import Any, Literal
 
-from kvxferd.config import load_receiver_settings, load_sender_settings
+from kvxferd import __version__
+from kvxferd.config import (
+    ReceiverSettings,
+    SenderSettings,
+    load_receiver_settings,
+    load_sender_settings,
+    settings_sources,
+)
 from kvxferd.errors import ConfigError
 
 EXIT_CONFIG = 2
@@ -31,7 +50,12 @@ def _positive(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvxferd", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"kvxferd {__version__}")
+    sub = p.add_subparsers(
+        dest="cmd",
+        required=True,
+        metavar="{sender,receiver,print-config,demo,bench,faults}",
+    )
 
     s = sub.add_parser("sender", help="run the context-side sender until SIGTERM")
     s.add_argument("--config", help="TOML file (sections [pool], [deadlines], ...)")
@@ -49,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("print-config", help="print the effective configuration as JSON")
     c.add_argument("--role", choices=["sender", "receiver"], required=True)
     c.add_argument("--config")
+    c.add_argument(
+        "--sources",
+        action="store_true",
+        help="print each setting's value and where it came from (default, file, env, flag)",
+    )
 
     d = sub.add_parser(
         "demo", help="sender + receiver daemons on loopback, engines via kvxferd.client, verified"
@@ -82,10 +111,37 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(role: Literal["sender", "receiver"], settings: Any) -> int:
     from kvxferd.daemon import serve
 
+    # No reload exists; see the module docstring.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return serve(role, settings)
 
 
+def _print_config(role: str, config: str | None, sources: bool) -> None:
+    load = load_sender_settings if role == "sender" else load_receiver_settings
+    settings = load(config)
+    if not sources:
+        print(settings.model_dump_json(indent=2))
+        return
+    cls = SenderSettings if role == "sender" else ReceiverSettings
+    values = settings.model_dump(mode="json")
+    for name, source in settings_sources(cls, config, {}).items():
+        value: object = values
+        for part in name.split("."):
+            value = value[part]  # type: ignore[index]
+        print(f"{name} = {json.dumps(value)}  # {source}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (``| head``); silence the flush at exit too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.cmd == "sender":
@@ -103,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             )
         if args.cmd == "print-config":
-            load = load_sender_settings if args.role == "sender" else load_receiver_settings
-            print(load(args.config).model_dump_json(indent=2))
+            _print_config(args.role, args.config, args.sources)
+            sys.stdout.flush()
             return 0
         if args.cmd == "bench":
             from kvxferd.bench import main_bench
