@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print each setting's value and where it came from (default, file, env, flag)",
     )
+    c.add_argument("--listen", help="as for sender")
+    c.add_argument("--num-threads", type=int, dest="num_threads", help="as for sender")
+    c.add_argument("--result-endpoint", dest="result_endpoint", help="as for receiver")
+    c.add_argument("--name")
+    c.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
     d = sub.add_parser(
         "demo", help="sender + receiver daemons on loopback, engines via kvxferd.client, verified"
@@ -116,15 +121,21 @@ def _serve(role: Literal["sender", "receiver"], settings: Any) -> int:
     return serve(role, settings)
 
 
-def _print_config(role: str, config: str | None, sources: bool) -> None:
+SENDER_FLAGS = ("listen", "num_threads", "name", "log_level")
+RECEIVER_FLAGS = ("result_endpoint", "name", "log_level")
+
+
+def _print_config(args: argparse.Namespace) -> None:
+    role, config, sources = args.role, args.config, args.sources
     load = load_sender_settings if role == "sender" else load_receiver_settings
-    settings = load(config)
+    flags = _overrides(args, SENDER_FLAGS if role == "sender" else RECEIVER_FLAGS)
+    settings = load(config, **flags)
     if not sources:
         print(settings.model_dump_json(indent=2))
         return
     cls = SenderSettings if role == "sender" else ReceiverSettings
     values = settings.model_dump(mode="json")
-    for name, source in settings_sources(cls, config, {}).items():
+    for name, source in settings_sources(cls, config, flags).items():
         value: object = values
         for part in name.split("."):
             value = value[part]  # type: ignore[index]
@@ -147,19 +158,15 @@ def _main(argv: list[str] | None) -> int:
         if args.cmd == "sender":
             return _serve(
                 "sender",
-                load_sender_settings(
-                    args.config, **_overrides(args, ("listen", "num_threads", "name", "log_level"))
-                ),
+                load_sender_settings(args.config, **_overrides(args, SENDER_FLAGS)),
             )
         if args.cmd == "receiver":
             return _serve(
                 "receiver",
-                load_receiver_settings(
-                    args.config, **_overrides(args, ("result_endpoint", "name", "log_level"))
-                ),
+                load_receiver_settings(args.config, **_overrides(args, RECEIVER_FLAGS)),
             )
         if args.cmd == "print-config":
-            _print_config(args.role, args.config, args.sources)
+            _print_config(args)
             sys.stdout.flush()
             return 0
         if args.cmd == "bench":

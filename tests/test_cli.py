@@ -47,7 +47,7 @@ def test_print_config_into_closed_pipe_has_no_traceback() -> None:
     os.close(read_end)
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "kvxferd", "print-config", "--role", "sender", "--sources"],
+            [sys.executable, "-m", "kvxferd", "print-config", "--role", "sender"],
             env=_env(),
             stdout=write_end,
             stderr=subprocess.PIPE,

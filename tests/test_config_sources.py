@@ -103,6 +103,16 @@ def test_print_config_sources_subprocess(tmp_path: Path) -> None:
     assert lines["deadlines.drain_timeout_ms"] == "2000  # env KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS"
     assert lines["deadlines.send_timeout_ms"] == "100  # default"
 
+    flagged = subprocess.run(
+        [sys.executable, "-m", "kvxferd", "print-config", "--role", "sender"]
+        + ["--config", str(path), "--sources", "--num-threads", "9"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "num_threads = 9  # flag" in flagged.stdout.splitlines(), flagged.stderr
+
 
 def test_sender_with_bad_trtllm_variable_exits_2_naming_it() -> None:
     """A sender whose only thread setting is TRTLLM_KV_TRANSFER_NUM_THREADS=300 exits 2 naming it and 256."""
