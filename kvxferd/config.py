@@ -305,7 +305,28 @@ def settings_sources(
     return {".".join(leaf): _source_of(cls, leaf, toml, path, overrides) for leaf in _leaves(cls)}
 
 
+def _check_threads_env() -> None:
+    """A one-line error for TRTLLM_KV_TRANSFER_NUM_THREADS, checked only when it is the source."""
+    raw = os.environ.get(THREADS_ENV)
+    if raw is None:
+        return
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(
+            f"{THREADS_ENV}={raw!r} is not a number; set it to an integer from 1 to 256"
+        ) from None
+    if value < 1:
+        raise ConfigError(f"{THREADS_ENV}={value} is below 1; set it to an integer from 1 to 256")
+
+
 def _load(cls: type[S], toml_path: str | Path | None, overrides: dict[str, Any]) -> S:
+    if (
+        cls is SenderSettings
+        and "num_threads" not in overrides
+        and _env_lookup("KVXFERD_NUM_THREADS") is None
+    ):
+        _check_threads_env()
     path = Path(toml_path) if toml_path else None
     toml = _toml_data(path)
     token = _TOML_PATH.set(path)

@@ -44,9 +44,11 @@ def test_kvxferd_variable_beats_trtllm_variable(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_bad_trtllm_value_ignored_below_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An out-of-range value below a higher source does not matter: the higher one wins."""
+    """An out-of-range TRTLLM_KV_TRANSFER_NUM_THREADS under a flag or KVXFERD_NUM_THREADS is not used."""
     monkeypatch.setenv(THREADS, "0")
     assert load_sender_settings(num_threads=3).num_threads == 3
+    monkeypatch.setenv("KVXFERD_NUM_THREADS", "5")
+    assert load_sender_settings().num_threads == 5
 
 
 @pytest.mark.parametrize(
