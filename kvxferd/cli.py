@@ -2,16 +2,35 @@
 
 ``sender`` and ``receiver`` run until SIGINT/SIGTERM, then shut down within
 their configured bound; the exit code says whether the drain was complete
-(0) or not (3). A configuration error exits 2 with a message naming the setting.
+(0) or not (3). A configuration error exits 2 with a message naming the setting,
+the source its value came from and the limit it broke (precedence: kvxferd.config).
+
+SIGHUP is ignored on purpose by ``sender`` and ``receiver``: there is no reload
+(keys and log level change by restart, which drains), and a SIGHUP from a closing
+terminal or a careless ``kill -HUP`` must not end a daemon that holds transfers.
+
+``--version`` prints the version. The ``_bench-*`` commands are private children
+of ``bench`` and are left out of ``--help``. Output cut short by a closed pipe
+(``kvxferd print-config | head -1``) ends quietly, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import sys
 from typing import Any, Literal
 
-from kvxferd.config import load_receiver_settings, load_sender_settings
+from kvxferd import __version__
+from kvxferd.config import (
+    ReceiverSettings,
+    SenderSettings,
+    load_receiver_settings,
+    load_sender_settings,
+    settings_sources,
+)
 from kvxferd.errors import ConfigError
 
 EXIT_CONFIG = 2
@@ -31,7 +50,12 @@ def _positive(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvxferd", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"kvxferd {__version__}")
+    sub = p.add_subparsers(
+        dest="cmd",
+        required=True,
+        metavar="{sender,receiver,print-config,demo,bench,faults}",
+    )
 
     s = sub.add_parser("sender", help="run the context-side sender until SIGTERM")
     s.add_argument("--config", help="TOML file (sections [pool], [deadlines], ...)")
@@ -49,6 +73,16 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("print-config", help="print the effective configuration as JSON")
     c.add_argument("--role", choices=["sender", "receiver"], required=True)
     c.add_argument("--config")
+    c.add_argument(
+        "--sources",
+        action="store_true",
+        help="print each setting's value and where it came from (default, file, env, flag)",
+    )
+    c.add_argument("--listen", help="as for sender")
+    c.add_argument("--num-threads", type=int, dest="num_threads", help="as for sender")
+    c.add_argument("--result-endpoint", dest="result_endpoint", help="as for receiver")
+    c.add_argument("--name")
+    c.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
     d = sub.add_parser(
         "demo", help="sender + receiver daemons on loopback, engines via kvxferd.client, verified"
@@ -82,29 +116,58 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(role: Literal["sender", "receiver"], settings: Any) -> int:
     from kvxferd.daemon import serve
 
+    # No reload exists; see the module docstring.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return serve(role, settings)
 
 
+SENDER_FLAGS = ("listen", "num_threads", "name", "log_level")
+RECEIVER_FLAGS = ("result_endpoint", "name", "log_level")
+
+
+def _print_config(args: argparse.Namespace) -> None:
+    role, config, sources = args.role, args.config, args.sources
+    load = load_sender_settings if role == "sender" else load_receiver_settings
+    flags = _overrides(args, SENDER_FLAGS if role == "sender" else RECEIVER_FLAGS)
+    settings = load(config, **flags)
+    if not sources:
+        print(settings.model_dump_json(indent=2))
+        return
+    cls = SenderSettings if role == "sender" else ReceiverSettings
+    values = settings.model_dump(mode="json")
+    for name, source in settings_sources(cls, config, flags).items():
+        value: object = values
+        for part in name.split("."):
+            value = value[part]  # type: ignore[index]
+        print(f"{name} = {json.dumps(value)}  # {source}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (``| head``); silence the flush at exit too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.cmd == "sender":
             return _serve(
                 "sender",
-                load_sender_settings(
-                    args.config, **_overrides(args, ("listen", "num_threads", "name", "log_level"))
-                ),
+                load_sender_settings(args.config, **_overrides(args, SENDER_FLAGS)),
             )
         if args.cmd == "receiver":
             return _serve(
                 "receiver",
-                load_receiver_settings(
-                    args.config, **_overrides(args, ("result_endpoint", "name", "log_level"))
-                ),
+                load_receiver_settings(args.config, **_overrides(args, RECEIVER_FLAGS)),
             )
         if args.cmd == "print-config":
-            load = load_sender_settings if args.role == "sender" else load_receiver_settings
-            print(load(args.config).model_dump_json(indent=2))
+            _print_config(args)
+            sys.stdout.flush()
             return 0
         if args.cmd == "bench":
             from kvxferd.bench import main_bench

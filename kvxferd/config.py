@@ -1,10 +1,21 @@
-"""Typed, validated settings for each role: defaults < TOML file < environment < CLI flags.
+"""Typed, validated settings for each role, from five sources in one order.
+
+Precedence, highest first (the one place it is written down)::
+
+    1. command-line flags          --num-threads 8
+    2. KVXFERD_* environment       KVXFERD_NUM_THREADS=8, KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS=5000
+    3. TRTLLM_KV_TRANSFER_NUM_THREADS   (sender's num_threads only; the name engine operators know)
+    4. the TOML file (--config)    num_threads = 8
+    5. the defaults below
+
+``kvxferd print-config --role R --config F --sources`` prints each setting's
+value and where it came from (``default``, ``file PATH``, ``env NAME``,
+``flag``). A value that fails validation names its setting, the source it came
+from and the limit it broke; the process exits 2.
 
 Every timeout and limit is a named field with its unit in the name (``_ms``,
 ``_bytes``) and its default here, in one place. Environment variables use the
-``KVXFERD_`` prefix and ``__`` for nesting (``KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS``);
-``num_threads`` also reads ``TRTLLM_KV_TRANSFER_NUM_THREADS``, the name engine
-operators already know.
+``KVXFERD_`` prefix and ``__`` for nesting (``KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS``).
 
 Deadlines (milliseconds)::
 
@@ -191,7 +202,8 @@ class _RoleSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         toml = _toml_source_for(settings_cls)
-        return (init_settings, env_settings) + ((toml,) if toml else ())
+        threads = (_ThreadsEnvSource(settings_cls),) if settings_cls is SenderSettings else ()
+        return (init_settings, env_settings, *threads) + ((toml,) if toml else ())
 
 
 class SenderSettings(_RoleSettings):
@@ -203,8 +215,8 @@ class SenderSettings(_RoleSettings):
         DEFAULT_NUM_THREADS,
         ge=1,
         le=256,
-        validation_alias=AliasChoices("num_threads", THREADS_ENV, "KVXFERD_NUM_THREADS"),
-        description=f"sender worker threads; also read from {THREADS_ENV}",
+        validation_alias=AliasChoices("num_threads", "KVXFERD_NUM_THREADS"),
+        description=f"sender worker threads; {THREADS_ENV} is read below KVXFERD_NUM_THREADS",
     )
 
 
@@ -218,7 +230,83 @@ class ReceiverSettings(_RoleSettings):
 S = TypeVar("S", bound=_RoleSettings)
 
 
+class _ThreadsEnvSource(PydanticBaseSettingsSource):
+    """TRTLLM_KV_TRANSFER_NUM_THREADS as ``num_threads``: below KVXFERD_*, above the file."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        raw = os.environ.get(THREADS_ENV)
+        return {} if raw is None else {"num_threads": raw.strip()}
+
+
+def _env_lookup(name: str) -> str | None:
+    """The environment variable ``name`` as pydantic-settings reads it (case-insensitively)."""
+    if name in os.environ:
+        return name
+    upper = name.upper()
+    return next((k for k in os.environ if k.upper() == upper), None)
+
+
+def _leaves(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for fname, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.extend(_leaves(ann, (*prefix, fname)))
+        else:
+            out.append((*prefix, fname))
+    return out
+
+
+def _source_of(
+    cls: type[_RoleSettings],
+    path: tuple[str, ...],
+    toml: dict[str, Any],
+    toml_path: Path | None,
+    overrides: dict[str, Any],
+) -> str:
+    """Where the value of the setting at ``path`` comes from, by the documented order."""
+    if path[0] in overrides:
+        return "flag"
+    env = _env_lookup("KVXFERD_" + "__".join(path).upper())
+    if env is not None:
+        return f"env {env}"
+    if len(path) > 1 and _env_lookup("KVXFERD_" + path[0].upper()) is not None:
+        return f"env {_env_lookup('KVXFERD_' + path[0].upper())}"
+    if cls is SenderSettings and path == ("num_threads",) and THREADS_ENV in os.environ:
+        return f"env {THREADS_ENV}"
+    node: Any = toml
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return "default"
+        node = node[part]
+    return f"file {toml_path}"
+
+
+def _toml_data(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def settings_sources(
+    cls: type[_RoleSettings], toml_path: str | Path | None, overrides: dict[str, Any]
+) -> dict[str, str]:
+    """For every setting (dotted name), the source its effective value came from."""
+    path = Path(toml_path) if toml_path else None
+    toml = _toml_data(path)
+    return {".".join(leaf): _source_of(cls, leaf, toml, path, overrides) for leaf in _leaves(cls)}
+
+
 def _check_threads_env() -> None:
+    """A one-line error for TRTLLM_KV_TRANSFER_NUM_THREADS, checked only when it is the source."""
     raw = os.environ.get(THREADS_ENV)
     if raw is None:
         return
@@ -226,31 +314,34 @@ def _check_threads_env() -> None:
         value = int(raw.strip())
     except ValueError:
         raise ConfigError(
-            f"{THREADS_ENV}={raw!r} is not a number; set it to an integer >= 1"
+            f"{THREADS_ENV}={raw!r} is not a number; set it to an integer from 1 to 256"
         ) from None
     if value < 1:
-        raise ConfigError(f"{THREADS_ENV}={value} is below 1; set it to an integer >= 1")
+        raise ConfigError(f"{THREADS_ENV}={value} is below 1; set it to an integer from 1 to 256")
 
 
 def _load(cls: type[S], toml_path: str | Path | None, overrides: dict[str, Any]) -> S:
-    if cls is SenderSettings and "num_threads" not in overrides:
+    if (
+        cls is SenderSettings
+        and "num_threads" not in overrides
+        and _env_lookup("KVXFERD_NUM_THREADS") is None
+    ):
         _check_threads_env()
     path = Path(toml_path) if toml_path else None
-    if path is not None:
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    toml = _toml_data(path)
     token = _TOML_PATH.set(path)
     try:
         return cls(**overrides)
     except ValidationError as e:
-        lines = [
-            f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
-            for err in e.errors()
-        ]
+        lines = []
+        for err in e.errors():
+            loc = tuple(str(p) for p in err["loc"])
+            if loc and loc[0] == "KVXFERD_NUM_THREADS":
+                loc = ("num_threads", *loc[1:])
+            source = _source_of(cls, loc, toml, path, overrides) if loc else "default"
+            lines.append(
+                f"  {'.'.join(loc)}: {err['msg']} (got {err.get('input')!r} from {source})"
+            )
         raise ConfigError(f"invalid {cls.__name__}:\n" + "\n".join(lines)) from None
     finally:
         _TOML_PATH.reset(token)

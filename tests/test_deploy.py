@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,7 @@ def test_unit_structure(unit: Path) -> None:
     assert svc["LimitMEMLOCK"] == "infinity"
     assert svc["RuntimeDirectoryMode"] == "0700"
     environment = " ".join(_all_values(unit, "Service", "Environment"))
-    assert f"{THREADS_ENV}=" in environment
-    int(environment.split(f"{THREADS_ENV}=")[1].split()[0])
+    assert THREADS_ENV not in environment, "it would override num_threads in the TOML file"
 
     exec_start = svc["ExecStart"].split()
     assert exec_start[:2] == [INSTALLED_BINARY, role]
@@ -278,9 +278,9 @@ def test_statefulset_structure(role: str) -> None:
     shutdown_s = Deadlines().shutdown_timeout_ms / 1000 + EXIT_SLACK_S
     assert grace > sleep_s + shutdown_s
 
-    # Environment: the threads knob, the rank from the pod index, the name from the pod.
+    # Environment: the rank from the pod index, the name from the pod; threads from the file.
     env = {e["name"]: e for e in c["env"]}
-    assert int(env[THREADS_ENV]["value"]) >= 1
+    assert THREADS_ENV not in env and "KVXFERD_NUM_THREADS" not in env
     assert env["KVXFERD_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX_FIELD
     assert env["KVXFERD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["KVXFERD_SERVICE__PROBE_HOST"]["value"] == "0.0.0.0"
@@ -336,7 +336,7 @@ def test_configmap_loads_with_pod_env(
     assert settings.service.engine_socket.startswith("ipc:///run/kvxferd/")
     if role == "sender":
         assert settings.listen == f"tcp://0.0.0.0:{ports['control']}"
-        assert settings.num_threads == int(env[THREADS_ENV])
+        assert settings.num_threads == tomllib.loads(_toml(docs, sts, role))["num_threads"]
     else:
         # The receiver sends the address it bound to the senders: it must be routable.
         assert settings.result_endpoint == f"tcp://10.1.2.3:{ports['result']}"
