@@ -727,7 +727,7 @@ def test_async_clients_on_several_loops_each_wake_on_their_own_loop(
     [
         ("sender", {"KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS": "5000"}, ["drain_timeout_ms"]),
         ("receiver", {"KVXFERD_POOL__NUM_BLOCKS": "0"}, ["pool.num_blocks"]),
-        ("sender", {"TRTLLM_KV_TRANSFER_NUM_THREADS": "zero"}, ["TRTLLM_KV_TRANSFER_NUM_THREADS"]),
+        ("sender", {"KVXFERD_NUM_THREADS": "zero"}, ["KVXFERD_NUM_THREADS"]),
     ],
     ids=["drain-over-shutdown", "pool-blocks", "threads-env"],
 )
