@@ -330,6 +330,9 @@ class Worker:
         if s.admit_write(sl) is not None:
             host.stats.add("writes_refused")
             return False
+        # Counted before the post: a peer retired meanwhile waits for this write to end
+        # instead of losing its NIXL remote agent under it.
+        host.peer_write_started(peer)
         try:
             if kind == "kv" and peer.prepped:  # prepared lists: block indices, no descriptors
                 xfer, state = host.dataplane.post_blocks(
@@ -345,9 +348,9 @@ class Worker:
                 xfer, state = host.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
         except Exception as e:  # nothing was posted: give the admission back first
             s.release_admission(sl, f"{kind} write not built: {e}")
+            host.peer_write_ended(peer)
             host.stats.add("writes_build_failed")
             return False
-        host.peer_write_started(peer)
         stall_at = time.monotonic() + host.settings.deadlines.xfer_stall_timeout_ms / 1000
         self._writes.append(_Write(task, kind, xfer, state, nbytes, stall_at))
         self._busy_lanes.add(peer.receiver_id)

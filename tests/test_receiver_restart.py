@@ -28,6 +28,7 @@ from kvxferd.session import RxState
 from tests.conditions import wait_until
 from tests.peers import PeerProcess, check_request, request_content
 from tests.test_daemon import DaemonProcess, Engines, daemon_env, gauge
+from tests.test_integration import DEADLINES as INTEGRATION_DEADLINES
 from tests.test_integration import _peer_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -35,16 +36,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 STARTUP_S = 60.0  # a child imports torch and NIXL and creates an agent
 BLOCK = 64 << 10
 BLOCKS = 16
-DEADLINES: dict[str, int] = dict(
-    kv_transfer_timeout_ms=2000,
-    cancel_fence_ms=500,
-    drain_timeout_ms=1000,
-    shutdown_timeout_ms=3000,
-    xfer_stall_timeout_ms=2000,
-    register_timeout_ms=2000,
-    in_doubt_retry_ms=200,
-    in_doubt_retry_max_ms=1000,
-)
+# The integration tests' deadlines, with in-doubt fetches asked about again quickly.
+DEADLINES: dict[str, int] = {
+    **INTEGRATION_DEADLINES,
+    "in_doubt_retry_ms": 200,
+    "in_doubt_retry_max_ms": 1000,
+}
 
 
 def pool(requests: int, block_bytes: int = BLOCK) -> dict[str, Any]:
