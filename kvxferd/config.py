@@ -166,6 +166,37 @@ class ServiceSettings(_Frozen):
     )
 
 
+class HealthSettings(_Frozen):
+    """What /readyz, /debug/state and the per-peer metrics judge by (docs/operations.md)."""
+
+    stuck_after_ms: int = Field(
+        30_000,
+        ge=1_000,
+        description="/readyz fails when work is pending and nothing ended for this long",
+    )
+    peer_failure_window_ms: int = Field(
+        60_000, ge=1_000, description="the window a peer's failure rate is measured over"
+    )
+    peer_failure_ratio: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="/readyz fails when a peer's failed share in the window reaches this",
+    )
+    peer_failure_min: int = Field(
+        20, ge=1, description="endings in the window before a peer's failure rate counts"
+    )
+    metrics_peer_labels: int = Field(
+        16,
+        ge=0,
+        le=256,
+        description="peers with their own label in per-peer metrics; later ones share 'other'",
+    )
+    debug_state: Literal["off", "loopback", "any"] = Field(
+        "loopback", description="who may read /debug/state on the probe port"
+    )
+
+
 def _toml_source_for(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource | None:
     path = _TOML_PATH.get()
     if path is None:
@@ -190,6 +221,7 @@ class _RoleSettings(BaseSettings):
     deadlines: Deadlines = Deadlines()
     limits: Limits = Limits()
     service: ServiceSettings = ServiceSettings()
+    health: HealthSettings = HealthSettings()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @classmethod

@@ -8,6 +8,8 @@ the current context (session, peer and request ids)::
     logs.configure("info", json=True)
     with logs.bound(request_id="r-1", peer="decode-3"):
         log.info("fetch attached")   # {"event": "fetch attached", "request_id": "r-1", ...}
+    log.warning("request ended", extra={"request_id": "r-1", "outcome": "failed"})
+        # the keys of RECORD_FIELDS given in ``extra`` become fields of the line too
 
 Context lives in ``contextvars``: it follows the asyncio task (or thread)
 that bound it, never another thread's work.
@@ -26,8 +28,29 @@ from structlog.types import Processor
 
 _HANDLER_NAME = "kvxferd"
 
+# Fields a stdlib record may carry in ``extra=`` that become keys of the line (the
+# journal's per-request lines; see journal.py). An allow list: no other extra leaks.
+RECORD_FIELDS: tuple[str, ...] = (
+    "request_id",
+    "role",
+    "kind",
+    "peer",
+    "fetch_id",
+    "outcome",
+    "reason",
+    "detail",
+    "duration_ms",
+    "bytes",
+    "blocks",
+    "post_ms",
+    "transfer_ms",
+    "write",
+    "stalled_ms",
+)
+
 _SHARED: list[Processor] = [
     structlog.contextvars.merge_contextvars,
+    structlog.stdlib.ExtraAdder(RECORD_FIELDS),
     structlog.stdlib.add_log_level,
     structlog.stdlib.add_logger_name,
     structlog.processors.TimeStamper(fmt="iso", utc=True),

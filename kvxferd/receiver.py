@@ -73,6 +73,7 @@ from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.endpoints import connect_problem
 from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
+from kvxferd.journal import Ending, Journal
 from kvxferd.layout import check_blocks, check_layers
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Fence, RxOutcome, RxSession, RxState
@@ -161,6 +162,12 @@ class Receiver:
         self.settings = settings
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
+        health = settings.health
+        self.journal = Journal(
+            "receiver",
+            peer_labels=health.metrics_peer_labels,
+            window_s=health.peer_failure_window_ms / 1000,
+        )
         self.receiver_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
         self.pool = pool or KvPool(settings.pool, owner="rx")
         self._owns_pool = pool is None
@@ -291,6 +298,7 @@ class Receiver:
             layer_end=le,
             aux_slot=aux_slot,
             deadline=time.monotonic() + timeout_ms / 1000,
+            on_end=self._journal_fetch,
         )
         # Admission is atomic with the start of a drain: shutdown sets _draining under this
         # lock and then takes its list of open fetches, so a fetch is refused or on that list.
@@ -307,6 +315,27 @@ class Receiver:
         if aux_slot >= 0:
             self.aux_slots.give_back([aux_slot])
         raise refusal
+
+    def _journal_fetch(self, rx: RxSession) -> None:
+        """Record how a fetch ended (its one log line; see journal.py)."""
+        outcome = rx.outcome
+        if outcome is None:  # pragma: no cover - called only after the commit
+            return
+        self.journal.record(
+            Ending(
+                role="receiver",
+                kind="fetch",
+                request_id=rx.request_id,
+                outcome=outcome.state.value,
+                reason=outcome.reason.value if outcome.reason else None,
+                detail=outcome.detail,
+                peer=rx.sender_endpoint,
+                fetch_id=rx.fetch_id,
+                duration_s=time.monotonic() - rx.started,
+                nbytes=outcome.nbytes,
+                blocks=int(rx.dst_blocks.size),
+            )
+        )
 
     def _command(self, cmd: tuple[str, RxSession | None]) -> None:
         with self._lock:

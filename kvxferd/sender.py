@@ -65,9 +65,10 @@ from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.endpoints import connect_problem
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
+from kvxferd.journal import Ending, Journal
 from kvxferd.layout import check_blocks, check_layers
 from kvxferd.pool import IdAllocator, KvPool
-from kvxferd.session import Slice, SliceState, TxOutcome, TxSession
+from kvxferd.session import Slice, SliceState, TxOutcome, TxSession, TxState
 from kvxferd.stats import Stats
 from kvxferd.waiters import Once
 from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, ReplyTask, Worker, WriteTask
@@ -140,6 +141,12 @@ class Sender:
         self.settings = settings
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
+        health = settings.health
+        self.journal = Journal(
+            "sender",
+            peer_labels=health.metrics_peer_labels,
+            window_s=health.peer_failure_window_ms / 1000,
+        )
         self.sender_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
         self.pool = pool or KvPool(settings.pool, owner="tx")
         self._owns_pool = pool is None
@@ -255,6 +262,7 @@ class Sender:
             aux_slot=aux_slot,
             aux_len=aux_len,
             ttl_s=self.settings.deadlines.publish_ttl_ms / 1000,
+            on_end=self._journal_request,
         )
         with self._lock:
             error: RejectedError | None = None
@@ -295,6 +303,34 @@ class Sender:
                     ReplyTask(p.peer, outcome)
                 )
         return TxHandle(self, session)
+
+    def _journal_request(self, session: TxSession) -> None:
+        """Record how a published request ended (its one log line; see journal.py)."""
+        outcome = session.outcome
+        if outcome is None:  # pragma: no cover - called only after the commit
+            return
+        if outcome.state is TxState.COMPLETE:
+            name = "done"
+        elif outcome.in_doubt:
+            name = "in_doubt"
+        else:
+            name = outcome.state.value
+        slices = session.slices()
+        self.journal.record(
+            Ending(
+                role="sender",
+                kind="request",
+                request_id=session.request_id,
+                outcome=name,
+                reason=outcome.reason.value if outcome.reason else None,
+                detail=outcome.detail,
+                peer=",".join(sorted({sl.result_endpoint for sl in slices})),
+                fetch_id=slices[0].fetch_id if len(slices) == 1 else None,
+                duration_s=time.monotonic() - session.created,
+                nbytes=sum(sl.nbytes for sl in slices),
+                blocks=int(session.block_ids.size),
+            )
+        )
 
     def _close_session(self, session: TxSession, timeout: float | None) -> bool:
         session.cancel(Reason.CANCELLED, "closed by the engine")

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -114,6 +115,8 @@ class Slice:
     nbytes: int = 0
     writes_in_flight: int = 0
     reported: bool = False
+    posted_at: float = 0.0  # worker thread only: monotonic time its first WRITE was posted
+    written_at: float = 0.0  # worker thread only: when its last WRITE was released
 
     @property
     def key(self) -> tuple[str, int]:
@@ -146,6 +149,7 @@ class TxSession:
         aux_slot: int = -1,
         aux_len: int = 0,
         ttl_s: float = 120.0,
+        on_end: Callable[[TxSession], None] | None = None,
     ) -> None:
         self.session_id = session_id  # never reused; the key for this session's state
         self.request_id = request_id
@@ -163,6 +167,7 @@ class TxSession:
         self._slices: dict[tuple[str, int], Slice] = {}
         self.completion: Completion[TxOutcome] = Completion()
         self.drained_event = threading.Event()
+        self.on_end = on_end  # told once, without the lock, after the outcome is committed
 
     # -- views -----------------------------------------------------------------
     @property
@@ -209,6 +214,8 @@ class TxSession:
         """Publish effects of a transition (called without the lock)."""
         if committed and self._outcome is not None:
             self.completion.set(self._outcome)
+            if self.on_end is not None:
+                self.on_end(self)
         if self.drained:
             self.drained_event.set()
 
@@ -423,6 +430,8 @@ class RxSession:
     retry_every: float = 0.0  # io thread only: its current interval (doubles, bounded)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     completion: Completion[RxOutcome] = field(default_factory=Completion)
+    # Told once, without the lock, after the outcome is committed (the receiver's journal).
+    on_end: Callable[[RxSession], None] | None = None
     fence_done: threading.Event = field(default_factory=threading.Event)
     # Set once blocks_reusable is true (maybe long after the outcome: an in-doubt fence resolved).
     reusable: threading.Event = field(default_factory=threading.Event)
@@ -445,6 +454,8 @@ class RxSession:
     def _publish(self, committed: bool) -> None:
         if committed and self.outcome is not None:
             self.completion.set(self.outcome)
+            if self.on_end is not None:
+                self.on_end(self)
         if self.state in RX_TERMINAL and self.fence is not Fence.FENCED:
             self.fence_done.set()
         if self.blocks_reusable:

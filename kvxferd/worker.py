@@ -72,12 +72,14 @@ from kvxferd.control import SocketLimits, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, Xfer
 from kvxferd.errors import Reason, SendTimeout
 from kvxferd.guard import Guard
+from kvxferd.journal import Ending, Journal
 from kvxferd.layout import Layout, aux_descriptors, write_descriptors
 from kvxferd.pool import KvPool
 from kvxferd.session import Slice, SliceState, TxSession
 from kvxferd.stats import Stats
 
 log = logging.getLogger("kvxferd.sender")
+jlog = logging.getLogger("kvxferd.journal")  # per-request lines: fields in extra (logs.py)
 
 TICK_S = 0.05  # listener/worker housekeeping period
 STOP = object()  # a worker's last task
@@ -138,6 +140,7 @@ class WorkerHost(Protocol):
     settings: SenderSettings
     stats: Stats
     guard: Guard
+    journal: Journal
     pool: KvPool
     dataplane: DataPlane
     socket_limits: SocketLimits
@@ -351,7 +354,10 @@ class Worker:
             host.peer_write_ended(peer)
             host.stats.add("writes_build_failed")
             return False
-        stall_at = time.monotonic() + host.settings.deadlines.xfer_stall_timeout_ms / 1000
+        now = time.monotonic()
+        if not sl.posted_at:
+            sl.posted_at = now
+        stall_at = now + host.settings.deadlines.xfer_stall_timeout_ms / 1000
         self._writes.append(_Write(task, kind, xfer, state, nbytes, stall_at))
         self._busy_lanes.add(peer.receiver_id)
         self._busy_sessions[s.session_id] = self._busy_sessions.get(s.session_id, 0) + 1
@@ -417,6 +423,20 @@ class Worker:
         if w.lane_held and now >= w.stall_at:
             self._in_doubt(w, Reason.STALLED, f"{w.kind} write in progress past xfer_stall_timeout")
             self.host.stats.add("writes_stalled")
+            task = w.task
+            jlog.warning(  # when it stalls, not only when it is given up
+                "write stalled",
+                extra={
+                    "request_id": task.session.request_id,
+                    "role": "sender",
+                    "peer": task.peer.result_endpoint,
+                    "fetch_id": task.slice.fetch_id,
+                    "write": w.kind,
+                    "bytes": w.nbytes,
+                    "blocks": int(task.slice.dst_blocks.size),
+                    "stalled_ms": round((now - task.slice.posted_at) * 1000, 3),
+                },
+            )
             return True
         return False
 
@@ -468,6 +488,7 @@ class Worker:
         s, sl = task.session, task.slice
         was_doubt = sl.state is SliceState.IN_DOUBT
         detail = "" if ok else f"NIXL reported an error ({w.kind}){w.error}"
+        sl.written_at = time.monotonic()
         s.finish_write(sl, ok, w.nbytes if ok else 0, detail)
         host.stats.add("bytes_written" if ok else "writes_failed", w.nbytes if ok else 1)
         host.peer_write_ended(task.peer)
@@ -556,9 +577,28 @@ class Worker:
         if rep is None:
             return
         stats = self.host.stats
+        now = time.monotonic()
         stats.add(f"slices_{rep.status}")
-        stats.observe("slice_seconds", time.monotonic() - task.queued_at)
+        stats.observe("slice_seconds", now - task.queued_at)
         stats.add(f"worker_{self.index}_slices")
+        sl = task.slice
+        self.host.journal.record(
+            Ending(
+                role="sender",
+                kind="slice",
+                request_id=task.session.request_id,
+                outcome=rep.status,
+                reason=rep.reason.value if rep.reason else None,
+                detail=rep.detail,
+                peer=rep.result_endpoint,
+                fetch_id=rep.fetch_id,
+                duration_s=now - task.queued_at,
+                nbytes=rep.nbytes,
+                blocks=int(sl.dst_blocks.size),
+                post_s=sl.posted_at - task.queued_at if sl.posted_at else None,
+                transfer_s=sl.written_at - sl.posted_at if sl.written_at and sl.posted_at else None,
+            )
+        )
         self._enqueue(
             rep.result_endpoint,
             wire.Result(
