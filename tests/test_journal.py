@@ -11,14 +11,17 @@ from typing import Any
 import pytest
 
 from kvxferd import logs
+from kvxferd import protocol as wire
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.journal import BUCKETS_S, OTHER, Ending, Journal
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from tests.conditions import wait_until
+from tests.test_races import BLOCKS, WAIT_S, Harness, h
+
+__all__ = ["h"]  # the fixture, shared with tests/test_races.py
 
 POOL = dict(num_layers=2, num_blocks=16, block_elems=64, aux_slots=4, aux_slot_bytes=64)
-WAIT_S = 20.0
 
 
 def ending(peer: str, outcome: str = "done", duration_s: float = 0.001) -> Ending:
@@ -184,3 +187,27 @@ def test_each_failed_request_logs_one_warning_line_with_its_fields(
     assert expired["blocks"] == 1 and expired["duration_ms"] >= 1500
     warnings = [r for r in journal_lines(captured) if r["level"] == "warning"]
     assert len(warnings) == 2, warnings
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_write_logs_when_it_stalls_not_only_when_it_ends(
+    captured: io.StringIO, h: Harness
+) -> None:
+    """A write past its stall deadline logs a ``write stalled`` WARNING with its request, peer and fetch while NIXL still holds it, before the write ends."""
+    sx, dp = h.sender(num_threads=1, deadlines=dict(xfer_stall_timeout_ms=200))
+    p = h.peer(sx, "peer-a")
+    sx.publish("req-stall", BLOCKS)
+    p.fetch("req-stall", 7)
+    x = dp.wait_posted(1)
+    assert p.next_result().status == "in_doubt"
+
+    def stalled() -> list[dict[str, Any]]:
+        return [r for r in journal_lines(captured) if r["event"] == "write stalled"]
+
+    wait_until(lambda: len(stalled()) == 1, WAIT_S, "a write-stalled line")
+    (line,) = stalled()
+    assert line["level"] == "warning" and line["request_id"] == "req-stall"
+    assert line["fetch_id"] == 7 and line["write"] == "kv" and line["stalled_ms"] >= 200
+    assert line["peer"] == p.result_endpoint
+    x.finish(True)  # only now does the write end
+    assert p.next_message() == wire.CancelAck(request_id="req-stall", fetch_id=7, in_doubt=False)
