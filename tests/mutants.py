@@ -76,6 +76,8 @@ SURVIVOR_TRIES = 3  # runs of a mutant's tests before it counts as survived
 TXRACES = "tests/test_sender_races.py::"
 RXWIRE = "tests/test_receiver_wire.py::"
 GATEWAY = "tests/test_gateway.py::"
+PREFLIGHT = "tests/test_preflight.py::"
+JOURNAL = "tests/test_journal.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -759,6 +761,64 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         (GATEWAY + "test_async_close_client_racing_a_stopping_loop_still_closes_its_socket",),
+    ),
+    # -- issue 10: operable at 3 a.m. ---------------------------------------------------------
+    Mutant(
+        "issue10-live-socket-takeover",
+        "a second daemon silently takes over a live daemon's engine socket",
+        (
+            Edit(
+                "kvxferd/preflight.py",
+                'raise ConfigError(f"{name} = {value!r}: a live daemon is serving on this socket")',
+                "return",
+            ),
+        ),
+        (
+            PREFLIGHT
+            + "test_second_daemon_on_a_live_engine_socket_refuses_and_first_stays_reachable",
+        ),
+    ),
+    Mutant(
+        "issue10-port-in-use",
+        "a port in use is found only by the slow set-up (exit 1, a traceback)",
+        (Edit("kvxferd/preflight.py", "            s.bind(addr)\n", "            pass\n"),),
+        (PREFLIGHT + "test_probe_port_in_use_exits_2",),
+    ),
+    Mutant(
+        "issue10-dev-shm-size",
+        "a pool larger than /dev/shm starts anyway (the engine later dies of SIGBUS)",
+        (Edit("kvxferd/preflight.py", "if need > free:", "if False:"),),
+        (PREFLIGHT + "test_pool_larger_than_dev_shm_exits_2",),
+    ),
+    Mutant(
+        "issue10-failed-request-silent",
+        "a failed request logs only at DEBUG: nothing answers what happened to it",
+        (
+            Edit(
+                "kvxferd/journal.py",
+                'level = logging.WARNING if not e.ok and e.kind != "slice" else logging.DEBUG',
+                "level = logging.DEBUG",
+            ),
+        ),
+        (JOURNAL + "test_each_failed_request_logs_one_warning_line_with_its_fields",),
+    ),
+    Mutant(
+        "issue10-stall-logged-late",
+        "a stalled write is not logged at WARNING when it stalls",
+        (
+            Edit(
+                "kvxferd/worker.py",
+                "jlog.warning(  # when it stalls",
+                "jlog.debug(  # when it stalls",
+            ),
+        ),
+        (JOURNAL + "test_a_stalled_write_logs_when_it_stalls_not_only_when_it_ends",),
+    ),
+    Mutant(
+        "issue10-peer-label-budget",
+        "one peer more than the label budget gets its own label (series grow with peers)",
+        (Edit("kvxferd/journal.py", "< self.peer_labels", "<= self.peer_labels"),),
+        (JOURNAL + "test_peers_past_the_label_budget_share_one_label",),
     ),
 )
 

@@ -65,7 +65,9 @@ def start(role: str, sock_dir: str, **env: str) -> tuple[int, list[str], float]:
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=60,
+        # Well above FAIL_FAST_S, well below pytest's timeout: a daemon that got past the
+        # checks (allocating a huge pool, say) fails the test here, with its own message.
+        timeout=30,
     )
     return proc.returncode, proc.stderr.strip().splitlines(), time.monotonic() - t0
 
