@@ -10,7 +10,9 @@ workers are wedged), so::
     /readyz   200 only when new work would be accepted: not draining, every thread
               alive, the session/fetch table below its limit, (receiver) a free aux slot.
     /metrics  Prometheus text from one :class:`Snapshot`, built in a worker thread
-              with a deadline, so a slow scrape never stalls the loop.
+              with a deadline, so a slow scrape never stalls the loop. Every counter in
+              stats.CATALOGUE (the service's and the engine gateway's), per-peer
+              histograms from the journal, and gauges of what is in flight and held.
 
 The server runs inside the daemon's own event loop (aiohttp ``AppRunner``; no
 signal handlers touched, no extra HTTP thread that would stay healthy while

@@ -694,6 +694,7 @@ class Receiver:
             except zmq.Again:
                 return
             except zmq.ZMQError:
+                self.stats.add("recv_errors")
                 return
             body = frames[1:] if sock is self._router else frames
             try:

@@ -319,7 +319,12 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         values=GATEWAY_CALLS,
     ),
     _c("calls_found_by_key", _G, "Publish/Fetch retries answered with the open handle"),
-    _c("recv_errors", _G, "Engine socket receive errors"),
+    _c(
+        "recv_errors",
+        _R | _G,
+        "Receive errors (receiver: on a sender link or the result socket; gateway: on the "
+        "engine socket)",
+    ),
     _c("internal_errors", _G, "Engine calls that failed on a bug (Error internal)"),
     # -- everyone (guard.py) -------------------------------------------------------------
     _c(

@@ -140,6 +140,23 @@ def test_catalogue_label_values_are_the_enums_and_tags_they_come_from() -> None:
     assert values("receiver", "fetches_") == {s.value for s in RxState} - {"requested"}
 
 
+def test_each_stats_name_has_one_spec_and_each_family_one_meaning_per_component() -> None:
+    """Within a component no plain name is also a family's value, and no two specs share a family."""
+    from kvxferd.stats import CATALOGUE, find_counter, specs_for
+
+    for component in ("sender", "receiver", "gateway"):
+        specs = specs_for(component)
+        metrics = [s.metric_for(component) for s in specs]
+        assert len(metrics) == len(set(metrics)), (component, sorted(metrics))
+        for spec in specs:
+            if not spec.label:
+                assert find_counter(component, spec.key) is spec, (component, spec.key)
+                continue
+            for v in spec.values:
+                assert find_counter(component, spec.stats_key(v)) is spec, (component, spec.key, v)
+    assert all(spec.help and spec.components for spec in CATALOGUE)
+
+
 def _collect(snapshot: Any) -> str:
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -192,6 +209,89 @@ def test_every_catalogued_counter_is_exported_for_its_role(role: str) -> None:
                 assert got == want, (spec.key, got)
     assert fams["kvxferd_gateway_handles"].samples[0].value == 3
     assert fams["kvxferd_gateway_calls_in_flight"].samples[0].value == 1
+
+
+# -- in-flight states and reclaims, driven step by step ------------------------------------------
+
+
+POOL = dict(num_layers=2, num_blocks=16, block_elems=16, aux_slots=4, aux_slot_bytes=64)
+
+
+@pytest.fixture
+def stalling_pair(request: pytest.FixtureRequest) -> Any:
+    """A Sender (writes stall after 300 ms) and a Receiver on data planes the test drives."""
+    from kvxferd.config import load_receiver_settings, load_sender_settings
+    from kvxferd.receiver import Receiver
+    from kvxferd.sender import Sender
+    from kvxferd.testing import ControlledDataPlane
+
+    deadlines = dict(drain_timeout_ms=500, shutdown_timeout_ms=3000, xfer_stall_timeout_ms=300)
+    dp = ControlledDataPlane("mx-tx")
+    sx = Sender(
+        load_sender_settings(
+            name="mx-tx", listen="tcp://127.0.0.1:0", pool=POOL, deadlines=deadlines
+        ),
+        dataplane=dp,
+    ).start()
+    request.addfinalizer(lambda: sx.shutdown(timeout=3))
+    rx = Receiver(
+        load_receiver_settings(
+            name="mx-rx",
+            result_endpoint="tcp://127.0.0.1:0",
+            pool=POOL,
+            deadlines=dict(drain_timeout_ms=500, shutdown_timeout_ms=2000),
+        ),
+        dataplane=ControlledDataPlane("mx-rx"),
+    ).start()
+    request.addfinalizer(lambda: rx.shutdown(timeout=3))
+    return sx, rx, dp
+
+
+def test_a_stalled_write_shows_as_writing_then_in_doubt_and_its_reclaim_is_counted(
+    stalling_pair: Any,
+) -> None:
+    """A write is ``writing``, then after its stall ``in_doubt`` on both sides (aux slot quarantined, oldest age growing); when NIXL lets go, both count the reclaim and the gauges return to zero."""
+    from kvxferd.health import ReceiverProbe, SenderProbe
+
+    sx, rx, dp = stalling_pair
+    tx_probe, rx_probe = SenderProbe(sx, sx.settings), ReceiverProbe(rx, rx.settings)
+    sx.publish("mx-stall", [1], aux=b"aux")
+    h = rx.fetch("mx-stall", sx.endpoint, [2])
+    xfer = dp.wait_posted(1)
+    snap = tx_probe.snapshot()
+    assert snap.in_flight == {"parked": 0, "queued": 0, "writing": 1, "in_doubt": 0}
+    assert snap.oldest_in_flight_s > 0
+    assert rx_probe.snapshot().in_flight == {"requested": 1, "fenced": 0, "in_doubt": 0}
+    out = h.wait(WAIT_S)  # the stall: the sender reports the slice in doubt
+    assert out is not None and out.state.value == "failed", out
+    wait_until(lambda: rx.in_doubt() == 1, WAIT_S, "the fetch in doubt on the receiver")
+    snap = tx_probe.snapshot()
+    assert snap.in_flight["in_doubt"] == 1 and snap.in_flight["writing"] == 0
+    assert snap.oldest_in_flight_s >= 0.3  # the session ended, its write did not
+    rsnap = rx_probe.snapshot()
+    assert rsnap.in_flight == {"requested": 0, "fenced": 0, "in_doubt": 1}
+    assert rsnap.aux_slots == {"free": 3, "in_use": 0, "quarantined": 1}
+    fams = {f.name: f for f in text_string_to_metric_families(_collect(rsnap))}
+    assert value(fams, "kvxferd_aux_slots", state="quarantined") == 1
+    assert value(fams, "kvxferd_fetches_in_doubt") == 1
+    assert value(fams, "kvxferd_aux_slots_quarantined") == 1
+    assert value(fams, "kvxferd_transfers_in_flight", state="in_doubt") == 1
+    assert sx.stats.get("writes_stalled") == 1
+
+    xfer.finish(True)  # NIXL lets go: the sender tells the receiver, both reclaim
+    wait_until(lambda: rx.in_doubt() == 0, WAIT_S, "the in-doubt fetch resolved")
+    fams = {f.name: f for f in text_string_to_metric_families(_collect(tx_probe.snapshot()))}
+    assert value(fams, "kvxferd_writes_stalled") == 1
+    assert value(fams, "kvxferd_in_doubt_resolved") == 1
+    assert value(fams, "kvxferd_transfers_in_flight") == 0
+    assert value(fams, "kvxferd_oldest_in_flight_seconds") == 0
+    assert value(fams, "kvxferd_outcomes", outcome="in_doubt") == 1
+    fams = {f.name: f for f in text_string_to_metric_families(_collect(rx_probe.snapshot()))}
+    assert value(fams, "kvxferd_in_doubt_resolved") == 1
+    assert value(fams, "kvxferd_aux_slots_released") == 1
+    assert value(fams, "kvxferd_aux_slots", state="quarantined") == 0
+    assert value(fams, "kvxferd_transfers_in_flight") == 0
+    assert hist_count(fams, "kvxferd_peer_end_to_end_seconds", peer=sx.endpoint) == 1
 
 
 # -- a real daemon pair ---------------------------------------------------------------------------
