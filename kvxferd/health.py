@@ -364,7 +364,8 @@ class SnapshotCollector(Collector):
             total = self._sum
         return HistogramMetricFamily(
             "kvxferd_transfer_duration_seconds",
-            "Slice (sender: queued to reported) or fetch (receiver: sent to result) duration",
+            "Slice (sender: queued to reported) or fetch (receiver: the engine's fetch call"
+            " to its outcome) duration",
             buckets=buckets,
             sum_value=total,
         )
