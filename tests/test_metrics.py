@@ -276,7 +276,6 @@ def test_a_stalled_write_shows_as_writing_then_in_doubt_and_its_reclaim_is_count
     assert value(fams, "kvxferd_fetches_in_doubt") == 1
     assert value(fams, "kvxferd_aux_slots_quarantined") == 1
     assert value(fams, "kvxferd_transfers_in_flight", state="in_doubt") == 1
-    assert sx.stats.get("writes_stalled") == 1
 
     xfer.finish(True)  # NIXL lets go: the sender tells the receiver, both reclaim
     wait_until(lambda: rx.in_doubt() == 0, WAIT_S, "the in-doubt fetch resolved")
@@ -309,6 +308,9 @@ def pair_env() -> dict[str, str]:
         "KVXFERD_DEADLINES__SHUTDOWN_TIMEOUT_MS": 3000,
         "KVXFERD_DEADLINES__KV_TRANSFER_TIMEOUT_MS": 8000,
         "KVXFERD_DEADLINES__CANCEL_FENCE_MS": 2000,
+        # A fetch of a request never published is expired by the sender after this, long
+        # before its own timeout (8 s): the outcome is failed/expired, never a race.
+        "KVXFERD_DEADLINES__PENDING_FETCH_TTL_MS": 2000,
     }
     return {k: str(v) for k, v in env.items()}
 
@@ -402,8 +404,8 @@ def test_daemon_pair_exports_every_family_and_the_counters_move(
         out = cr.wait(h, CALL_S)
         assert out is not None and out.state == "done", out
     # 2. a fetch nobody published: parked at the sender, in flight here, until the sender
-    # expires it at the fetch's own deadline
-    lost = cr.fetch("mx-lost", tx.endpoint, [9], timeout_ms=1500)
+    # expires it (pending_fetch_ttl_ms)
+    lost = cr.fetch("mx-lost", tx.endpoint, [9])
     fams = moved(
         rx.probe_port,
         lambda f: value(f, "kvxferd_transfers_in_flight", state="requested") == 1,
