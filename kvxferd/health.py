@@ -10,7 +10,9 @@ workers are wedged), so::
     /readyz   200 only when new work would be accepted: not draining, every thread
               alive, the session/fetch table below its limit, (receiver) a free aux slot.
     /metrics  Prometheus text from one :class:`Snapshot`, built in a worker thread
-              with a deadline, so a slow scrape never stalls the loop.
+              with a deadline, so a slow scrape never stalls the loop. Every counter in
+              stats.CATALOGUE (the service's and the engine gateway's), per-peer
+              histograms from the journal, and gauges of what is in flight and held.
 
 The server runs inside the daemon's own event loop (aiohttp ``AppRunner``; no
 signal handlers touched, no extra HTTP thread that would stay healthy while
@@ -46,8 +48,8 @@ from prometheus_client.utils import floatToGoString
 
 from kvxferd import __version__
 from kvxferd.config import ReceiverSettings, SenderSettings
-from kvxferd.errors import Reason
-from kvxferd.session import RxState, TxState
+from kvxferd.session import Fence, RxState, SliceState, TxState
+from kvxferd.stats import specs_for
 
 if TYPE_CHECKING:
     from kvxferd.receiver import Receiver
@@ -72,17 +74,46 @@ DURATION_BUCKETS_S: tuple[float, ...] = (
     10.0,
 )
 
-# Outcome counters per role: metric label -> Stats key. Fixed, so the label set is bounded.
-OUTCOMES: dict[str, dict[str, str]] = {
-    "sender": {"done": "slices_done", "failed": "slices_failed", "in_doubt": "slices_in_doubt"},
-    "receiver": {
-        "done": "fetches_done",
-        "failed": "fetches_failed",
-        "timed_out": "fetches_timed_out",
-        "cancelled": "fetches_cancelled",
-    },
+# In-flight transfers by state, per role: every value exported, zero included (see Snapshot).
+IN_FLIGHT_STATES: dict[str, tuple[str, ...]] = {
+    "sender": ("parked", "queued", "writing", "in_doubt"),
+    "receiver": ("requested", "fenced", "in_doubt"),
 }
-BYTES_KEY: dict[str, str] = {"sender": "bytes_written", "receiver": "bytes_received"}
+# What each role holds per peer (see Snapshot.peer_cache).
+PEER_CACHE_KINDS: dict[str, tuple[str, ...]] = {
+    "sender": ("peers", "nixl_agents", "retiring_agents", "shared_dealers", "worker_dealers"),
+    "receiver": ("links", "ready_links"),
+}
+AUX_SLOT_STATES: dict[str, tuple[str, ...]] = {
+    "sender": ("free", "in_use"),
+    "receiver": ("free", "in_use", "quarantined"),
+}
+# journal.PHASES -> (family, help). One family per phase, not one with a phase label: the
+# phases overlap (end_to_end contains post and transfer), so a sum over a phase label would
+# be meaningless, and each is read on its own (histogram_quantile per family).
+PEER_HISTOGRAMS: dict[str, tuple[str, str]] = {
+    "post": (
+        "kvxferd_peer_post_seconds",
+        "Sender: a slice's wait from queued to its first WRITE posted, per peer",
+    ),
+    "transfer": (
+        "kvxferd_peer_transfer_seconds",
+        "Sender: first WRITE posted to the last one released by NIXL, per peer",
+    ),
+    "end_to_end": (
+        "kvxferd_peer_end_to_end_seconds",
+        "Sender: slice queued to its result; receiver: fetch started to its outcome; per peer",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GatewayReading:
+    """The engine gateway's own counters and tables, read with the service's snapshot."""
+
+    stats: dict[str, int]
+    handles: int  # handles open (bounded by max_handles)
+    calls_in_flight: int  # engine calls being served (bounded by max_client_inflight)
 
 
 @dataclass(frozen=True)
@@ -91,6 +122,13 @@ class Snapshot:
 
     ``durations_s`` holds the transfer durations recorded since the previous
     snapshot (taking a snapshot drains them): only the metrics collector takes one.
+
+    ``in_flight`` (keys: :data:`IN_FLIGHT_STATES`): sender ``parked`` (a fetch waiting
+    for its publish), ``queued`` / ``writing`` (slices), ``in_doubt`` (slices reported
+    in doubt whose write NIXL still holds); receiver ``requested`` (open fetches),
+    ``fenced`` (ended, waiting for the sender's CancelAck), ``in_doubt`` (ended in doubt,
+    blocks held). ``oldest_in_flight_s``: sender, the oldest session not ended or with a
+    write in flight; receiver, the oldest fetch open or fenced; 0 when none.
     """
 
     role: str  # "sender" | "receiver"
@@ -100,6 +138,15 @@ class Snapshot:
     writes_in_flight: int
     peers: int
     durations_s: list[float] = field(default_factory=list)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    oldest_in_flight_s: float = 0.0
+    peer_cache: dict[str, int] = field(default_factory=dict)  # keys: PEER_CACHE_KINDS
+    aux_slots: dict[str, int] = field(default_factory=dict)  # keys: AUX_SLOT_STATES
+    # journal.histograms(): {(phase, peer label): (cumulative buckets, sum)}
+    histograms: dict[tuple[str, str], tuple[list[tuple[float, int]], float]] = field(
+        default_factory=dict
+    )
+    gateway: GatewayReading | None = None
 
 
 class Probe(Protocol):
@@ -259,7 +306,6 @@ class SnapshotCollector(Collector):
         return list(self._families(snap))
 
     def _families(self, snap: Snapshot) -> Iterator[Metric]:
-        stats = snap.stats
         sessions = GaugeMetricFamily(
             "kvxferd_sessions", "Sessions (sender) or fetches (receiver) by state", labels=["state"]
         )
@@ -267,20 +313,8 @@ class SnapshotCollector(Collector):
             sessions.add_metric([state], n)
         yield sessions
 
-        outcomes = CounterMetricFamily(
-            "kvxferd_outcomes",
-            "Final results: slices (sender) or fetches (receiver)",
-            labels=["outcome"],
-        )
-        for outcome, key in OUTCOMES.get(snap.role, {}).items():
-            outcomes.add_metric([outcome], stats.get(key, 0))
-        yield outcomes
-
-        yield CounterMetricFamily(
-            "kvxferd_bytes",
-            "KV bytes written (sender) or received (receiver)",
-            value=stats.get(BYTES_KEY.get(snap.role, "bytes"), 0),
-        )
+        workers = len(snap.queue_depths) if snap.role == "sender" else 0
+        yield from _counters(snap.role, snap.stats, workers)
 
         yield self._histogram(snap.durations_s)
 
@@ -291,29 +325,26 @@ class SnapshotCollector(Collector):
             depth.add_metric([str(i)], n)
         yield depth
 
-        if snap.role == "sender":  # one series per worker thread: bounded by num_threads
-            per_worker = CounterMetricFamily(
-                "kvxferd_worker_slices",
-                "Slices a worker thread finished (any outcome)",
-                labels=["worker"],
-            )
-            for i in range(len(snap.queue_depths)):
-                per_worker.add_metric([str(i)], stats.get(f"worker_{i}_slices", 0))
-            yield per_worker
-
-        rejections = CounterMetricFamily(
-            "kvxferd_rejections", "Messages or requests refused, by reason", labels=["reason"]
-        )
-        for reason in Reason:  # every known reason, zero included: stable series, bounded labels
-            rejections.add_metric([reason.value], stats.get(f"rejected_{reason.value}", 0))
-        yield rejections
-
         yield GaugeMetricFamily("kvxferd_peers", "Peers connected", value=snap.peers)
         yield GaugeMetricFamily(
             "kvxferd_writes_in_flight",
             "Writes that may still touch registered memory",
             value=snap.writes_in_flight,
         )
+        yield from _gauges(snap)
+        yield from _peer_histograms(snap.histograms)
+        if snap.gateway is not None:
+            yield from _counters("gateway", snap.gateway.stats, 0)
+            yield GaugeMetricFamily(
+                "kvxferd_gateway_handles",
+                "Engine handles open on the gateway (bounded by max_handles)",
+                value=snap.gateway.handles,
+            )
+            yield GaugeMetricFamily(
+                "kvxferd_gateway_calls_in_flight",
+                "Engine calls being served (bounded by max_client_inflight)",
+                value=snap.gateway.calls_in_flight,
+            )
         labels = {"role": snap.role, **self._build_info}
         info = GaugeMetricFamily("kvxferd_build_info", "Build information", labels=list(labels))
         info.add_metric(list(labels.values()), 1)
@@ -333,10 +364,83 @@ class SnapshotCollector(Collector):
             total = self._sum
         return HistogramMetricFamily(
             "kvxferd_transfer_duration_seconds",
-            "Slice (sender: queued to reported) or fetch (receiver: sent to result) duration",
+            "Slice (sender: queued to reported) or fetch (receiver: the engine's fetch call"
+            " to its outcome) duration",
             buckets=buckets,
             sum_value=total,
         )
+
+
+def _counters(component: str, stats: dict[str, int], workers: int) -> Iterator[Metric]:
+    """Every catalogued counter of ``component`` (stats.CATALOGUE), zero included.
+
+    Specs that share a family (``kvxferd_outcomes``: one per role) are one family here;
+    each label value of a family is one series, so the label set is the catalogue's.
+    """
+    families: dict[str, CounterMetricFamily] = {}
+    for spec in specs_for(component):
+        name = spec.metric_for(component)
+        fam = families.get(name)
+        if fam is None:
+            labels = [spec.label] if spec.label else []
+            fam = families[name] = CounterMetricFamily(name, spec.help, labels=labels)
+        if not spec.label:
+            fam.add_metric([], stats.get(spec.key, 0))
+            continue
+        values = spec.values or tuple(str(i) for i in range(workers))
+        for v in values:
+            fam.add_metric([v], stats.get(spec.stats_key(v), 0))
+    yield from families.values()
+
+
+def _gauges(snap: Snapshot) -> Iterator[Metric]:
+    """In-flight transfers, the oldest one's age, aux slots and the peer cache (bounded labels)."""
+    in_flight = GaugeMetricFamily(
+        "kvxferd_transfers_in_flight",
+        "Transfers not finished, by state (sender: parked fetches and slices queued, writing"
+        " or in doubt; receiver: fetches requested, fenced or in doubt)",
+        labels=["state"],
+    )
+    for state in IN_FLIGHT_STATES.get(snap.role, ()):
+        in_flight.add_metric([state], snap.in_flight.get(state, 0))
+    yield in_flight
+    yield GaugeMetricFamily(
+        "kvxferd_oldest_in_flight_seconds",
+        "Age of the oldest transfer not finished (sender: a session not ended or with a write"
+        " in flight; receiver: a fetch open or fenced); 0 when none",
+        value=snap.oldest_in_flight_s,
+    )
+    aux = GaugeMetricFamily(
+        "kvxferd_aux_slots",
+        "Aux slots by state (receiver: quarantined = held by a fetch in doubt)",
+        labels=["state"],
+    )
+    for state in AUX_SLOT_STATES.get(snap.role, ()):
+        aux.add_metric([state], snap.aux_slots.get(state, 0))
+    yield aux
+    cache = GaugeMetricFamily(
+        "kvxferd_peer_cache_entries",
+        "What is held per peer (sender: registered peers, NIXL remote agents incl. retiring"
+        " ones, retiring agents, shared and worker DEALERs; receiver: links, ready links)",
+        labels=["kind"],
+    )
+    for kind in PEER_CACHE_KINDS.get(snap.role, ()):
+        cache.add_metric([kind], snap.peer_cache.get(kind, 0))
+    yield cache
+
+
+def _peer_histograms(
+    hists: dict[tuple[str, str], tuple[list[tuple[float, int]], float]],
+) -> Iterator[Metric]:
+    """journal.histograms() as one family per phase, labelled by peer (bounded by the journal)."""
+    for phase, (name, text) in PEER_HISTOGRAMS.items():
+        fam = HistogramMetricFamily(name, text, labels=["peer"])
+        for (p, peer), (buckets, total) in sorted(hists.items()):
+            if p == phase:
+                fam.add_metric(
+                    [peer], [(floatToGoString(b), n) for b, n in buckets], sum_value=total
+                )
+        yield fam
 
 
 # -- the probes the daemon uses -------------------------------------------------------------
@@ -439,21 +543,50 @@ class SenderProbe:
         return not failing, failing
 
     def snapshot(self) -> Snapshot:
-        snd = self.sender
+        snd, now = self.sender, time.monotonic()
         with snd._lock:
             sessions = list(snd._sessions.values())
-            peers = len(snd._peers)
+            peers = list(snd._peers.values())
+            parked = snd._pending_count
+        with snd._peer_lock:
+            retiring = set(snd._retiring)
         by_state = dict.fromkeys((s.value for s in TxState), 0)
+        in_flight = dict.fromkeys(IN_FLIGHT_STATES["sender"], 0)
+        in_flight["parked"] = parked
+        oldest = 0.0
         for s in sessions:
             by_state[s.state.value] += 1
+            if not s.ended or s.writes_in_flight > 0:
+                oldest = max(oldest, now - s.created)
+            for sl in s.slices():
+                if sl.state is SliceState.QUEUED:
+                    in_flight["queued"] += 1
+                elif sl.state is SliceState.WRITING:
+                    in_flight["writing"] += 1
+                elif sl.state is SliceState.IN_DOUBT and sl.writes_in_flight > 0:
+                    in_flight["in_doubt"] += 1
+        aux_total, aux_free = self.settings.pool.aux_slots, snd.aux_slots.free
         return Snapshot(
             role="sender",
             stats=snd.stats.snapshot(),
             sessions_by_state=by_state,
             queue_depths=snd.queue_depths(),
             writes_in_flight=sum(s.writes_in_flight for s in sessions),
-            peers=peers,
+            peers=len(peers),
             durations_s=snd.stats.take_samples("slice_seconds"),
+            in_flight=in_flight,
+            oldest_in_flight_s=oldest,
+            peer_cache={
+                "peers": len(peers),
+                "nixl_agents": len({p.nixl_name for p in peers} | retiring),
+                "retiring_agents": len(retiring),
+                # len() of dicts other threads own: a count, never an iteration
+                "shared_dealers": len(snd._shared._dealers),
+                "worker_dealers": sum(len(w._dealers) for w in snd._workers),
+            },
+            aux_slots={"free": aux_free, "in_use": aux_total - aux_free},
+            histograms=snd.journal.histograms(),
+            gateway=_gateway_reading(self.gateway),
         )
 
 
@@ -507,15 +640,28 @@ class ReceiverProbe:
         return not failing, failing
 
     def snapshot(self) -> Snapshot:
-        rx = self.receiver
+        rx, now = self.receiver, time.monotonic()
         with rx._lock:
             fetches = list(rx._fetches.values())
             in_doubt = len(rx._in_doubt)
+            unresolved = rx._forgotten_in_doubt  # in doubt, asked about or not any more
             queued = len(rx._commands)
         by_state = dict.fromkeys((s.value for s in RxState), 0)
+        requested = fenced = 0
+        oldest = 0.0
         for f in fetches:
             by_state[f.state.value] += 1
+            if not f.ended:
+                requested += 1
+            elif f.fence is Fence.FENCED:
+                fenced += 1
+            else:
+                continue
+            oldest = max(oldest, now - f.started)
         links = _copy_values(rx._links)
+        ready = sum(1 for link in links if link.ready)
+        free, quarantined = rx.aux_slot_counts()
+        total = self.settings.pool.aux_slots
         return Snapshot(
             role="receiver",
             stats=rx.stats.snapshot(),
@@ -523,9 +669,26 @@ class ReceiverProbe:
             queue_depths=[queued],
             # A fetch in our table, or one in doubt, may still receive a write into its blocks.
             writes_in_flight=len(fetches) + in_doubt,
-            peers=sum(1 for link in links if link.ready),
+            peers=ready,
             durations_s=rx.stats.take_samples("fetch_seconds"),
+            in_flight={"requested": requested, "fenced": fenced, "in_doubt": unresolved},
+            oldest_in_flight_s=oldest,
+            peer_cache={"links": len(links), "ready_links": ready},
+            aux_slots={
+                "free": free,
+                "in_use": max(0, total - free - quarantined),
+                "quarantined": quarantined,
+            },
+            histograms=rx.journal.histograms(),
+            gateway=_gateway_reading(self.gateway),
         )
+
+
+def _gateway_reading(gateway: Any) -> GatewayReading | None:
+    """The engine gateway's counters and table sizes, when the daemon runs one."""
+    if gateway is None:
+        return None
+    return GatewayReading(gateway.stats.snapshot(), gateway.handle_count, gateway.calls_in_flight)
 
 
 def _copy_values(d: dict[Any, Any]) -> list[Any]:

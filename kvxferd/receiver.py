@@ -458,6 +458,8 @@ class Receiver:
             send_bounded(link.dealer, wire.encode(reg))
         except SendTimeout:
             self._drop_link(link, Reason.PEER_LOST, "REGISTER could not be sent")
+            return
+        self.stats.add("registers_sent")
 
     def _close_link(self, link: _Link) -> None:
         if self._links.get(link.endpoint) is link:
@@ -475,6 +477,7 @@ class Receiver:
         """Close ``link``; the fetches waiting for its registration fail with ``reason``."""
         waiting, link.waiting = link.waiting, []
         self._close_link(link)
+        self.stats.add("links_dropped")
         for rx in waiting:
             self._fail(rx, reason, detail)
 
@@ -507,6 +510,7 @@ class Receiver:
 
     def _on_register_reply(self, link: _Link, msg: wire.RegisterReply) -> None:
         known, link.sender_id = link.sender_id, msg.sender_id
+        self.stats.add("register_replies_ok" if msg.ok else "register_replies_refused")
         # Fetches sent to another incarnation at this endpoint, whether this link or an
         # earlier one (dropped meanwhile) carried them: that process is gone.
         with self._lock:
@@ -665,6 +669,7 @@ class Receiver:
             self._settled.notify_all()
         if rx.aux_slot >= 0:
             self.aux_slots.give_back([rx.aux_slot])
+            self.stats.add("aux_slots_released")
         self.stats.add("in_doubt_resolved")
         log.info("fetch %d of %s: outcome no longer in doubt", rx.fetch_id, rx.request_id)
 
@@ -689,6 +694,7 @@ class Receiver:
             except zmq.Again:
                 return
             except zmq.ZMQError:
+                self.stats.add("recv_errors")
                 return
             body = frames[1:] if sock is self._router else frames
             try:

@@ -421,6 +421,7 @@ class Sender:
     def _on_register(self, routing_id: bytes, msg: wire.Register) -> None:
         def refuse(reason: Reason, detail: str) -> None:
             self.stats.add(f"rejected_{reason}")
+            self.stats.add("registers_refused")
             self._reply(
                 routing_id,
                 wire.RegisterReply(
@@ -459,6 +460,7 @@ class Sender:
             evicted = self._evict_idle_peer_locked() if full else None
         if known is not None and known.receiver_id == msg.receiver_id:
             self._peer_seen[routing_id] = time.monotonic()
+            self.stats.add("registers_accepted")
             self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
             return
         for old in replaced:
@@ -499,6 +501,7 @@ class Sender:
             self._peers[routing_id] = peer
         self._peer_seen[routing_id] = time.monotonic()
         self.stats.add("peers_registered")
+        self.stats.add("registers_accepted")
         log.info("receiver %s registered (results at %s)", msg.receiver_id, msg.result_endpoint)
         self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
 
@@ -796,6 +799,7 @@ class Sender:
                     due.append(s)
         for p in expired:
             self.stats.add(f"rejected_{Reason.EXPIRED}")
+            self.stats.add("parked_fetches_expired")
             self._reply(
                 p.peer.routing_id,
                 wire.Result(

@@ -1,12 +1,32 @@
-"""Counters every part bumps: rejections by reason, outcomes, bytes, send timeouts.
+"""Counters every part bumps, and the catalogue that exports each one on /metrics.
 
-Label values are bounded (reason codes, states), never request ids.
+:class:`Stats` holds named counters (thread-safe). :data:`CATALOGUE` lists every
+name any component bumps, with its help text and the Prometheus family it is
+exported as; ``tests/test_metrics.py`` reads kvxferd/ with ``ast`` and fails on a
+``stats.add(...)`` whose name is not here, so a counter cannot exist only inside
+the process. Components: ``sender`` (sender.py, worker.py), ``receiver``
+(receiver.py), ``gateway`` (gateway.py); guard.py's counters are everyone's.
+
+Exported names: a plain counter ``<key>`` is ``kvxferd_<key>_total``
+(``kvxferd_gateway_<key>_total`` for the gateway's own Stats). A family's key has
+one ``{label}`` placeholder (``rejected_{reason}``) and is one labelled counter
+whose label values are a fixed tuple (an enum's values, message tags), every
+value exported, zero included; ``worker_{worker}_slices`` is labelled by worker
+index (bounded by ``num_threads``). A few keep the names they had before the
+catalogue: ``kvxferd_outcomes_total``, ``kvxferd_bytes_total``,
+``kvxferd_rejections_total``, ``kvxferd_worker_slices_total``.
+
+Label values are bounded (reason codes, states, tags, worker indices), never request ids.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import Counter, deque
+from dataclasses import dataclass
+
+from kvxferd.errors import Reason
 
 
 class Stats:
@@ -46,3 +66,300 @@ class Stats:
             out = list(q)
             q.clear()
             return out
+
+
+# -- the catalogue ------------------------------------------------------------------------------
+
+SENDER, RECEIVER, GATEWAY = "sender", "receiver", "gateway"
+_SERVICE = frozenset({SENDER, RECEIVER})
+_EVERYONE = frozenset({SENDER, RECEIVER, GATEWAY})
+
+REASONS: tuple[str, ...] = tuple(r.value for r in Reason)
+# kvxferd.engine_protocol.EngineReason (every Reason plus the gateway's own); a test keeps
+# the two equal, so this module needs no import of the engine side.
+GATEWAY_REASONS: tuple[str, ...] = (*REASONS, "unknown_handle", "wrong_role", "internal")
+# The engine calls (kvxferd.engine_protocol.ToGateway tags) and the sender workers' messages.
+GATEWAY_CALLS: tuple[str, ...] = (
+    "describe",
+    "publish",
+    "fetch",
+    "lookup",
+    "wait",
+    "poll",
+    "cancel",
+    "close",
+)
+WORKER_MESSAGES: tuple[str, ...] = ("result", "cancel_ack")
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSpec:
+    """One Stats name (or family of names) and how /metrics exports it."""
+
+    key: str  # the Stats name; a family has one "{label}" placeholder: "rejected_{reason}"
+    help: str
+    components: frozenset[str]  # whose Stats bump it: sender, receiver, gateway
+    metric: str = ""  # the exported family (without _total); "" = kvxferd_[gateway_]<key>
+    values: tuple[str, ...] = ()  # a family's label values; () = worker indices
+
+    @property
+    def label(self) -> str:
+        m = _PLACEHOLDER.search(self.key)
+        return m.group(1) if m else ""
+
+    @property
+    def prefix(self) -> str:
+        return self.key.split("{", 1)[0]
+
+    @property
+    def suffix(self) -> str:
+        return self.key.rsplit("}", 1)[1] if self.label else ""
+
+    def metric_for(self, component: str) -> str:
+        if self.metric:
+            return self.metric
+        base = self.key.split("_{", 1)[0] if self.label else self.key
+        return f"kvxferd_gateway_{base}" if component == GATEWAY else f"kvxferd_{base}"
+
+    def stats_key(self, value: str) -> str:
+        """The Stats name of one label value of a family."""
+        return f"{self.prefix}{value}{self.suffix}"
+
+
+def _c(key: str, components: frozenset[str], help: str, **kw: object) -> CounterSpec:
+    return CounterSpec(key, help, components, **kw)  # type: ignore[arg-type]
+
+
+_S, _R, _G = frozenset({SENDER}), frozenset({RECEIVER}), frozenset({GATEWAY})
+
+CATALOGUE: tuple[CounterSpec, ...] = (
+    # -- kept under their first names ----------------------------------------------------
+    _c(
+        "rejected_{reason}",
+        _SERVICE,
+        "Messages or requests refused, by reason (sender: a peer's message, a publish, a "
+        "fetch; receiver: an undecodable frame from a sender)",
+        metric="kvxferd_rejections",
+        values=REASONS,
+    ),
+    _c(
+        "slices_{outcome}",
+        _S,
+        "Final results: slices (one receiver's fetch of a published request) by outcome",
+        metric="kvxferd_outcomes",
+        values=("done", "failed", "in_doubt"),
+    ),
+    _c(
+        "fetches_{outcome}",
+        _R,
+        "Final results: fetches by outcome",
+        metric="kvxferd_outcomes",
+        values=("done", "failed", "cancelled", "timed_out"),
+    ),
+    _c("bytes_written", _S, "KV bytes written to receivers", metric="kvxferd_bytes"),
+    _c("bytes_received", _R, "KV bytes received from senders", metric="kvxferd_bytes"),
+    _c(
+        "worker_{worker}_slices",
+        _S,
+        "Slices a worker thread finished (any outcome)",
+        metric="kvxferd_worker_slices",
+    ),
+    # -- sender: engine side -------------------------------------------------------------
+    _c("published", _S, "Requests the engine published"),
+    _c(
+        "sessions_expired",
+        _S,
+        "Published requests nobody fetched within publish_ttl_ms (reclaimed)",
+    ),
+    _c(
+        "shutdown_refusals_skipped",
+        _S,
+        "Parked fetches not told about the shutdown because its deadline was near",
+    ),
+    # -- sender: peers and handshakes ----------------------------------------------------
+    _c("registers_accepted", _S, "REGISTERs answered ok (new peers and repeats)"),
+    _c("registers_refused", _S, "REGISTERs refused (reason in kvxferd_rejections_total)"),
+    _c("peers_registered", _S, "New peers registered (a NIXL remote agent added)"),
+    _c("peers_replaced", _S, "Peers replaced by a new receiver process at their result endpoint"),
+    _c("peers_evicted", _S, "Idle peers evicted because the peer table (max_peers) was full"),
+    _c("peers_removed", _S, "NIXL remote agents removed (after a replacement or eviction)"),
+    _c(
+        "peer_removals_deferred",
+        _S,
+        "Peer removals deferred until the writes toward that peer ended",
+    ),
+    # -- sender: fetches -----------------------------------------------------------------
+    _c("fetches_parked", _S, "Fetches that arrived before their request was published (parked)"),
+    _c(
+        "parked_fetches_expired",
+        _S,
+        "Parked fetches whose request was not published within pending_fetch_ttl_ms (reclaimed)",
+    ),
+    _c("cancels", _S, "CANCELs received from registered receivers"),
+    # -- sender: writes ------------------------------------------------------------------
+    _c("writes_refused", _S, "Writes not started: the session had ended (refused at admission)"),
+    _c("writes_build_failed", _S, "Writes that could not be built or posted"),
+    _c("writes_failed", _S, "Writes NIXL reported failed"),
+    _c("writes_stalled", _S, "Writes still in progress past xfer_stall_timeout_ms (in doubt)"),
+    _c(
+        "writes_in_doubt",
+        _S,
+        "Writes whose NIXL handle could not be released (status check raised, release refused)",
+    ),
+    _c(
+        "in_doubt_resolved",
+        _SERVICE,
+        "Outcomes in doubt that resolved (sender: a stalled write ended and was released; "
+        "receiver: the sender said no write is in flight): blocks reusable again",
+    ),
+    # -- messages ------------------------------------------------------------------------
+    _c(
+        "sent_{message}",
+        _S,
+        "Results and CancelAcks the workers sent to receivers",
+        metric="kvxferd_messages_sent",
+        values=WORKER_MESSAGES,
+    ),
+    _c(
+        "send_timeouts",
+        _SERVICE,
+        "Messages dropped because the peer did not read them within their send deadline",
+    ),
+    _c("send_errors", _S, "Messages dropped on a ZMQ error"),
+    _c(
+        "reply_dropped",
+        _S | _G,
+        "Replies on the ROUTER that could not be sent (the peer or engine is gone or not reading)",
+    ),
+    # -- receiver ------------------------------------------------------------------------
+    _c(
+        "fetch_refused_{reason}",
+        _R,
+        "Fetches the engine asked for and this receiver refused at once, by reason",
+        metric="kvxferd_fetch_refusals",
+        values=REASONS,
+    ),
+    _c(
+        "failed_{reason}",
+        _R,
+        "Fetches failed here before a write could start (not sent, link dropped, sender "
+        "restarted), by reason",
+        metric="kvxferd_fetch_failures",
+        values=REASONS,
+    ),
+    _c(
+        "peer_rejected_{reason}",
+        _R,
+        "Reject messages received from senders (a message of ours they could not take), by reason",
+        metric="kvxferd_peer_rejections",
+        values=REASONS,
+    ),
+    _c("requests_sent", _R, "REQUEST_DATA messages sent"),
+    _c(
+        "cancels_sent", _R, "CANCELs sent (a cancel, a timeout, or asking again about one in doubt)"
+    ),
+    _c(
+        "late_messages",
+        _R,
+        "Results or CancelAcks for a fetch this receiver no longer tracks (arrived too late)",
+    ),
+    _c("registers_sent", _R, "REGISTERs sent to senders"),
+    _c(
+        "register_replies_{result}",
+        _R,
+        "RegisterReplies received, ok or refused",
+        metric="kvxferd_register_replies",
+        values=("ok", "refused"),
+    ),
+    _c(
+        "links_dropped",
+        _R,
+        "Links to a sender dropped (register refused or unanswered, connect refused, send failed)",
+    ),
+    _c("reregistrations", _R, "Fetches answered unknown_peer that registered again"),
+    _c("connect_errors", _R, "Sender endpoints libzmq would not connect to"),
+    _c("reconnects", _R, "Links that reconnected (and registered again)"),
+    _c("disconnects", _R, "Links whose TCP connection dropped"),
+    _c("sender_restarts", _R, "Senders found to be a new process at a known endpoint"),
+    _c("fetches_resent", _R, "Open fetches sent again to a restarted sender"),
+    _c(
+        "fences_released_restart",
+        _R,
+        "Fences released because the sender restarted (nothing of the old process can land)",
+    ),
+    _c(
+        "fences_in_doubt",
+        _R,
+        "Fences that passed cancel_fence_ms without a CancelAck (outcome in doubt)",
+    ),
+    _c("fetches_in_doubt", _R, "Fetches that ended in doubt (blocks and aux slot held)"),
+    _c("aux_slots_quarantined", _R, "Aux slots held by a fetch in doubt"),
+    _c("aux_slots_released", _R, "Aux slots given back when a fetch in doubt resolved"),
+    _c(
+        "in_doubt_untracked",
+        _R,
+        "Fetches in doubt no longer asked about (the in-doubt table was full)",
+    ),
+    _c("in_doubt_retries", _R, "Times a fetch in doubt was asked about again"),
+    # -- gateway -------------------------------------------------------------------------
+    _c(
+        "rejected_{reason}",
+        _G,
+        "Engine calls refused, by reason",
+        metric="kvxferd_gateway_rejections",
+        values=GATEWAY_REASONS,
+    ),
+    _c(
+        "calls_{call}",
+        _G,
+        "Engine calls received, by call",
+        metric="kvxferd_gateway_calls",
+        values=GATEWAY_CALLS,
+    ),
+    _c("calls_found_by_key", _G, "Publish/Fetch retries answered with the open handle"),
+    _c(
+        "recv_errors",
+        _R | _G,
+        "Receive errors (receiver: on a sender link or the result socket; gateway: on the "
+        "engine socket)",
+    ),
+    _c("internal_errors", _G, "Engine calls that failed on a bug (Error internal)"),
+    # -- everyone (guard.py) -------------------------------------------------------------
+    _c(
+        "thread_errors",
+        _EVERYONE,
+        "Unexpected exceptions caught in a long-lived thread (liveness fails)",
+    ),
+    _c("threads_dead", _EVERYONE, "Long-lived threads that ended outside shutdown"),
+)
+
+# ``Stats.observe`` names, per component (exported as kvxferd_transfer_duration_seconds).
+SAMPLES: dict[str, tuple[str, ...]] = {SENDER: ("slice_seconds",), RECEIVER: ("fetch_seconds",)}
+
+
+def specs_for(component: str) -> list[CounterSpec]:
+    """The catalogued counters of one component, in catalogue order."""
+    return [s for s in CATALOGUE if component in s.components]
+
+
+def find_counter(component: str, key: str) -> CounterSpec | None:
+    """The spec exporting Stats name ``key`` of ``component``: a plain name, or a family value."""
+    for spec in specs_for(component):
+        if not spec.label and spec.key == key:
+            return spec
+    for spec in specs_for(component):
+        if spec.label and key.startswith(spec.prefix) and key.endswith(spec.suffix):
+            value = key[len(spec.prefix) : len(key) - len(spec.suffix)]
+            if value in spec.values or (not spec.values and value.isdigit()):
+                return spec
+    return None
+
+
+def find_family(component: str, prefix: str, suffix: str = "") -> CounterSpec | None:
+    """The family of ``component`` whose names are ``prefix{...}suffix`` (an f-string's shape)."""
+    for spec in specs_for(component):
+        if spec.label and spec.prefix == prefix and spec.suffix == suffix:
+            return spec
+    return None
