@@ -232,6 +232,7 @@ async def _get(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
         return r.status, await r.text()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_worker_thread_fails_healthz_and_readyz_and_the_metric_names_the_reasons(
     pair: tuple[Sender, ControlledDataPlane, Receiver],
 ) -> None:
