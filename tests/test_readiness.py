@@ -2,15 +2,17 @@
 
 The rules are checked deterministically with the controllable data plane (a
 write stays in progress until the test finishes it; ``readiness(now=...)``
-judges the same state at a later instant), and end to end with real processes:
-a receiver child SIGSTOPped while the sender's write into it is in progress
-(UCX over TCP waits for a frozen peer) turns ``/readyz`` red with the stuck
-reason, and green again once it resumes.
+judges the same state at a later instant), and end to end with real processes
+over UCX's TCP transport (a frozen peer holds a write): a receiver child
+SIGSTOPped while the sender's write into it is in progress, or a sender child
+SIGSTOPped before it reads a fetch, turns ``/readyz`` red with the stuck
+reason, and green again once the peer resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import threading
@@ -27,13 +29,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
-from kvxferd.health import ProbeServer, ReceiverProbe, SenderProbe
+from kvxferd.health import Probe, ProbeServer, ReceiverProbe, SenderProbe
 from kvxferd.journal import Ending
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from kvxferd.testing import ControlledDataPlane
 from tests.conditions import wait_until
-from tests.peers import PeerProcess, fill_request
+from tests.peers import PeerProcess, check_request, fill_request
 
 WAIT_S = 5.0
 POOL = dict(num_layers=2, num_blocks=16, block_elems=16, aux_slots=4, aux_slot_bytes=64)
@@ -312,6 +314,29 @@ def tcp_sender(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sender]:
         s.shutdown()
 
 
+@contextlib.contextmanager
+def probe_port(probe: Probe) -> Iterator[str]:
+    """A ProbeServer for ``probe`` on its own event loop thread; yields the /readyz URL."""
+    server = ProbeServer(probe, "127.0.0.1", 0)
+    loop = asyncio.new_event_loop()
+    served = threading.Thread(target=loop.run_forever, name="test-probe-loop", daemon=True)
+    served.start()
+    try:
+        port = asyncio.run_coroutine_threadsafe(server.start(), loop).result(WAIT_S)
+        try:
+            yield f"http://127.0.0.1:{port}/readyz"
+        finally:
+            asyncio.run_coroutine_threadsafe(server.stop(), loop).result(WAIT_S)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        served.join(WAIT_S)
+        loop.close()
+
+
+def stuck_lines(body: str, prefix: str) -> list[str]:
+    return [line for line in body.splitlines() if line.startswith(prefix)]
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_readyz_is_503_stuck_while_the_receiver_is_frozen_and_200_after_it_resumes(
@@ -327,44 +352,90 @@ def test_readyz_is_503_stuck_while_the_receiver_is_frozen_and_200_after_it_resum
     args = ["--settings", json.dumps(settings), "--endpoint", sx.endpoint, "--prefix", "st"]
     args += ["--ids", "0:2", "--blocks", str(BLOCKS), "--window", "1"]
     rx = PeerProcess("receiver", args, tmp_path, "rx-frozen")
-    server = ProbeServer(SenderProbe(sx, sx.settings), "127.0.0.1", 0)
-    loop = asyncio.new_event_loop()
-    served = threading.Thread(target=loop.run_forever, name="test-probe-loop", daemon=True)
     try:
-        served.start()
-        port = asyncio.run_coroutine_threadsafe(server.start(), loop).result(WAIT_S)
-        readyz = f"http://127.0.0.1:{port}/readyz"
-
-        def ready() -> tuple[int, str]:
-            return _http_get(readyz)
-
-        blocks = [list(range(i * BLOCKS, (i + 1) * BLOCKS)) for i in range(2)]
-        rx.wait_event("ready", STARTUP_S)
-        _publish(sx, "st-0", blocks[0])  # one transfer first: the UCX connection is up
-        rx.wait_event("fetched", 30, where=lambda e: e["id"] == "st-0" and e["verified"])
-        wait_until(lambda: sx._pending_count == 1, 30, "st-1 parked on the sender")
-        rx.signal(signal.SIGSTOP)
-        t_frozen = time.monotonic()
-        _publish(sx, "st-1", blocks[1])
-        t_red = wait_until(lambda: ready()[0] == 503, 15, "/readyz 503 while the receiver sleeps")
-        status, body = ready()
-        print(f"\n[frozen receiver] /readyz {status} after {t_red - t_frozen:.2f}s: {body!r}")
-        assert any(
-            line.startswith("stuck: 1 slice queued or writing") for line in body.splitlines()
-        ), body
-        assert sx.writes_in_flight() >= 1, "the write into the frozen receiver ended"
-        rx.signal(signal.SIGCONT)
-        t_green = wait_until(lambda: ready()[0] == 200, 30, "/readyz 200 after SIGCONT")
-        print(f"[resumed] /readyz 200 {t_green - t_red:.2f}s after it went red")
-        rx.wait_event("fetched", 30, where=lambda e: e["id"] == "st-1")
+        with probe_port(SenderProbe(sx, sx.settings)) as readyz:
+            blocks = [list(range(i * BLOCKS, (i + 1) * BLOCKS)) for i in range(2)]
+            rx.wait_event("ready", STARTUP_S)
+            _publish(sx, "st-0", blocks[0])  # one transfer first: the UCX connection is up
+            rx.wait_event("fetched", 30, where=lambda e: e["id"] == "st-0" and e["verified"])
+            wait_until(lambda: sx._pending_count == 1, 30, "st-1 parked on the sender")
+            rx.signal(signal.SIGSTOP)
+            t_frozen = time.monotonic()
+            _publish(sx, "st-1", blocks[1])
+            t_red = wait_until(lambda: _http_get(readyz)[0] == 503, 15, "/readyz 503")
+            status, body = _http_get(readyz)
+            print(f"\n[frozen receiver] /readyz {status} {t_red - t_frozen:.2f}s after: {body!r}")
+            assert stuck_lines(body, "stuck: 1 slice queued or writing"), body
+            assert sx.writes_in_flight() >= 1, "the write into the frozen receiver ended"
+            rx.signal(signal.SIGCONT)
+            t_green = wait_until(lambda: _http_get(readyz)[0] == 200, 30, "/readyz 200")
+            print(f"[resumed] /readyz 200 {t_green - t_red:.2f}s after it went red")
+        rx.wait_event("fetched", 30, where=lambda e: e["id"] == "st-1" and e["verified"])
         assert rx.wait_exit(30) == 0, rx.describe()
     finally:
         rx.kill()
-        if served.is_alive():
-            asyncio.run_coroutine_threadsafe(server.stop(), loop).result(WAIT_S)
-            loop.call_soon_threadsafe(loop.stop)
-            served.join(WAIT_S)
-        loop.close()
+
+
+@pytest.fixture
+def tcp_receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
+    """A receiver over UCX/TCP, stuck after 1 s, fetches given a minute."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the sender child inherits it
+    settings = load_receiver_settings(
+        pool=dict(num_layers=2, num_blocks=2 * BLOCKS, block_elems=BLOCK, dtype="uint8"),
+        dataplane=dict(ucx_tls="tcp"),
+        health=dict(stuck_after_ms=1000),
+        deadlines=dict(
+            kv_transfer_timeout_ms=60_000,
+            register_timeout_ms=int(STARTUP_S * 1000),
+            drain_timeout_ms=500,
+            shutdown_timeout_ms=5000,
+        ),
+    )
+    r = Receiver(settings).start()
+    try:
+        yield r
+    finally:
+        r.shutdown()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_receiver_readyz_is_503_stuck_while_its_sender_is_frozen_and_200_after_it_resumes(
+    tcp_receiver: Receiver, tmp_path: Path
+) -> None:
+    """A fetch sent to a SIGSTOPped sender process makes the receiver's /readyz say stuck; SIGCONT lets it complete and /readyz is 200 again."""
+    r = tcp_receiver
+    settings = dict(
+        pool=dict(num_layers=2, num_blocks=2 * BLOCKS, block_elems=BLOCK, dtype="uint8"),
+        dataplane=dict(ucx_tls="tcp"),
+        num_threads=1,
+    )
+    args = ["--settings", json.dumps(settings), "--prefix", "sf", "--count", "2"]
+    args += ["--blocks", str(BLOCKS)]
+    tx = PeerProcess("sender", args, tmp_path, "tx-frozen")
+    try:
+        endpoint = tx.wait_event("ready", STARTUP_S)["endpoint"]
+        tx.wait_events("published", 2, 30)
+        with probe_port(ReceiverProbe(r, r.settings)) as readyz:
+            blocks = [np.arange(i * BLOCKS, (i + 1) * BLOCKS) for i in range(2)]
+            first = r.fetch("sf-0", endpoint, blocks[0], want_aux=False).wait(30)
+            assert first is not None and first.ok, first  # registered, UCX connection up
+            tx.signal(signal.SIGSTOP)
+            t_frozen = time.monotonic()
+            h = r.fetch("sf-1", endpoint, blocks[1], want_aux=False)
+            t_red = wait_until(lambda: _http_get(readyz)[0] == 503, 15, "/readyz 503")
+            status, body = _http_get(readyz)
+            print(f"\n[frozen sender] /readyz {status} {t_red - t_frozen:.2f}s after: {body!r}")
+            assert stuck_lines(body, "stuck: 1 fetch open"), body
+            assert h.wait(0) is None, "the fetch from the frozen sender ended"
+            tx.signal(signal.SIGCONT)
+            t_green = wait_until(lambda: _http_get(readyz)[0] == 200, 30, "/readyz 200")
+            print(f"[resumed] /readyz 200 {t_green - t_red:.2f}s after it went red")
+            out = h.wait(30)
+            assert out is not None and out.ok, out
+            assert check_request(r.pool, "sf-1", blocks[1]) == ""
+    finally:
+        tx.kill()
 
 
 def _publish(sx: Sender, request_id: str, blocks: list[int]) -> None:
