@@ -1,4 +1,4 @@
-"""The probe port: ``/healthz`` (liveness), ``/readyz`` (readiness), ``/metrics`` (Prometheus).
+"""The probe port: ``/healthz`` (liveness), ``/readyz`` (readiness), ``/metrics`` (Prometheus), ``/debug/state``.
 
 Health that lies is a known failure (an HTTP thread answering 200 while the
 workers are wedged), so::
@@ -166,7 +166,11 @@ class Snapshot:
 
 
 class Probe(Protocol):
-    """What the probe port asks a sender or receiver."""
+    """What the probe port asks a sender or receiver.
+
+    A probe may also offer ``debug_state(limit) -> dict`` (both real probes do) for
+    ``/debug/state``; without it that route answers 404.
+    """
 
     def liveness(self) -> tuple[bool, str]: ...
 
@@ -328,8 +332,10 @@ class ProbeServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _debug_state(self, request: web.Request) -> web.Response:
-        if self.debug_state == "off" or not hasattr(self.probe, "debug_state"):
+        if self.debug_state == "off":
             return web.Response(status=404, text="/debug/state is off (health.debug_state)\n")
+        if not hasattr(self.probe, "debug_state"):
+            return web.Response(status=404, text="this probe keeps no debug state\n")
         if self.debug_state == "loopback" and not _is_loopback(request.remote):
             return web.Response(
                 status=403,
