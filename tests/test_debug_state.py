@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 
-from kvxferd.config import load_receiver_settings, load_sender_settings
+from kvxferd.config import HealthSettings, load_receiver_settings, load_sender_settings
 from kvxferd.health import Probe, ProbeServer, ReceiverProbe, SenderProbe
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
@@ -57,7 +57,7 @@ def pair() -> Iterator[tuple[Sender, ControlledDataPlane, Receiver]]:
 
 @asynccontextmanager
 async def serving(
-    probe: Probe, debug_state: str, host: str = "127.0.0.1"
+    probe: Probe, debug_state: str | None, host: str = "127.0.0.1"
 ) -> AsyncIterator[tuple[aiohttp.ClientSession, int]]:
     server = ProbeServer(probe, host, 0, debug_state=debug_state)  # type: ignore[arg-type]
     port = await server.start()
@@ -73,7 +73,7 @@ async def get(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
         return r.status, await r.text()
 
 
-def fetch_state(probe: Probe, debug_state: str = "loopback") -> tuple[int, str]:
+def fetch_state(probe: Probe, debug_state: str | None = "loopback") -> tuple[int, str]:
     async def main() -> tuple[int, str]:
         async with serving(probe, debug_state) as (client, port):
             return await get(client, f"http://127.0.0.1:{port}/debug/state")
@@ -88,9 +88,17 @@ def test_debug_state_is_404_when_off(pair: tuple[Sender, ControlledDataPlane, Re
     assert status == 404 and "health.debug_state" in body, body
 
 
-def test_the_daemon_default_is_loopback_only() -> None:
-    """The shipped default serves /debug/state to loopback clients only."""
-    assert load_sender_settings().health.debug_state == "loopback"
+def test_the_probe_port_follows_health_debug_state_and_defaults_to_loopback(
+    pair: tuple[Sender, ControlledDataPlane, Receiver],
+) -> None:
+    """Without an explicit setting the probe port takes health.debug_state from the probe's settings; the shipped default is "loopback"."""
+    sx, _, _ = pair
+    assert sx.settings.health.debug_state == "loopback"
+    status, body = fetch_state(SenderProbe(sx, sx.settings), None)
+    assert status == 200 and json.loads(body)["role"] == "sender", body
+    off = sx.settings.model_copy(update={"health": HealthSettings(debug_state="off")})
+    status, body = fetch_state(SenderProbe(sx, off), None)
+    assert status == 404, body
 
 
 def test_sender_and_receiver_dump_a_transfer_in_progress(
