@@ -27,7 +27,9 @@ What a record feeds:
 * **Progress**: the monotonic time of the last ending and of the last ``done``
   (readiness: work pending and nothing ended for ``stuck_after_ms``).
 * **Per-peer windows**: each peer's endings in the last
-  ``peer_failure_window_ms`` (bounded), for its failure rate.
+  ``peer_failure_window_ms`` (bounded), for its failure rate. An ending whose
+  reason is in :data:`NOT_PEER_FAULTS` (a cancel, our drain or shutdown)
+  counts, but not as a failure: an engine that cancels much is no failing peer.
 
 Thread-safety: one lock guards the histograms, windows and progress stamps;
 nothing is logged under it. Safe from any thread.
@@ -65,6 +67,9 @@ BUCKETS_S: tuple[float, ...] = (
 PHASES: tuple[str, ...] = ("post", "transfer", "end_to_end")
 OTHER = "other"  # the shared label of peers past the label budget
 _WINDOW_MAX = 4096  # endings kept per peer window
+# Endings that say nothing against the peer (an engine's or a receiver's cancel, our own
+# drain or shutdown, another slice's failure): they count in its window, never as failures.
+NOT_PEER_FAULTS = frozenset({"cancelled", "draining", "shutting_down", "session_failed"})
 
 # A stdlib logger with the fields in ``extra`` (logs.RECORD_FIELDS): a process that never
 # configured logging prints nothing extra on stdout, and a configured one gets the fields.
@@ -187,7 +192,7 @@ class Journal:
                 window = self._windows.get(label)
                 if window is None:
                     window = self._windows[label] = deque(maxlen=_WINDOW_MAX)
-                window.append((now, e.ok))
+                window.append((now, e.ok or e.reason in NOT_PEER_FAULTS))
         self._log(e)
 
     def _log(self, e: Ending) -> None:

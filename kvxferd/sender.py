@@ -53,7 +53,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -87,6 +87,7 @@ class _Pending:
     dst: np.ndarray  # msg.dst_blocks, already converted and checked
     deadline: float  # parked until then
     fetch_deadline: float  # no write starts after it (see Sender._fetch_deadline)
+    parked_at: float = field(default_factory=time.monotonic)  # for /debug/state
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,7 @@ class Slice:
     reported: bool = False
     posted_at: float = 0.0  # worker thread only: monotonic time its first WRITE was posted
     written_at: float = 0.0  # worker thread only: when its last WRITE was released
+    attached_at: float = field(default_factory=time.monotonic)  # readiness and /debug/state
 
     @property
     def key(self) -> tuple[str, int]:
