@@ -201,36 +201,55 @@ class Daemon:
 
     # -- drain and teardown ----------------------------------------------------------------
     async def _drain_and_teardown(self) -> int:
-
         d = self.settings.deadlines
         t0 = time.monotonic()
         hard_deadline = t0 + d.shutdown_timeout_ms / 1000 + 0.5
-        self.notifier.stopping("draining: finishing in-flight transfers")
+        self.notifier.stopping("draining: finishing published requests and transfers")
         self.gateway.refuse_new("draining")
         # The service's shutdown is bounded by shutdown_timeout_ms; keep a little for teardown.
         budget = max(0.1, d.shutdown_timeout_ms / 1000 - 0.5)
-        worker = asyncio.get_running_loop().run_in_executor(None, self.service.shutdown, budget)
-        code = EXIT_NOT_DRAINED
-        forced = asyncio.get_running_loop().run_in_executor(None, self._forced.wait, budget + 1)
+        loop = asyncio.get_running_loop()
+        if self.role == "sender":
+            worker = loop.run_in_executor(None, self.service.shutdown, budget)
+        else:
+            worker = loop.run_in_executor(None, self.service.shutdown_report, budget)
+        forced = loop.run_in_executor(None, self._forced.wait, budget + 1)
         done, _ = await asyncio.wait({worker, forced}, return_when=asyncio.FIRST_COMPLETED)
+        ok, counts, why = False, self._counts_now(), "forced exit before the drain ended"
         if worker in done:
             result = worker.result()
-            if self.role == "sender":
-                ok = result.drain_complete and result.drained and result.threads_joined
+            if result is not None:
+                ok, counts = result.complete, result.counts()
+                why = "" if result.threads_joined else "a thread did not stop in time"
             else:
-                ok = bool(result) and self.service.drain_complete
-            code = EXIT_OK if ok else EXIT_NOT_DRAINED
-            log.info("drain %s: %s", "complete" if ok else "incomplete", result)
-        else:
-            log.warning("forced exit before the drain finished")
+                why = "the service's shutdown did not finish in time"
         self._forced.set()  # release the waiter thread
         remaining = max(0.05, hard_deadline - time.monotonic())
         try:
             await asyncio.wait_for(self._teardown(), remaining)
         except TimeoutError:
-            code = EXIT_NOT_DRAINED
-        log.info("exit %d after %.3f s", code, time.monotonic() - t0)
+            ok, why = False, why or "the gateway or probe port did not stop in time"
+        code = EXIT_OK if ok else EXIT_NOT_DRAINED
+        # The last line: what the drain dropped and the exit code (docs/operations.md).
+        log.log(
+            logging.INFO if ok else logging.WARNING,
+            "drain %s: %s%s; exit %d after %.3f s",
+            "complete" if ok else "incomplete",
+            counts,
+            f" ({why})" if why else "",
+            code,
+            time.monotonic() - t0,
+        )
         return code
+
+    def _counts_now(self) -> str:
+        """What an exit now would drop, in the words of the last log line (a forced exit)."""
+        if self.role == "sender":
+            from kvxferd.sender import drain_counts
+
+            return drain_counts(*self.service.drain_counts_now())
+        cut = self.service.stats.get("drain_dropped_cut") + self.service.fetches_in_flight()
+        return f"{cut} fetch{'' if cut == 1 else 'es'} cut, {self.service.in_doubt()} in doubt"
 
     async def _teardown(self) -> None:
         await self.gateway.stop(timeout=0.3)
