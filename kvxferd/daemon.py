@@ -13,15 +13,29 @@ Told top-down, as ``run -> startup -> serve -> drain -> teardown``:
   gateway met an unexpected exception: ``broken()``), and a status line every
   few seconds.
 * **drain** (first signal): ``STOPPING=1``; readiness drops; the gateway
-  refuses new sessions with DRAINING; the service's own shutdown lets
-  in-flight transfers finish up to ``drain_timeout_ms``, fails the rest with
-  reasons sent to peers, joins its threads and deregisters memory only when no
+  refuses new publishes and fetches with DRAINING but still serves Wait, Poll,
+  Cancel and Close. The service's own shutdown waits up to ``drain_timeout_ms``
+  (a sender: for its published requests to be fetched, serving those fetches,
+  and for attached transfers to finish; a receiver: for its open fetches), ends
+  what is still open ``failed``/``shutting_down`` with the reason sent to peers
+  (a request its engine lets go of during the drain too), counts it
+  (``drain_dropped_*``), joins its threads and deregisters memory only when no
   write can touch it. It runs in a thread so the loop keeps answering probes.
 * **teardown** stops the gateway and the probe port.
 
-The process always exits within ``shutdown_timeout_ms`` + 1 s: a drain that
-overruns, or a second signal, ends it with :data:`EXIT_NOT_DRAINED`. Exit 0
-means every attached transfer finished and no write was left in flight.
+The last log line says what the drain dropped and the exit code::
+
+    drain complete: 0 published requests never fetched, 0 transfers cut, 0 in doubt; exit 0 after 0.231 s
+    drain incomplete: 1 fetch cut, 0 in doubt; exit 3 after 1.554 s     (a receiver)
+
+The process always exits within ``shutdown_timeout_ms`` + 1 s. Exit 0 means the
+drain dropped nothing: every published request was fetched (or ended by
+itself), every transfer finished, no outcome is in doubt and every thread
+stopped. Anything else, a second signal included, is :data:`EXIT_NOT_DRAINED`
+(3); when the counts are not the reason, the line ends with it (``; a thread
+did not stop in time``, ``; forced exit before the drain ended``, ...).
+An outcome in doubt has no code of its own: the line says it, and the action
+(read the line, look at the peer) is the same.
 
 The async side runs on uvloop when it is importable, asyncio otherwise; the
 daemon installs its signal handlers on the loop and removes them on exit.
@@ -233,12 +247,12 @@ class Daemon:
         # The last line: what the drain dropped and the exit code (docs/operations.md).
         log.log(
             logging.INFO if ok else logging.WARNING,
-            "drain %s: %s%s; exit %d after %.3f s",
+            "drain %s: %s; exit %d after %.3f s%s",
             "complete" if ok else "incomplete",
             counts,
-            f" ({why})" if why else "",
             code,
             time.monotonic() - t0,
+            f"; {why}" if why else "",
         )
         return code
 
