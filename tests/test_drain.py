@@ -27,7 +27,10 @@ import pytest
 
 from kvxferd.client import Client, EngineRejected
 from kvxferd.engine_protocol import EngineReason
+from kvxferd.errors import Reason
+from kvxferd.session import TxState
 from tests import test_daemon as td
+from tests import test_races as races
 from tests.conditions import wait_until
 
 pytestmark = pytest.mark.integration
@@ -214,3 +217,45 @@ def test_a_receiver_fetch_open_at_the_drain_deadline_ends_shutting_down_and_exit
     assert re.match(r"^drain incomplete: 1 fetch cut, 0 in doubt; exit 3", last_event(rx)), (
         last_event(rx)
     )
+
+
+# -- the counts, in process ------------------------------------------------------------------
+
+
+@pytest.fixture
+def h(monkeypatch: pytest.MonkeyPatch) -> Iterator[races.Harness]:
+    harness = races.Harness(monkeypatch)
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+def test_the_shutdown_report_and_counters_count_each_kind_of_drop(h: races.Harness) -> None:
+    """At the drain deadline a request never fetched counts as never fetched, one whose write is held counts as cut and, its write still in flight at the end, in doubt; the report and the drain_dropped_* counters agree and the report is not complete."""
+    sx, dp = h.sender(num_threads=1, deadlines=dict(drain_timeout_ms=300, shutdown_timeout_ms=1000))
+    p = h.peer(sx, "peer-a")
+    unfetched = sx.publish("req-unfetched", races.BLOCKS)
+    cut = sx.publish("req-cut", [6, 7, 8])
+    p.fetch("req-cut", 1, [6, 7, 8])
+    x = dp.wait_posted(1)  # held: in flight through the drain and after it
+    report = sx.shutdown()
+    try:
+        assert (report.never_fetched, report.transfers_cut, report.requests_in_doubt) == (1, 1, 1)
+        assert report.writes_in_doubt == 1 and not report.complete
+        assert report.counts() == ("1 published request never fetched, 1 transfer cut, 1 in doubt")
+        stats = sx.stats.snapshot()
+        assert (
+            stats["drain_dropped_never_fetched"],
+            stats["drain_dropped_cut"],
+            stats["drain_dropped_in_doubt"],
+        ) == (1, 1, 1)
+        for hd in (unfetched, cut):
+            out = hd.wait(0)
+            assert out is not None and (out.state, out.reason) == (
+                TxState.FAILED,
+                Reason.SHUTTING_DOWN,
+            ), out
+    finally:
+        x.finish(True)
+        sx.pool.close()  # the write returned; shutdown rightly kept the pool registered
