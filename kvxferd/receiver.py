@@ -848,10 +848,12 @@ class Receiver:
         with self._lock:  # fetch() admits under this lock: no fetch slips past this list
             self._draining.set()
             open_fetches = list(self._fetches.values())
-        if open_fetches:
+        waiting = sum(1 for rx in open_fetches if not rx.ended)
+        if waiting:
             log.info(
-                "draining: %d fetches open; waiting up to %.1f s",
-                sum(1 for rx in open_fetches if not rx.ended),
+                "draining: %d fetch%s open; waiting up to %.1f s",
+                waiting,
+                "" if waiting == 1 else "es",
                 max(0.0, drain_deadline - time.monotonic()),
             )
         for rx in open_fetches:

@@ -947,10 +947,12 @@ class Sender:
         unfetched, attached = self.open_requests()
         if unfetched or attached:
             log.info(
-                "draining: %d published requests not fetched yet, %d transfers open; "
+                "draining: %d published request%s not fetched yet, %d transfer%s open; "
                 "waiting up to %.1f s",
                 unfetched,
+                "" if unfetched == 1 else "s",
                 attached,
+                "" if attached == 1 else "s",
                 max(0.0, drain_deadline - time.monotonic()),
             )
 
