@@ -13,15 +13,29 @@ Told top-down, as ``run -> startup -> serve -> drain -> teardown``:
   gateway met an unexpected exception: ``broken()``), and a status line every
   few seconds.
 * **drain** (first signal): ``STOPPING=1``; readiness drops; the gateway
-  refuses new sessions with DRAINING; the service's own shutdown lets
-  in-flight transfers finish up to ``drain_timeout_ms``, fails the rest with
-  reasons sent to peers, joins its threads and deregisters memory only when no
+  refuses new publishes and fetches with DRAINING but still serves Wait, Poll,
+  Cancel and Close. The service's own shutdown waits up to ``drain_timeout_ms``
+  (a sender: for its published requests to be fetched, serving those fetches,
+  and for attached transfers to finish; a receiver: for its open fetches), ends
+  what is still open ``failed``/``shutting_down`` with the reason sent to peers
+  (a request its engine lets go of during the drain too), counts it
+  (``drain_dropped_*``), joins its threads and deregisters memory only when no
   write can touch it. It runs in a thread so the loop keeps answering probes.
 * **teardown** stops the gateway and the probe port.
 
-The process always exits within ``shutdown_timeout_ms`` + 1 s: a drain that
-overruns, or a second signal, ends it with :data:`EXIT_NOT_DRAINED`. Exit 0
-means every attached transfer finished and no write was left in flight.
+The last log line says what the drain dropped and the exit code::
+
+    drain complete: 0 published requests never fetched, 0 transfers cut, 0 in doubt; exit 0 after 0.231 s
+    drain incomplete: 1 fetch cut, 0 in doubt; exit 3 after 1.554 s     (a receiver)
+
+The process always exits within ``shutdown_timeout_ms`` + 1 s. Exit 0 means the
+drain dropped nothing: every published request was fetched (or ended by
+itself), every transfer finished, no outcome is in doubt and every thread
+stopped. Anything else, a second signal included, is :data:`EXIT_NOT_DRAINED`
+(3); when the counts are not the reason, the line ends with it (``; a thread
+did not stop in time``, ``; forced exit before the drain ended``, ...).
+An outcome in doubt has no code of its own: the line says it, and the action
+(read the line, look at the peer) is the same.
 
 The async side runs on uvloop when it is importable, asyncio otherwise; the
 daemon installs its signal handlers on the loop and removes them on exit.
@@ -201,36 +215,55 @@ class Daemon:
 
     # -- drain and teardown ----------------------------------------------------------------
     async def _drain_and_teardown(self) -> int:
-
         d = self.settings.deadlines
         t0 = time.monotonic()
         hard_deadline = t0 + d.shutdown_timeout_ms / 1000 + 0.5
-        self.notifier.stopping("draining: finishing in-flight transfers")
+        self.notifier.stopping("draining: finishing published requests and transfers")
         self.gateway.refuse_new("draining")
         # The service's shutdown is bounded by shutdown_timeout_ms; keep a little for teardown.
         budget = max(0.1, d.shutdown_timeout_ms / 1000 - 0.5)
-        worker = asyncio.get_running_loop().run_in_executor(None, self.service.shutdown, budget)
-        code = EXIT_NOT_DRAINED
-        forced = asyncio.get_running_loop().run_in_executor(None, self._forced.wait, budget + 1)
+        loop = asyncio.get_running_loop()
+        if self.role == "sender":
+            worker = loop.run_in_executor(None, self.service.shutdown, budget)
+        else:
+            worker = loop.run_in_executor(None, self.service.shutdown_report, budget)
+        forced = loop.run_in_executor(None, self._forced.wait, budget + 1)
         done, _ = await asyncio.wait({worker, forced}, return_when=asyncio.FIRST_COMPLETED)
+        ok, counts, why = False, self._counts_now(), "forced exit before the drain ended"
         if worker in done:
             result = worker.result()
-            if self.role == "sender":
-                ok = result.drain_complete and result.drained and result.threads_joined
+            if result is not None:
+                ok, counts = result.complete, result.counts()
+                why = "" if result.threads_joined else "a thread did not stop in time"
             else:
-                ok = bool(result) and self.service.drain_complete
-            code = EXIT_OK if ok else EXIT_NOT_DRAINED
-            log.info("drain %s: %s", "complete" if ok else "incomplete", result)
-        else:
-            log.warning("forced exit before the drain finished")
+                why = "the service's shutdown did not finish in time"
         self._forced.set()  # release the waiter thread
         remaining = max(0.05, hard_deadline - time.monotonic())
         try:
             await asyncio.wait_for(self._teardown(), remaining)
         except TimeoutError:
-            code = EXIT_NOT_DRAINED
-        log.info("exit %d after %.3f s", code, time.monotonic() - t0)
+            ok, why = False, why or "the gateway or probe port did not stop in time"
+        code = EXIT_OK if ok else EXIT_NOT_DRAINED
+        # The last line: what the drain dropped and the exit code (docs/operations.md).
+        log.log(
+            logging.INFO if ok else logging.WARNING,
+            "drain %s: %s; exit %d after %.3f s%s",
+            "complete" if ok else "incomplete",
+            counts,
+            code,
+            time.monotonic() - t0,
+            f"; {why}" if why else "",
+        )
         return code
+
+    def _counts_now(self) -> str:
+        """What an exit now would drop, in the words of the last log line (a forced exit)."""
+        if self.role == "sender":
+            from kvxferd.sender import drain_counts
+
+            return drain_counts(*self.service.drain_counts_now())
+        cut = self.service.stats.get("drain_dropped_cut") + self.service.fetches_in_flight()
+        return f"{cut} fetch{'' if cut == 1 else 'es'} cut, {self.service.in_doubt()} in doubt"
 
     async def _teardown(self) -> None:
         await self.gateway.stop(timeout=0.3)

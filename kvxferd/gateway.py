@@ -235,7 +235,10 @@ class Gateway:
     def refuse_new(self, reason: str | ep.EngineReason = ep.EngineReason.DRAINING) -> None:
         """From now on Publish/Fetch get ``Error(reason)``; Wait/Poll/Cancel/Close still work.
 
-        ``reason`` is ``"draining"`` or ``"shutting_down"``. Safe to call from any thread.
+        Open handles stay served through the drain: engines wait for their requests'
+        outcomes, and a Cancel or Close ends a request the service is draining as dropped
+        by the drain (``failed``/``shutting_down``). ``reason`` is ``"draining"`` or
+        ``"shutting_down"``. Safe to call from any thread.
         """
         r = ep.EngineReason(reason)
         if r not in (ep.EngineReason.DRAINING, ep.EngineReason.SHUTTING_DOWN):

@@ -43,9 +43,11 @@ A link (one sender endpoint) and its sender's incarnation::
     old one are sent again (same fetch id) while their deadline allows, else fail
     peer_restarted; fences toward the old one are released (it is gone).
 
-Shutdown admits no fetch once draining (``fetch`` checks under ``_lock``), ends
-every fetch it cannot wait for, asks once more about fetches in doubt, and
-deregisters memory (data plane, pool) only when no outcome is in doubt.
+Shutdown admits no fetch once draining (``fetch`` checks under ``_lock``), waits
+up to ``drain_timeout_ms`` for the open ones, ends the rest ``failed``/``shutting_down``
+(so does an engine's cancel or close during the drain; each counted as
+``drain_dropped_cut``), asks once more about fetches in doubt, and deregisters memory
+(data plane, pool) only when no outcome is in doubt (else ``drain_dropped_in_doubt``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,33 @@ from kvxferd.waiters import Once
 log = logging.getLogger("kvxferd.receiver")
 
 _fetch_ids = itertools.count(1)
+
+# Counters (Stats) of what a drain dropped; /metrics shows them while the drain runs.
+DROPPED_CUT = "drain_dropped_cut"  # a fetch the drain ended before its Result came
+DROPPED_IN_DOUBT = "drain_dropped_in_doubt"  # a fetch whose blocks were in doubt at the end
+
+
+@dataclass(frozen=True, slots=True)
+class RxShutdownReport:
+    """What a receiver's shutdown achieved within its bound, and what its drain dropped."""
+
+    fetches_cut: int  # open fetches the drain ended (at its deadline, or an engine's cancel)
+    in_doubt: int  # fetches whose blocks a write may still reach (memory kept registered)
+    blocks_safe: bool  # no outcome in doubt: memory deregistered
+    threads_joined: bool
+    elapsed_s: float
+
+    @property
+    def complete(self) -> bool:
+        """Nothing dropped, nothing in doubt, the io thread joined: the daemon exits 0."""
+        return self.fetches_cut == 0 and self.blocks_safe and self.threads_joined
+
+    def counts(self) -> str:
+        """The drain's counts as the daemon's last log line says them."""
+        cut = self.fetches_cut
+        return f"{cut} fetch{'' if cut == 1 else 'es'} cut, {self.in_doubt} in doubt"
+
+
 _monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
@@ -192,7 +221,7 @@ class Receiver:
         self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
         self._stopping = threading.Event()
         self._draining = threading.Event()
-        self._shutdown_once: Once[bool] = Once()
+        self._shutdown_once: Once[RxShutdownReport] = Once()
         self.drain_complete = True  # set by shutdown(): every open fetch ended by itself
         self.io_progress = time.monotonic()
         self._io = threading.Thread(target=self._run, name="kvxferd-rx-io", daemon=True)
@@ -402,6 +431,10 @@ class Receiver:
                 continue
             elif kind == "fetch":
                 self._start_fetch(rx)
+            elif kind == "drain":  # shutdown: the drain deadline passed
+                self._drain_end(rx, "still open at the drain deadline (drain_timeout_ms)")
+            elif self._draining.is_set():  # an engine lets go because it is stopping too
+                self._drain_end(rx, "cancelled by the engine during the drain")
             else:
                 self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
 
@@ -594,10 +627,10 @@ class Receiver:
         rx.mark_sent(link.sender_id)
         self.stats.add("requests_sent")
 
-    def _cancel(self, rx: RxSession, state: RxState, reason: Reason, detail: str) -> None:
+    def _cancel(self, rx: RxSession, state: RxState, reason: Reason, detail: str) -> bool:
         fence_s = self.settings.deadlines.cancel_fence_ms / 1000
         if not rx.end_locally(state, reason, detail, fence_s):
-            return
+            return False
         self.stats.add(f"fetches_{state}")
         link = self._links.get(rx.sender_endpoint)
         if link is not None and rx in link.waiting:
@@ -605,6 +638,7 @@ class Receiver:
         if rx.sent:
             self._send_cancel(rx)
         self._maybe_forget(rx)
+        return True
 
     def _send_cancel(self, rx: RxSession) -> None:
         """Cancel ``rx`` at its sender: on a registered link, else (re)open one for next time."""
@@ -783,21 +817,36 @@ class Receiver:
 
     # -- shutdown ----------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> bool:
-        """Drain, then cancel what is left, wait for fences, stop; True if all blocks are safe.
+        """Drain, then end what is left, wait for fences, stop; True if all blocks are safe.
 
-        Open fetches may finish by themselves until ``drain_timeout_ms``
-        (``drain_complete`` tells whether all did); the rest are cancelled and
-        their fences awaited, and every fetch in doubt is asked about once more,
-        within the remaining bound. Memory is deregistered only when no outcome is
-        in doubt. Safe to call again and from several threads: a later call waits
-        (within its own bound) for the first and returns its answer, or False if
-        the first has not finished by then.
+        :meth:`shutdown_report` with only its ``blocks_safe and threads_joined``.
+        """
+        report = self.shutdown_report(timeout)
+        return report is not None and report.blocks_safe and report.threads_joined
+
+    def shutdown_report(self, timeout: float | None = None) -> RxShutdownReport | None:
+        """Drain, then end what is left, wait for fences, stop; what it dropped.
+
+        Open fetches (sent or waiting for their sender) may finish by themselves until
+        ``drain_timeout_ms`` (``drain_complete`` tells whether all did); the rest end
+        ``failed``/``shutting_down`` (a Cancel is sent, the fence awaited), as does a fetch
+        its engine cancels or closes during the drain, and each is counted
+        (``drain_dropped_cut``). Every fetch in doubt is asked about once more, within
+        the remaining bound; those still in doubt are counted (``drain_dropped_in_doubt``)
+        and memory is deregistered only when there are none. Safe to call again and from
+        several threads: a later call waits (within its own bound) for the first and
+        returns its report, or None if the first has not finished by then.
         """
         total = self.settings.deadlines.shutdown_timeout_ms / 1000 if timeout is None else timeout
         t0 = time.monotonic()
-        return bool(self._shutdown_once.run(lambda: self._shutdown(t0, total), total))
+        return self._shutdown_once.run(lambda: self._shutdown(t0, total), total)
 
-    def _shutdown(self, t0: float, total: float) -> bool:
+    def _drain_end(self, rx: RxSession, detail: str) -> None:
+        """End an open fetch for the drain (failed/shutting_down, fenced if sent); count it."""
+        if self._cancel(rx, RxState.FAILED, Reason.SHUTTING_DOWN, detail):
+            self.stats.add(DROPPED_CUT)
+
+    def _shutdown(self, t0: float, total: float) -> RxShutdownReport:
         d = self.settings.deadlines
         deadline = t0 + total
         drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline - 0.2 * total)
@@ -805,13 +854,21 @@ class Receiver:
         with self._lock:  # fetch() admits under this lock: no fetch slips past this list
             self._draining.set()
             open_fetches = list(self._fetches.values())
+        waiting = sum(1 for rx in open_fetches if not rx.ended)
+        if waiting:
+            log.info(
+                "draining: %d fetch%s open; waiting up to %.1f s",
+                waiting,
+                "" if waiting == 1 else "es",
+                max(0.0, drain_deadline - time.monotonic()),
+            )
         for rx in open_fetches:
             if self._started:
                 rx.completion.wait(max(0.0, drain_deadline - time.monotonic()))
         self.drain_complete = all(rx.ended for rx in open_fetches)
         for rx in open_fetches:
             if not rx.ended:
-                self._command(("cancel", rx))
+                self._command(("drain", rx))
         self._command(("retry", None))
         for rx in open_fetches:
             if self._started:
@@ -835,10 +892,14 @@ class Receiver:
         for rx in open_fetches:  # nobody will answer for these any more
             if rx.abandon(Reason.SHUTTING_DOWN, "receiver shut down before the fetch ended"):
                 abandoned += 1
+                self.stats.add(DROPPED_CUT)
         with self._lock:
             in_doubt = self._forgotten_in_doubt
             in_doubt += sum(1 for rx in self._fetches.values() if not rx.blocks_reusable)
-        safe = in_doubt == 0 and all(rx.blocks_reusable for rx in open_fetches)
+        in_doubt = max(in_doubt, sum(1 for rx in open_fetches if not rx.blocks_reusable))
+        safe = in_doubt == 0
+        if in_doubt:
+            self.stats.add(DROPPED_IN_DOUBT, in_doubt)
         if safe and joined:
             self.dataplane.close()
             if self._owns_pool:
@@ -849,10 +910,12 @@ class Receiver:
                 "receiver shutdown: %d outcome(s) in doubt; memory stays registered until exit",
                 in_doubt,
             )
-        log.info(
-            "receiver shutdown in %.3fs (blocks safe: %s, abandoned: %d)",
-            time.monotonic() - t0,
-            safe,
-            abandoned,
+        report = RxShutdownReport(
+            fetches_cut=self.stats.get(DROPPED_CUT),
+            in_doubt=in_doubt,
+            blocks_safe=safe,
+            threads_joined=joined,
+            elapsed_s=time.monotonic() - t0,
         )
-        return safe and joined
+        log.info("receiver shutdown: %s (abandoned: %d)", report, abandoned)
+        return report

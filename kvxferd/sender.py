@@ -37,6 +37,17 @@ A session leaves ``_sessions`` once it is drained and closed, whichever comes la
 ``close()`` re-reads ``drained`` after taking the session out of ``_live``, and a worker
 that drains a closed session removes it (``session_drained``).
 
+The drain (``shutdown``): publish is refused with ``draining`` from the moment it starts,
+and so is a RequestData for a request not published here (parked ones get it at once);
+Registers are still taken and a fetch of a request published before the drain is
+attached and served. It waits, up to ``drain_timeout_ms``, until every published request
+ended (fetched, or expired by its TTL) and no slice is queued or writing. What is still
+open then ends ``failed``/``shutting_down``, and so does a request its engine closes or
+cancels while the drain runs (the engine lets go because it is stopping too). Each one is
+counted (``drain_dropped_never_fetched`` / ``drain_dropped_cut``, and at the end
+``drain_dropped_in_doubt``: requests with a write still in flight) in ``stats`` and in
+the :class:`ShutdownReport`.
+
 All work of one (request, receiver) goes to one worker, so its results (and a
 CancelAck after them) reach the receiver in order. The workers live in worker.py and
 see the sender only through ``worker.WorkerHost``.
@@ -77,6 +88,11 @@ log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 
+# Counters (Stats) of what a drain dropped; /metrics shows them while the drain runs.
+DROPPED_NEVER_FETCHED = "drain_dropped_never_fetched"  # published, ended with no fetch
+DROPPED_CUT = "drain_dropped_cut"  # ended with a fetch attached and not finished
+DROPPED_IN_DOUBT = "drain_dropped_in_doubt"  # a write still in flight at the end
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -92,13 +108,39 @@ class _Pending:
 
 @dataclass(frozen=True, slots=True)
 class ShutdownReport:
-    """What a shutdown achieved within its bound."""
+    """What a shutdown achieved within its bound, and what its drain dropped.
 
-    drain_complete: bool  # every attached fetch finished before drain_timeout
+    ``never_fetched`` and ``transfers_cut`` count the requests the drain ended
+    (``failed``/``shutting_down``): still open at ``drain_timeout_ms``, or closed or
+    cancelled by their engine while the drain ran. ``requests_in_doubt`` counts the
+    requests with a write still in flight at the end (a cut request may be one too).
+    """
+
+    drain_complete: bool  # the drain ended no request: each was fetched (or ended) in time
     drained: bool  # every admitted write returned before the deadline
     writes_in_doubt: int  # writes still in flight (their memory was kept registered)
     threads_joined: bool
     elapsed_s: float
+    never_fetched: int = 0  # published, no fetch attached when the drain ended it
+    transfers_cut: int = 0  # a fetch attached, not finished when the drain ended it
+    requests_in_doubt: int = 0  # requests with a write still in flight at the end
+
+    @property
+    def complete(self) -> bool:
+        """Nothing dropped, nothing in doubt, every thread joined: the daemon exits 0."""
+        return self.drain_complete and self.drained and self.threads_joined
+
+    def counts(self) -> str:
+        """The drain's counts as the daemon's last log line says them."""
+        return drain_counts(self.never_fetched, self.transfers_cut, self.requests_in_doubt)
+
+
+def drain_counts(never_fetched: int, cut: int, in_doubt: int) -> str:
+    """``"3 published requests never fetched, 1 transfer cut, 0 in doubt"``."""
+    return (
+        f"{never_fetched} published request{'' if never_fetched == 1 else 's'} never fetched, "
+        f"{cut} transfer{'' if cut == 1 else 's'} cut, {in_doubt} in doubt"
+    )
 
 
 class TxHandle:
@@ -122,7 +164,7 @@ class TxHandle:
 
     def cancel(self) -> bool:
         """End the request; queued writes are refused, writes in flight finish."""
-        return self.session.cancel(Reason.CANCELLED, "cancelled by the engine")
+        return self._sender._end_by_engine(self.session, "cancelled")
 
     def close(self, timeout: float | None = None) -> bool:
         """Cancel if still open, wait for in-flight writes; True when the source blocks may be reused."""
@@ -334,7 +376,7 @@ class Sender:
         )
 
     def _close_session(self, session: TxSession, timeout: float | None) -> bool:
-        session.cancel(Reason.CANCELLED, "closed by the engine")
+        self._end_by_engine(session, "closed")
         if timeout is None:
             timeout = self.settings.deadlines.drain_timeout_ms / 1000
         session.drained_event.wait(timeout)
@@ -430,8 +472,8 @@ class Sender:
                 ),
             )
 
-        if self._draining.is_set():
-            return refuse(Reason.DRAINING, "sender is draining")
+        # Registers are taken while draining: a receiver may still come for a request
+        # published before the drain (its fetch is served); any other fetch gets draining.
         why = connect_problem(msg.result_endpoint)
         if why:
             return refuse(Reason.BAD_ENDPOINT, f"result_endpoint {why}")
@@ -590,8 +632,6 @@ class Sender:
             self._peer_seen[routing_id] = time.monotonic()
         if peer is None:
             return self._refuse_fetch(routing_id, None, msg, Reason.UNKNOWN_PEER, "REGISTER first")
-        if self._draining.is_set():
-            return self._refuse_fetch(routing_id, peer, msg, Reason.DRAINING, "sender is draining")
         dst = np.asarray(msg.dst_blocks, dtype=np.int64)
         try:
             if dst.size > self.settings.limits.max_blocks_per_request:
@@ -620,8 +660,10 @@ class Sender:
             if key in self._fetches or key in self._parked_keys:
                 refusal: tuple[Reason, str] | None = (Reason.DUPLICATE, "fetch id in use")
             elif (session := self._live.get(msg.request_id)) is not None:
-                refusal = None
+                refusal = None  # while draining too: the drain waits for published requests
                 outcome = self._attach_locked(session, peer, msg, dst, fetch_deadline)
+            elif self._draining.is_set():  # nothing can be published here any more
+                refusal = (Reason.DRAINING, "sender is draining: request not published here")
             elif self._pending_count >= self.settings.limits.max_pending_fetches:
                 refusal = (Reason.BUSY, "max_pending_fetches reached")
             else:
@@ -822,66 +864,123 @@ class Sender:
 
     # -- shutdown ----------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> ShutdownReport:
-        """Stop admitting, drain up to drain_timeout, fail the rest, join, deregister; bounded.
+        """Drain up to drain_timeout, end what is left, join, deregister; bounded.
 
-        Safe to call again and from several threads: a later call waits (within its own
-        bound) for the first and returns the same report, or an incomplete one if the first
-        has not finished by then.
+        See "The drain" in the module docstring. Safe to call again and from several
+        threads: a later call waits (within its own bound) for the first and returns the
+        same report, or an incomplete one if the first has not finished by then.
         """
         total = self.settings.deadlines.shutdown_timeout_ms / 1000 if timeout is None else timeout
         t0 = time.monotonic()
         report = self._shutdown_once.run(lambda: self._shutdown(t0, total), total)
         if report is None:  # another call's shutdown is still running (or failed)
+            never, cut, doubt = self.drain_counts_now()
             return ShutdownReport(
-                False, False, self.writes_in_flight(), False, time.monotonic() - t0
+                drain_complete=False,
+                drained=False,
+                writes_in_doubt=self.writes_in_flight(),
+                threads_joined=False,
+                elapsed_s=time.monotonic() - t0,
+                never_fetched=never,
+                transfers_cut=cut,
+                requests_in_doubt=doubt,
             )
         return report
+
+    def _end_by_engine(self, session: TxSession, what: str) -> bool:
+        """The engine cancels or closes ``session``: cancelled, or during a drain, dropped by it."""
+        if self._draining.is_set():
+            # An engine lets go of a request during a drain because the daemon (or the engine
+            # with it) is stopping: the drain dropped it, and the outcome and count say so.
+            return self._drain_end(session, f"{what} by the engine during the drain")
+        return session.cancel(Reason.CANCELLED, f"{what} by the engine")
+
+    def _drain_end(self, session: TxSession, detail: str) -> bool:
+        """End an open request for the drain (failed/shutting_down) and count it."""
+        if not session.fail(Reason.SHUTTING_DOWN, detail):
+            return False  # it had ended by itself
+        # No fetch can attach once the outcome is committed: the slices are final here.
+        self.stats.add(DROPPED_CUT if session.slices() else DROPPED_NEVER_FETCHED)
+        return True
+
+    def open_requests(self) -> tuple[int, int]:
+        """Open requests: (published and not fetched yet, with a fetch attached)."""
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if not s.ended]
+        unfetched = sum(1 for s in sessions if not s.slices())
+        return unfetched, len(sessions) - unfetched
+
+    def drain_counts_now(self) -> tuple[int, int, int]:
+        """(never fetched, transfers cut, in doubt) if the process ended now: dropped so far
+        plus what is still open, and the requests with a write in flight."""
+        unfetched, attached = self.open_requests()
+        with self._lock:
+            doubt = sum(1 for s in self._sessions.values() if s.writes_in_flight > 0)
+        return (
+            self.stats.get(DROPPED_NEVER_FETCHED) + unfetched,
+            self.stats.get(DROPPED_CUT) + attached,
+            doubt,
+        )
 
     def _shutdown(self, t0: float, total: float) -> ShutdownReport:
         d = self.settings.deadlines
         deadline = t0 + total
-        drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline)
-        with self._lock:  # publish checks the flag under this lock: no session slips past
+        join_reserve = min(1.0, 0.2 * total)  # the drain must leave time to join the threads
+        drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline - join_reserve)
+        with self._lock:  # publish and parking check the flag under this lock: none slips past
             self._draining.set()
-
-        # 1. let fetches already attached finish, up to the drain deadline
-        def attached_work_left() -> bool:
-            with self._lock:
-                return any(
-                    sl.state in ("queued", "writing")
-                    for s in self._sessions.values()
-                    for sl in s.slices()
-                )
-
-        busy = attached_work_left()  # checked once even when drain_timeout_ms is 0
-        while busy and time.monotonic() < drain_deadline:
-            time.sleep(0.005)  # poll: no event covers "every slice of every session"
-            busy = attached_work_left()
-        # 2. end every session; queued writes are refused and reported by their workers
-        with self._lock:
-            sessions = list(self._sessions.values())
             parked = [p for ps in self._pending.values() for p in ps]
             self._pending.clear()
             self._parked_keys.clear()
             self._pending_count = 0
-        for s in sessions:
-            s.cancel(Reason.SHUTTING_DOWN, "sender is shutting down")
-        join_reserve = min(1.0, 0.2 * total)  # refusals must leave time to join the threads
+        # 1. fetches parked for a request never published: nothing can publish it any more
         for p in parked:
             if time.monotonic() >= deadline - join_reserve:
                 self.stats.add("shutdown_refusals_skipped")
                 continue
+            self.stats.add(f"rejected_{Reason.DRAINING}")
             self._reply_shared(
                 p.peer,
                 wire.Result(
                     request_id=p.msg.request_id,
                     fetch_id=p.msg.fetch_id,
                     status="failed",
-                    reason=Reason.SHUTTING_DOWN,
-                    detail="sender is shutting down",
+                    reason=Reason.DRAINING,
+                    detail="sender is draining: request not published here",
                 ),
             )
-        # 3. stop threads, each join bounded by what is left
+        unfetched, attached = self.open_requests()
+        if unfetched or attached:
+            log.info(
+                "draining: %d published request%s not fetched yet, %d transfer%s open; "
+                "waiting up to %.1f s",
+                unfetched,
+                "" if unfetched == 1 else "s",
+                attached,
+                "" if attached == 1 else "s",
+                max(0.0, drain_deadline - time.monotonic()),
+            )
+
+        # 2. wait for published requests to be fetched and attached fetches to finish
+        def open_work() -> bool:
+            with self._lock:
+                return any(
+                    not s.ended
+                    or any(sl.state in (SliceState.QUEUED, SliceState.WRITING) for sl in s.slices())
+                    for s in self._sessions.values()
+                )
+
+        busy = open_work()  # checked once even when drain_timeout_ms is 0
+        while busy and time.monotonic() < drain_deadline:
+            time.sleep(0.01)  # poll: no event covers "every slice of every session"
+            busy = open_work()
+        # 3. the drain deadline: end what is still open; workers refuse its queued writes
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            if not s.ended:
+                self._drain_end(s, "still open at the drain deadline (drain_timeout_ms)")
+        # 4. stop threads, each join bounded by what is left
         for w in self._workers:
             w.queue.put(STOP)
         self._stopping.set()
@@ -894,19 +993,26 @@ class Sender:
         if not self._started:
             self._router.close(linger=0)
         self._shared.close_all()
-        # 4. deregister only when no write can touch the memory
+        # 5. deregister only when no write can touch the memory
         # Workers still inside a bounded send cannot post: every session refuses admission now.
         in_flight = sum(s.writes_in_flight for s in sessions)
+        in_doubt = sum(1 for s in sessions if s.writes_in_flight > 0)
+        if in_doubt:
+            self.stats.add(DROPPED_IN_DOUBT, in_doubt)
         if in_flight == 0:
             self.dataplane.close()
             if self._owns_pool:
                 self.pool.close()
+        never, cut = self.stats.get(DROPPED_NEVER_FETCHED), self.stats.get(DROPPED_CUT)
         report = ShutdownReport(
-            drain_complete=not busy,
+            drain_complete=never == 0 and cut == 0,
             drained=in_flight == 0,
             writes_in_doubt=in_flight,
             threads_joined=joined,
             elapsed_s=time.monotonic() - t0,
+            never_fetched=never,
+            transfers_cut=cut,
+            requests_in_doubt=in_doubt,
         )
         log.info("sender shutdown: %s", report)
         return report

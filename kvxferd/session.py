@@ -7,6 +7,7 @@ Sender side, one :class:`TxSession` per published request::
         | ttl passes                        +-- a write fails or stalls --> FAILED
         v                                   |
      EXPIRED      engine cancel / peer CANCEL (any non-terminal state) --> CANCELLED
+                  the drain ends it (any non-terminal state) --> FAILED/shutting_down
 
     lock: ``TxSession._lock`` guards state, outcome, writes_in_flight and every slice.
 
@@ -35,6 +36,7 @@ Receiver side, one :class:`RxSession` per fetch::
         |-- Result failed/in_doubt --> FAILED
         |-- kv_transfer_timeout ----> TIMED_OUT  (fence: CANCEL sent, await CancelAck)
         |-- cancel() ---------------> CANCELLED  (fence: CANCEL sent, await CancelAck)
+        |-- the drain ends it ------> FAILED/shutting_down  (fence: CANCEL sent, await CancelAck)
         +-- shutdown gave up -------> FAILED/shutting_down (``abandon``; fence IN_DOUBT if sent)
 
     fence: NONE (no write can come) | FENCED (a write may come) -> RELEASED | IN_DOUBT
@@ -223,6 +225,9 @@ class TxSession:
     def _refusal_reason(self) -> Reason:
         assert self._outcome is not None
         if self._outcome.state is TxState.FAILED:
+            # A request the drain ended did not fail because of another slice: say why.
+            if self._outcome.reason is Reason.SHUTTING_DOWN:
+                return Reason.SHUTTING_DOWN
             return Reason.SESSION_FAILED
         if self._outcome.state is TxState.COMPLETE:
             return Reason.DUPLICATE

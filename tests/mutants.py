@@ -78,6 +78,7 @@ RXWIRE = "tests/test_receiver_wire.py::"
 GATEWAY = "tests/test_gateway.py::"
 PREFLIGHT = "tests/test_preflight.py::"
 JOURNAL = "tests/test_journal.py::"
+DRAIN = "tests/test_drain.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -819,6 +820,45 @@ MUTANTS: tuple[Mutant, ...] = (
         "one peer more than the label budget gets its own label (series grow with peers)",
         (Edit("kvxferd/journal.py", "< self.peer_labels", "<= self.peer_labels"),),
         (JOURNAL + "test_peers_past_the_label_budget_share_one_label",),
+    ),
+    Mutant(
+        "issue10-drain-skips-unfetched",
+        "a sender's drain waits only for attached writes, not for requests published and unfetched",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "not s.ended\n                    or any(sl.state",
+                "any(sl.state",
+            ),
+        ),
+        (DRAIN + "test_requests_the_drain_drops_end_shutting_down_are_counted_and_exit_3",),
+    ),
+    Mutant(
+        "issue10-engine-close-in-drain-is-cancelled",
+        "an engine's close during the drain ends its request as cancelled by the engine",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "if self._draining.is_set():\n            # An engine lets go",
+                "if False:\n            # An engine lets go",
+            ),
+        ),
+        (DRAIN + "test_requests_the_drain_drops_end_shutting_down_are_counted_and_exit_3",),
+    ),
+    Mutant(
+        "issue10-receiver-drain-says-cancelled",
+        "a receiver's drain deadline ends open fetches as cancelled by the engine",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                'self._drain_end(rx, "still open at the drain deadline (drain_timeout_ms)")',
+                'self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")',
+            ),
+        ),
+        (
+            DRAIN
+            + "test_a_receiver_fetch_open_at_the_drain_deadline_ends_shutting_down_and_exits_3",
+        ),
     ),
 )
 

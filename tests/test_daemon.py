@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import re
 import shutil
 import signal
 import socket
@@ -306,6 +307,13 @@ def transfers_in_flight(
     return ids, gets
 
 
+def last_daemon_line(d: DaemonProcess) -> str:
+    """The daemon's last own log line: what its drain dropped and its exit code."""
+    lines = [line for line in d.stderr().splitlines() if "[kvxferd.daemon]" in line]
+    assert lines, d.describe()
+    return lines[-1]
+
+
 def report(what: str, code: int, elapsed: float) -> None:
     print(f"\n[exit time] {what}: exit {code} after {elapsed:.3f}s (bound {BOUND_S:.1f}s)")
 
@@ -398,6 +406,7 @@ def test_readiness_drops_with_draining_while_liveness_stays_during_a_drain(
         f"[receiver draining] /readyz -> {r_status} {r_body!r}; /healthz -> {h_status} {h_body!r}"
     )
     assert code == 3, rx.describe()
+    assert "drain incomplete: 1 fetch cut, 0 in doubt; exit 3" in last_daemon_line(rx)
     assert DRAIN_S - 0.2 <= elapsed <= BOUND_S + MARGIN_S, elapsed
 
 
@@ -484,6 +493,10 @@ def test_sigterm_during_transfers_drains_them_byte_exact_and_exits_0(
         f"{[(o.state, o.reason) for o in outs if o is not None and o.state != 'done']}"
     )
     assert code == 0, tx.describe()
+    assert (
+        "drain complete: 0 published requests never fetched, 0 transfers cut, 0 in doubt; exit 0"
+        in last_daemon_line(tx)
+    )
     assert elapsed <= BOUND_S + MARGIN_S
     assert done == len(ids), outs  # a completed drain finished every attached transfer
 
@@ -504,6 +517,13 @@ def test_sigterm_with_a_frozen_receiver_exits_3_in_bound(daemons: Spawn, engines
     print(f"[sender draining] /readyz -> {r_status} {r_body!r}; /healthz -> {h_status} {h_body!r}")
     assert (r_status, h_status) == (503, 200) and "draining" in r_body, (r_body, h_body)
     assert code == 3, tx.describe()
+    last = last_daemon_line(tx)
+    print(f"[frozen] sender's last line: {last}")
+    counts = re.search(
+        r"drain incomplete: 0 published requests never fetched, (\d+) transfers? cut, (\d+) in doubt; exit 3",
+        last,
+    )
+    assert counts is not None and int(counts[1]) + int(counts[2]) >= 1, last
     assert elapsed <= BOUND_S + MARGIN_S
     rx.signal(signal.SIGCONT)
     # Fetches end by kv_transfer_timeout at the latest; a done one must hold its bytes.
@@ -653,6 +673,9 @@ def test_second_sigterm_forces_exit_3_before_the_drain_deadline(
     after_second = time.monotonic() - t2
     report(f"sender, second SIGTERM ({after_second:.3f}s after it)", code, elapsed)
     assert code == 3, tx.describe()
+    last = last_daemon_line(tx)
+    print(f"[forced] sender's last line: {last}")
+    assert "drain incomplete: " in last and "; forced exit before the drain ended" in last, last
     assert elapsed < drain_s / 2, f"forced exit took {elapsed:.2f}s (drain_timeout {drain_s}s)"
     assert after_second < 1.0 + MARGIN_S, after_second
 
