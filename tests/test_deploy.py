@@ -13,12 +13,16 @@ manifests; otherwise those tests skip and say how to run them.
 from __future__ import annotations
 
 import configparser
+import contextlib
 import copy
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
 import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +41,7 @@ from kvxferd.config import (
     load_receiver_settings,
     load_sender_settings,
 )
+from tests.child import ChildProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMD = ROOT / "deploy" / "systemd"
@@ -289,9 +294,9 @@ def _toml(docs: Docs, sts: dict[str, Any], role: str) -> str:
     return _find(docs, "ConfigMap", cms[0]["name"])["data"][f"{role}.toml"]
 
 
-def _pod_env(container: dict[str, Any], pod_name: str) -> dict[str, str]:
+def _pod_env(container: dict[str, Any], pod_name: str, pod_ip: str = POD_IP) -> dict[str, str]:
     """The container's environment as Kubernetes sets it ($(VAR) expands earlier entries)."""
-    fields = {"metadata.name": pod_name, POD_INDEX_FIELD: "0", "status.podIP": POD_IP}
+    fields = {"metadata.name": pod_name, POD_INDEX_FIELD: "0", "status.podIP": pod_ip}
     env: dict[str, str] = {}
     for e in container.get("env", []):
         raw = e["value"] if "value" in e else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
@@ -446,31 +451,20 @@ def check_pdb(docs: Docs, role: str) -> None:
         assert 0 < int(spec["minAvailable"]) < sts["spec"]["replicas"], spec
 
 
-def check_netpol(docs: Docs, role: str) -> None:
-    """The role's NetworkPolicy admits only the peer role on the configured control and UCX ports."""
-    sts, peer_sts = _sts(docs, role), _sts(docs, PEER[role])
-    daemon = _daemon(sts)
-    labels = sts["spec"]["selector"]["matchLabels"]
-    peer_labels = peer_sts["spec"]["selector"]["matchLabels"]
+def _policy(docs: Docs, role: str) -> dict[str, Any]:
+    """The one NetworkPolicy that selects exactly the role's pods."""
+    labels = _sts(docs, role)["spec"]["selector"]["matchLabels"]
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     mine = [p for p in policies if p["spec"]["podSelector"].get("matchLabels") == labels]
     assert len(mine) == 1, f"{role}: {len(mine)} NetworkPolicies select its pods"
-    spec = mine[0]["spec"]
-    assert "Ingress" in spec["policyTypes"]
+    assert "Ingress" in mine[0]["spec"]["policyTypes"]
+    return mine[0]
 
-    settings = _settings(docs, role)
-    if isinstance(settings, SenderSettings):
-        control = _endpoint_port(settings.listen)
-    else:
-        control = _endpoint_port(settings.result_endpoint)
-    port_name = "control" if role == "sender" else "result"
-    assert _port(daemon, port_name) == control, f"port {port_name} is not {control}"
-    ucx = _ucx_ports(daemon)
-    engine_ports = {p["containerPort"] for p in _engine(sts).get("ports", [])}
 
-    # (port, end port) -> the peers each rule admits it from
+def _admitted(docs: Docs, role: str) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """The role's ingress: (port, end port) -> the sources admitted to it."""
     admitted: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for rule in spec.get("ingress", []):
+    for rule in _policy(docs, role)["spec"].get("ingress", []):
         sources = rule.get("from")
         assert sources, "a rule without `from` admits every source"
         for source in sources:
@@ -480,8 +474,34 @@ def check_netpol(docs: Docs, role: str) -> None:
             assert p.get("protocol", "TCP") == "TCP", p
             assert isinstance(p["port"], int), f"named port {p['port']}: say the number"
             admitted.setdefault((p["port"], p.get("endPort", p["port"])), []).extend(sources)
+    return admitted
 
-    only_peer = [{"podSelector": {"matchLabels": peer_labels}}]
+
+def _control_port(settings: SenderSettings | ReceiverSettings) -> int:
+    """The port the peer role connects to: the sender's listen, the receiver's result endpoint."""
+    if isinstance(settings, SenderSettings):
+        return _endpoint_port(settings.listen)
+    return _endpoint_port(settings.result_endpoint)
+
+
+def _only_peer(docs: Docs, role: str) -> list[dict[str, Any]]:
+    peer_labels = _sts(docs, PEER[role])["spec"]["selector"]["matchLabels"]
+    return [{"podSelector": {"matchLabels": peer_labels}}]
+
+
+def check_netpol(docs: Docs, role: str) -> None:
+    """The role's NetworkPolicy admits only the peer role on the configured control and UCX ports."""
+    sts = _sts(docs, role)
+    daemon = _daemon(sts)
+    settings = _settings(docs, role)
+    control = _control_port(settings)
+    port_name = "control" if role == "sender" else "result"
+    assert _port(daemon, port_name) == control, f"port {port_name} is not {control}"
+    ucx = _ucx_ports(daemon)
+    engine_ports = {p["containerPort"] for p in _engine(sts).get("ports", [])}
+
+    admitted = _admitted(docs, role)
+    only_peer = _only_peer(docs, role)
     assert admitted.get((control, control)) == only_peer, f"control port {control}"
     assert admitted.get(ucx) == only_peer, f"UCX ports {ucx[0]}-{ucx[1]}"
     probe = settings.service.probe_port
@@ -774,3 +794,130 @@ def test_kustomize_build() -> None:
     )
     namespaced = [d for d in built if d["kind"] != "Namespace"]
     assert {d["metadata"].get("namespace") for d in namespaced} == {"kvxferd"}
+
+
+# ------------------------------------------- the pods' daemons, live, against the policy
+
+STARTUP_S = 60.0  # a daemon imports torch and NIXL and creates an agent
+
+
+class _PodDaemon(ChildProcess):
+    """``kvxferd ROLE`` with a role's ConfigMap TOML and its pod's env; its ready line."""
+
+    def __init__(self, role: str, toml: Path, env: dict[str, str], tmp: Path) -> None:
+        args = [role, "--config", str(toml)]
+        super().__init__("kvxferd", args, tmp / f"{role}.stderr", role, env)
+        self.info: dict[str, Any] | None = None
+        self._start_reader()
+
+    def _take(self, line: str) -> None:
+        if self.info is None and line.startswith("{"):
+            self.info = json.loads(line)
+
+    def wait_ready(self) -> dict[str, Any]:
+        deadline = time.monotonic() + STARTUP_S
+        with self._cond:
+            while self.info is None and not self._eof and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            info = self.info
+        assert info is not None and info["event"] == "ready", self.describe()
+        return info
+
+
+def _host_ip() -> str:
+    """This host's address on its default route, standing in for a pod IP (loopback if none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent; the kernel picks the source
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def _tcp(pid: int) -> tuple[set[int], set[tuple[int, int]]]:
+    """A process's TCP sockets: (listening ports, established (local, remote) port pairs)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
+            if m:
+                inodes.add(m.group(1))
+    listening, established = set(), set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] not in inodes:
+                continue
+            local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
+            if fields[3] == "0A":  # LISTEN
+                listening.add(local)
+            elif fields[3] == "01":  # ESTABLISHED
+                established.add((local, remote))
+    return listening, established
+
+
+def test_daemons_connect_only_where_the_policy_admits(tmp_path: Path) -> None:
+    """Both daemons, run from the ConfigMap and the pods' env, move a request over connections each NetworkPolicy admits."""
+    if not Path("/proc/self/net/tcp").exists():
+        pytest.skip("needs /proc/<pid>/net/tcp (Linux) to list the daemons' connections")
+    from kvxferd.client import Client, attach_pool
+
+    docs = _docs()
+    ip = _host_ip()
+    daemons: dict[str, _PodDaemon] = {}
+    try:
+        for role in ROLES:
+            sts = _sts(docs, role)
+            env = _pod_env(_daemon(sts), f"kvxferd-{role}-0", pod_ip=ip)
+            # Only what this host must change: its own sockets and free ports.
+            env["KVXFERD_SERVICE__ENGINE_SOCKET"] = f"ipc://{tmp_path}/{role}.sock"
+            env["KVXFERD_SERVICE__PROBE_PORT"] = "0"
+            if role == "sender":
+                env["KVXFERD_LISTEN"] = "tcp://0.0.0.0:0"
+            else:
+                env["KVXFERD_RESULT_ENDPOINT"] = f"tcp://{ip}:0"
+            toml = tmp_path / f"{role}.toml"
+            toml.write_text(_toml(docs, sts, role))
+            daemons[role] = _PodDaemon(role, toml, env, tmp_path)
+        ready = {role: d.wait_ready() for role, d in daemons.items()}
+
+        tx = Client(ready["sender"]["engine_socket"], timeout_s=10.0)
+        rx = Client(ready["receiver"]["engine_socket"], timeout_s=10.0)
+        attach_pool(tx.describe())[:, [3, 4], :] = 7
+        published = tx.publish("req-1", [3, 4], aux=b"tok", expected_fetches=1)
+        sender_at = f"tcp://{ip}:{_endpoint_port(ready['sender']['endpoint'])}"
+        fetch = rx.fetch("req-1", sender_at, [40, 41])
+        outcome = rx.wait(fetch, timeout=30.0)
+        assert outcome is not None and outcome.state == "done", outcome
+        assert (attach_pool(rx.describe())[:, [40, 41], :] == 7).all()
+
+        # Every connection between the two: who opened it, to which port.
+        sockets = {role: _tcp(d.pid) for role, d in daemons.items()}
+        seen = set()
+        for client, server in (("sender", "receiver"), ("receiver", "sender")):
+            for local, remote in sockets[client][1]:
+                if (remote, local) in sockets[server][1] and remote in sockets[server][0]:
+                    seen.add((client, server, remote))
+
+        # Map this host's free ports back to the ports the pods declare.
+        declared = {
+            _endpoint_port(ready[role]["endpoint"]): _control_port(_settings(docs, role))
+            for role in ROLES
+        }
+        kinds: set[tuple[str, str, int | str]] = set()
+        for client, server, port in sorted(seen):
+            port = declared.get(port, port)
+            admitted = _admitted(docs, server)
+            rules = [sources for (lo, hi), sources in admitted.items() if lo <= port <= hi]
+            assert rules, f"{client} -> {server} port {port}: no rule admits it"
+            assert all(r == _only_peer(docs, server) for r in rules), f"{server} port {port}"
+            ucx_lo, ucx_hi = _ucx_ports(_daemon(_sts(docs, server)))
+            kinds.add((client, server, "ucx" if ucx_lo <= port <= ucx_hi else port))
+        expected = {("receiver", "sender", 5555), ("sender", "receiver", 5556)}
+        assert expected <= kinds, f"control connections missing: {sorted(seen)}"
+        assert ("sender", "receiver", "ucx") in kinds, f"no UCX connection: {sorted(seen)}"
+        tx.close(published, timeout=5.0)
+        rx.close(fetch, timeout=5.0)
+    finally:
+        for d in daemons.values():
+            d.kill()
