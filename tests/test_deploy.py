@@ -779,6 +779,42 @@ def test_kubernetes_validate_catches_a_broken_manifest() -> None:
     assert len(errors) == 2, errors
 
 
+# The commented-out lines an operator enables for GPUs and RDMA (sender.yaml, receiver.yaml).
+OPTIONS = (
+    "resourceClaims:",
+    "- name: gpu",
+    "resourceClaimTemplateName:",
+    "- name: UCX_NET_DEVICES",
+    "value: mlx5_0:1,eth0",
+    "rdma/hca_shared_devices_a: 1",
+    "nvidia.com/cx7_sriov: 1",
+    "claims:",
+    'add: ["IPC_LOCK"]',
+    "nvidia.com/gpu: 1",
+)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_kubernetes_validate_with_gpu_and_rdma_options(role: str) -> None:
+    """The commented-out GPU and RDMA lines, once enabled, still give valid manifests."""
+    kv = _kubernetes_validate()
+    lines, found = [], set()
+    for line in (K8S / f"{role}.yaml").read_text().splitlines():
+        body = line.lstrip()
+        text = body[2:].lstrip() if body.startswith("# ") else ""
+        option = next((o for o in OPTIONS if text.startswith(o)), None)
+        if option is not None:
+            found.add(option)
+            line = line[: len(line) - len(body)] + body[2:]
+        lines.append(line)
+    assert found == set(OPTIONS), f"options no longer in {role}.yaml: {set(OPTIONS) - found}"
+    docs = [d for d in _yaml().safe_load_all("\n".join(lines)) if d]
+    daemon = _daemon(_sts(docs, role))
+    assert daemon["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    errors = _validate(kv, docs, kv.latest_version())
+    assert not errors, "\n".join(errors)
+
+
 def test_kustomize_build() -> None:
     """`kubectl kustomize deploy/k8s` builds every resource into the kvxferd namespace with the pinned images."""
     kubectl = shutil.which("kubectl")
