@@ -844,7 +844,7 @@ class Receiver:
     def _drain_end(self, rx: RxSession, detail: str) -> None:
         """End an open fetch for the drain (failed/shutting_down, fenced if sent); count it."""
         if self._cancel(rx, RxState.FAILED, Reason.SHUTTING_DOWN, detail):
-            self.stats.add(DROPPED_CUT)
+            self.stats.add("drain_dropped_cut")
 
     def _shutdown(self, t0: float, total: float) -> RxShutdownReport:
         d = self.settings.deadlines
@@ -892,14 +892,14 @@ class Receiver:
         for rx in open_fetches:  # nobody will answer for these any more
             if rx.abandon(Reason.SHUTTING_DOWN, "receiver shut down before the fetch ended"):
                 abandoned += 1
-                self.stats.add(DROPPED_CUT)
+                self.stats.add("drain_dropped_cut")
         with self._lock:
             in_doubt = self._forgotten_in_doubt
             in_doubt += sum(1 for rx in self._fetches.values() if not rx.blocks_reusable)
         in_doubt = max(in_doubt, sum(1 for rx in open_fetches if not rx.blocks_reusable))
         safe = in_doubt == 0
         if in_doubt:
-            self.stats.add(DROPPED_IN_DOUBT, in_doubt)
+            self.stats.add("drain_dropped_in_doubt", in_doubt)
         if safe and joined:
             self.dataplane.close()
             if self._owns_pool:

@@ -900,7 +900,10 @@ class Sender:
         if not session.fail(Reason.SHUTTING_DOWN, detail):
             return False  # it had ended by itself
         # No fetch can attach once the outcome is committed: the slices are final here.
-        self.stats.add(DROPPED_CUT if session.slices() else DROPPED_NEVER_FETCHED)
+        if session.slices():
+            self.stats.add("drain_dropped_cut")
+        else:
+            self.stats.add("drain_dropped_never_fetched")
         return True
 
     def open_requests(self) -> tuple[int, int]:
@@ -998,7 +1001,7 @@ class Sender:
         in_flight = sum(s.writes_in_flight for s in sessions)
         in_doubt = sum(1 for s in sessions if s.writes_in_flight > 0)
         if in_doubt:
-            self.stats.add(DROPPED_IN_DOUBT, in_doubt)
+            self.stats.add("drain_dropped_in_doubt", in_doubt)
         if in_flight == 0:
             self.dataplane.close()
             if self._owns_pool:

@@ -214,6 +214,22 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Outcomes in doubt that resolved (sender: a stalled write ended and was released; "
         "receiver: the sender said no write is in flight): blocks reusable again",
     ),
+    # -- the drain (kvxferd/daemon.py; the last log line counts the same) ------------------
+    _c(
+        "drain_dropped_never_fetched",
+        _S,
+        "Published requests the drain ended with no fetch attached (never fetched)",
+    ),
+    _c(
+        "drain_dropped_cut",
+        _SERVICE,
+        "Transfers the drain ended unfinished (sender: a fetch attached; receiver: a fetch open)",
+    ),
+    _c(
+        "drain_dropped_in_doubt",
+        _SERVICE,
+        "Requests or fetches with a write possibly in flight when the shutdown ended",
+    ),
     # -- messages ------------------------------------------------------------------------
     _c(
         "sent_{message}",

@@ -433,10 +433,10 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/receiver.py",
-                "if rx.aux_slot >= 0:\n"
                 "            self.aux_slots.give_back([rx.aux_slot])\n"
+                '            self.stats.add("aux_slots_released")\n'
                 '        self.stats.add("in_doubt_resolved")',
-                'self.stats.add("in_doubt_resolved")',
+                '            pass\n        self.stats.add("in_doubt_resolved")',
             ),
         ),
         (RXWIRE + "test_a_late_cancel_ack_releases_an_in_doubt_fence_and_its_aux_slot",),
