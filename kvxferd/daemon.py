@@ -133,6 +133,12 @@ class Daemon:
         from kvxferd.health import ProbeServer, ReceiverProbe, SenderProbe
 
         preflight.check(self.settings)  # one-line ConfigError (exit 2) before the slow set-up
+        # A name stable across restarts: the next daemon on this socket can remove what a
+        # killed one left (preflight does, after making sure no daemon is live there).
+        pool = self.settings.pool.model_copy(
+            update={"shm_name": preflight.pool_name(self.settings)}
+        )
+        self.settings = self.settings.model_copy(update={"pool": pool})
         svc = self.settings.service
         if self.role == "sender":
             from kvxferd.sender import Sender

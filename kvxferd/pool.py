@@ -13,7 +13,9 @@ write can touch them).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import threading
 import uuid
 from collections.abc import Iterable
@@ -33,6 +35,20 @@ _TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
 }
+
+
+def daemon_shm_name(role: str, engine_socket: str) -> str:
+    """The pool segment name of the daemon serving ``engine_socket`` on this host.
+
+    Stable across restarts, unlike a library pool's generated name: a daemon
+    killed with SIGKILL never unlinks its segment, and its successor on the same
+    engine socket finds the leftover by this name and removes it
+    (kvxferd/preflight.py) instead of needing /dev/shm room for two pools. The
+    host name keeps containers that share /dev/shm but not their socket
+    directory apart.
+    """
+    key = f"{socket.gethostname()}\0{engine_socket}".encode()
+    return f"kvxferd-{role}-{hashlib.sha256(key).hexdigest()[:16]}"
 
 
 class KvPool:

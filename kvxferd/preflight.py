@@ -15,6 +15,10 @@ set-up would do later:
   (the gateway creates the directory); a socket file there that accepts a
   connection belongs to a live daemon and is refused, one nobody listens on
   is stale and is replaced as before;
+* a pool segment a killed daemon of the same engine socket left in /dev/shm
+  (SIGKILL skips its unlink; the name is :func:`~kvxferd.pool.daemon_shm_name`)
+  is removed, once the engine socket is known to have no live daemon, and
+  logged: without that, each restart after a kill needs room for one more pool;
 * the pool's host part (aux slots, plus the KV blocks on ``device = "cpu"``)
   fits in the free bytes of /dev/shm.
 
@@ -25,6 +29,7 @@ the later bind still fails then, only less clearly.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import stat
@@ -32,6 +37,9 @@ import stat
 from kvxferd.config import ReceiverSettings, SenderSettings
 from kvxferd.endpoints import IPC_PATH_MAX
 from kvxferd.errors import ConfigError
+from kvxferd.pool import daemon_shm_name
+
+log = logging.getLogger("kvxferd.daemon")
 
 SHM_DIR = "/dev/shm"
 _PROBE_CONNECT_S = 0.5
@@ -51,7 +59,54 @@ def check(settings: SenderSettings | ReceiverSettings) -> None:
         svc.probe_host,
         svc.probe_port,
     )
+    _stale_pool(settings)
     _shm(settings)
+
+
+def pool_name(settings: SenderSettings | ReceiverSettings) -> str:
+    """The daemon's pool segment name: the configured one, else :func:`daemon_shm_name`."""
+    role = "tx" if isinstance(settings, SenderSettings) else "rx"
+    return settings.pool.shm_name or daemon_shm_name(role, settings.service.engine_socket)
+
+
+def _stale_pool(settings: SenderSettings | ReceiverSettings) -> None:
+    if settings.pool.shm_name is not None:
+        return  # an operator's own name: never removed behind their back
+    engine_socket = settings.service.engine_socket
+    if engine_socket.startswith("ipc://") and not _nobody_serves(engine_socket[len("ipc://") :]):
+        return  # a live (or unknowable) daemon: its segment is not ours to remove
+    path = os.path.join(SHM_DIR, pool_name(settings))
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError(
+            f"pool: {path}, left by a previous daemon of {engine_socket!r}, cannot be removed"
+            f" ({e.strerror})"
+        ) from None
+    log.warning(
+        "removed %s (%d bytes): the pool a previous daemon of %s left when it was killed",
+        path,
+        size,
+        engine_socket,
+    )
+
+
+def _nobody_serves(path: str) -> bool:
+    """True when no process accepts connections on the unix socket ``path`` (or it is absent)."""
+    if path.startswith("@"):
+        return False  # abstract: cannot tell cheaply; leave any segment alone
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(_PROBE_CONNECT_S)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+        except OSError:
+            return False
+    return False
 
 
 def _endpoint(name: str, endpoint: str) -> None:

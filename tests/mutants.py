@@ -78,6 +78,7 @@ RXWIRE = "tests/test_receiver_wire.py::"
 GATEWAY = "tests/test_gateway.py::"
 PREFLIGHT = "tests/test_preflight.py::"
 JOURNAL = "tests/test_journal.py::"
+READINESS = "tests/test_readiness.py::"
 DRAIN = "tests/test_drain.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -859,6 +860,72 @@ MUTANTS: tuple[Mutant, ...] = (
             DRAIN
             + "test_a_receiver_fetch_open_at_the_drain_deadline_ends_shutting_down_and_exits_3",
         ),
+    ),
+    Mutant(
+        "issue10-stuck-from-last-ending",
+        "stuck is judged from the last ending alone: an idle daemon's first request is stuck at once",
+        (
+            Edit(
+                "kvxferd/health.py",
+                "quiet = now - max(journal.last_ending, oldest)",
+                "quiet = now - journal.last_ending",
+            ),
+        ),
+        (
+            READINESS
+            + "test_a_write_that_never_ends_makes_both_sides_stuck_after_stuck_after_ms_only",
+        ),
+    ),
+    Mutant(
+        "issue10-stuck-never-reported",
+        "readiness stays 200 while pending work sees nothing end",
+        (Edit("kvxferd/health.py", "if quiet * 1000 >= health.stuck_after_ms:", "if False:"),),
+        (
+            READINESS
+            + "test_a_write_that_never_ends_makes_both_sides_stuck_after_stuck_after_ms_only",
+        ),
+    ),
+    Mutant(
+        "issue10-peer-failing-ignored",
+        "a peer whose failures reach the ratio leaves readiness at 200",
+        (
+            Edit(
+                "kvxferd/health.py",
+                "if rate.total >= health.peer_failure_min and rate.ratio >= health.peer_failure_ratio:",
+                "if False:",
+            ),
+        ),
+        (READINESS + "test_a_peer_whose_failures_reach_the_ratio_fails_readiness_naming_it",),
+    ),
+    Mutant(
+        "issue10-cancels-blame-the-peer",
+        "cancels and our own shutdown count as the peer's failures",
+        (
+            Edit(
+                "kvxferd/journal.py",
+                "window.append((now, e.ok or e.reason in NOT_PEER_FAULTS))",
+                "window.append((now, e.ok))",
+            ),
+        ),
+        (READINESS + "test_cancels_and_our_own_shutdown_never_count_as_a_peers_failures",),
+    ),
+    Mutant(
+        "issue10-sender-aux-unchecked",
+        "a sender with no free aux slot stays ready",
+        (
+            Edit(
+                "kvxferd/health.py",
+                "if snd.aux_slots.free == 0:  # every publish with aux would be refused busy",
+                "if False:",
+            ),
+        ),
+        (READINESS + "test_sender_readiness_fails_when_its_aux_slots_run_out",),
+    ),
+    Mutant(
+        "issue10-killed-daemons-pool-kept",
+        "a pool segment a killed daemon left stays in /dev/shm (each restart needs room for one more)",
+        (Edit("kvxferd/preflight.py", "        os.unlink(path)\n", "        pass\n"),),
+        (PREFLIGHT + "test_a_killed_daemons_pool_segment_is_removed_by_its_successor",),
     ),
 )
 

@@ -8,8 +8,10 @@ naming the setting and its value, and that it came before the slow set-up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -241,3 +243,45 @@ def test_stale_engine_socket_file_is_replaced(sock_dir: str) -> None:
         assert d.engine_socket == f"ipc://{path}"
     finally:
         d.kill()
+
+
+def test_a_killed_daemons_pool_segment_is_removed_by_its_successor(sock_dir: str) -> None:
+    """A daemon SIGKILLed leaves its pool in /dev/shm; the next daemon on the same engine socket removes it (logged) and serves under the same name, so restarts never pile up pools."""
+    from kvxferd.client import Client
+
+    def shm_name(d: DaemonProcess) -> str:
+        c = Client(d.engine_socket, timeout_s=10.0)
+        try:
+            return str(c.describe().shm_name)
+        finally:
+            c.close_client()
+
+    first = DaemonProcess("receiver", "first", sock_dir, daemon_env(), [])
+    second: DaemonProcess | None = None
+    try:
+        name = shm_name(first)
+        path = Path("/dev/shm") / name
+        # As a container's end kills every process in it: the daemon and its helper
+        # processes (Python's resource tracker would otherwise unlink the segment).
+        children = [
+            pid
+            for task in Path(f"/proc/{first.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()
+        ]
+        os.kill(first.pid, signal.SIGSTOP)
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(child), signal.SIGKILL)
+        first.kill()  # SIGKILL: no unlink
+        assert path.exists(), f"{path} should be left behind by a SIGKILL"
+        inode = path.stat().st_ino
+        second = DaemonProcess("receiver", "first", sock_dir, daemon_env(), [])
+        assert shm_name(second) == name
+        assert path.stat().st_ino != inode  # a new segment, not the dead daemon's
+        assert any(f"removed {path}" in line for line in second.stderr_tail(50)), second.describe()
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+        with contextlib.suppress(FileNotFoundError, UnboundLocalError):
+            path.unlink()
