@@ -504,10 +504,18 @@ class Demo:
                 signal.signal(signal.SIGINT, old)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(spec: Spec, json_path: str | None = None, out: IO[str] = sys.stdout) -> int:
     """Start the daemons, play the engines, print (and optionally write) the summary."""
     demo = Demo(spec)
     shared = demo.shared
+    # SIGTERM ends the demo like Ctrl-C: through cleanup(), which stops its daemons (the
+    # default action would kill this process alone and leave them running).
+    main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
         sender, receivers = demo.start()
         tx, tx_kv = demo.connect(sender)
@@ -543,6 +551,8 @@ def run_demo(spec: Spec, json_path: str | None = None, out: IO[str] = sys.stdout
         return 1
     finally:
         demo.cleanup()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
     lat_ms = np.array(shared.latencies) * 1000 if shared.latencies else np.zeros(1)
     workers = sum(1 for k in metrics if k.startswith("kvxferd_queue_depth{"))

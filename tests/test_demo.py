@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conditions import wait_until
 
 
 def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -53,3 +56,45 @@ def test_demo_fails_cleanly_when_a_daemon_cannot_start(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "exited with 2 before it was ready" in proc.stdout
     assert not (tmp_path / "demo.json").exists()
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(c)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for c in (task / "children").read_text().split()
+    ]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_demo_stops_its_daemons_too() -> None:
+    """A demo stopped with SIGTERM mid-run exits and leaves none of its daemons running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvxferd", "demo", "--requests", "1000000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        for _ in range(200):  # progress lines, one per interval; the first means it runs
+            line = proc.stderr.readline()
+            if not line or line.startswith("demo: ") and "/1000000 requests" in line:
+                break
+        assert proc.poll() is None, "the demo ended before it ran"
+        daemons = _children(proc.pid)
+        assert daemons, "the demo started no child process"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+        wait_until(lambda: all(_gone(p) for p in daemons), 10, "every daemon gone")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
