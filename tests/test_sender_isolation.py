@@ -173,4 +173,9 @@ def test_a_frozen_receiver_never_delays_another_receivers_fetches(
     assert stalled >= 1, "no write toward the frozen receiver stalled: the test measured nothing"
     assert len(after) >= 5, f"B finished only {len(after)} fetches while A was frozen"
     assert all(e["verified"] for e in after), after
-    assert worst is not None and worst < STALL_MS / 2, f"B waited {worst} ms behind frozen A"
+    # Behind A's write, B could finish nothing until that write stalled (STALL_MS after the
+    # freeze at the earliest). Counting B's fetches that ended well before then proves the
+    # isolation without judging single latencies, which a loaded 2-core machine stretches.
+    early = [e for e in after if e["t"] < t_freeze + 0.8 * STALL_MS / 1000]
+    assert len(early) >= 3, f"B finished {len(early)} fetches before A's write could stall"
+    assert worst is not None and worst < STALL_MS, f"B waited {worst} ms behind frozen A"
