@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conditions import wait_until
-from tests_vllm.conftest import PD
+from tests_vllm.conftest import PD, POOL_BLOCKS
 from tests_vllm.rig import MODEL_LAYERS, VOCAB, counter, sessions
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -111,7 +111,7 @@ def test_sessions_return_to_zero(pd: PD) -> None:
     wait_until(lambda: sessions(pd.receiver.probe_port) == 0, 30, "receiver sessions at zero")
     for e in (pd.prefill, pd.decode):
         wait_until(
-            lambda e=e: e.call({"op": "stats"}, 30)["stats"]["pool_free"] == 512,
+            lambda e=e: e.call({"op": "stats"}, 30)["stats"]["pool_free"] == POOL_BLOCKS,
             30,
             f"{e.name} pool blocks all free",
         )
