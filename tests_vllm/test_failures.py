@@ -171,3 +171,46 @@ def test_killed_sender_fails_loads_in_bounded_time(pair: Pair) -> None:
     for e in (pair.decode_fail, pair.decode_recompute):
         e.drain()
     idle(pair.rx_fail, pair.rx_recompute)
+
+
+def test_killed_receiver_recomputes_then_a_restarted_one_serves(rig: Rig) -> None:
+    """With the receiver killed, loads recompute within a bound; once it restarts, the connector maps its new pool and loads again."""
+    sender, rx = rig.daemon("sender", "tx"), rig.daemon("receiver", "rx")
+    sender.wait_ready()
+    rx.wait_ready()
+    pre = rig.engine("prefill", "producer", sender)
+    dec = rig.engine("decode", "consumer", rx, "--policy", "recompute", "--transfer-timeout-s", "5")
+    pre.wait_ready()
+    dec.wait_ready()
+    p = Pair(rig, sender, rx, rx, pre, dec, dec)
+    ps = prompts([45, 96], seed=16)
+    mono = [decode(dec, "m", ps, [None, None])["outputs"][f"m{i}"]["tokens"] for i in range(2)]
+
+    rx.proc.send_signal(signal.SIGKILL)
+    rx.proc.wait(10)
+    t0 = time.monotonic()
+    out = decode(dec, "x", ps, prefill(p, "x", ps))["outputs"]
+    took = time.monotonic() - t0
+    print(f"\nloads through a dead receiver ended after {took:.1f}s")
+    assert took < FAIL_BOUND_S
+    assert [out[f"x{i}"]["tokens"] for i in range(2)] == mono
+    before = dec.call({"op": "stats"}, 30)["stats"]
+    assert before["load_failures"] == 2, before
+
+    rx2 = rig.daemon("receiver", "rx")  # the same engine socket, a new pool
+    rx2.wait_ready()
+    wait_until(
+        lambda: (
+            decode(dec, f"w{time.monotonic_ns()}", ps[:1], prefill(p, "w", ps[:1]))["outputs"]
+            and dec.call({"op": "stats"}, 30)["stats"]["loads"] > before["loads"]
+        ),
+        60,
+        "a load through the restarted receiver",
+    )
+    out = decode(dec, "y", ps, prefill(p, "y", ps))["outputs"]
+    assert [out[f"y{i}"]["tokens"] for i in range(2)] == mono
+    after = dec.call({"op": "stats"}, 30)["stats"]
+    assert after["loads"] >= before["loads"] + 3, after
+    pre.drain()
+    dec.drain()
+    idle(sender, rx2)

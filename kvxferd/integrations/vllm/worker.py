@@ -219,6 +219,7 @@ class WorkerSide:
         """wait_for_save: copy each completed prompt's blocks into the pool and publish them."""
         d, geo = self._daemon, self.geometry
         assert d is not None and geo is not None
+        batch: list[tuple[Save, list[int]]] = []
         for s in plan.saves:
             ids = d.blocks.take(len(s.block_ids))
             if ids is None:
@@ -233,8 +234,9 @@ class WorkerSide:
                 )
                 continue
             geo.save(d.pool, list(s.block_ids), ids)
-            self.stats.add(saves=1)
-            self._submit(self._publish(s, d, ids))
+            batch.append((s, ids))
+        if batch:
+            self._submit(self._publish_all(d, batch))
 
     def results(self) -> tuple[set[str], set[str]]:
         """get_transfer_results: (finished_recving, failed_recving) since the last call."""
@@ -248,6 +250,7 @@ class WorkerSide:
         d = self._daemon
         assert d is not None
         now = time.monotonic()
+        batch: list[tuple[Load, list[int]]] = []
         while self._waiting:
             ld, deadline = self._waiting[0]
             ids = d.blocks.take(ld.remote.num_blocks)
@@ -258,7 +261,9 @@ class WorkerSide:
                 self._fail(ld, "no room in the receiver's pool before transfer_timeout_s")
                 continue
             self._waiting.popleft()
-            self._submit(self._fetch(ld, d, ids))
+            batch.append((ld, ids))
+        if batch:
+            self._submit(self._fetch_all(d, batch))
 
     def _take_done(self) -> None:
         """Apply what the io thread finished: a new daemon incarnation, ended fetches."""
@@ -329,6 +334,40 @@ class WorkerSide:
             ev.set()
         return ev
 
+    async def _same_daemon(self, d: _Daemon) -> bool:
+        """Whether ``d`` is still the daemon that answers (one describe per step with new transfers).
+
+        A restarted daemon has a new pool: a transfer started on it with blocks of the old
+        mapping would move the wrong memory. A daemon that does not answer counts as the
+        same one here; its calls fail on their own.
+        """
+        try:
+            info = await self._client.describe()
+        except EngineError:
+            return True
+        if info.daemon_id == d.info.daemon_id:
+            return True
+        await self._check_daemon()
+        return False
+
+    async def _publish_all(self, d: _Daemon, batch: list[tuple[Save, list[int]]]) -> None:
+        if not await self._same_daemon(d):
+            for s, ids in batch:
+                self.stats.add(save_failures=1)
+                log.error("request %s: not published: the sender daemon restarted", s.req_id)
+                d.blocks.give(ids)
+            return
+        for s, ids in batch:
+            self._loop.create_task(self._publish(s, d, ids))
+
+    async def _fetch_all(self, d: _Daemon, batch: list[tuple[Load, list[int]]]) -> None:
+        if not await self._same_daemon(d):
+            for ld, ids in batch:
+                self._done.put(_Loaded(ld, d, ids, None, None, "the receiver daemon restarted"))
+            return
+        for ld, ids in batch:
+            self._loop.create_task(self._fetch(ld, d, ids))
+
     async def _publish(self, s: Save, d: _Daemon, ids: list[int]) -> None:
         cancel = self._cancel_event(s.transfer_id)
         try:
@@ -344,6 +383,7 @@ class WorkerSide:
                 log.error("request %s: publish not answered: %s", s.req_id, e)
                 await self._close_key(s.transfer_id, None, d, ids)
                 return
+            self.stats.add(saves=1)
             await self._until_end(h, cancel, None)
             await self._close(h, d, ids)
         finally:
