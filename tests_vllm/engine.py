@@ -1,8 +1,9 @@
 """A vLLM engine in a child process, driven by JSON lines on stdin (the tests' prefill and decode instances).
 
-``python -m tests_vllm.engine --model DIR --role producer|consumer|plain [--engine-socket S]
-[--policy fail|recompute]`` builds an in-process ``LLM`` (no tokenizer, float32, eager,
-block size 32) with the kvxferd connector (or none, for ``plain``), prints
+``python -m tests_vllm.engine --model DIR --role producer|consumer|plain|nixl-producer|nixl-consumer
+[--engine-socket S] [--policy fail|recompute] [--nixl-port P]`` builds an in-process ``LLM`` (no
+tokenizer, float32, eager, block size 32) with the kvxferd connector (vLLM's own NixlConnector
+for the nixl roles, the reference it is measured against; none for ``plain``), prints
 ``{"event": "ready", ...}`` and then answers one line per command:
 
     {"op": "run", "requests": [{"id", "prompt": [ids], "max_tokens", "params": {...} | null}],
@@ -42,7 +43,14 @@ def build_llm(args: argparse.Namespace) -> Any:
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = {}
-    if args.role != "plain":
+    if args.role.startswith("nixl-"):
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.nixl_port)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_producer" if args.role == "nixl-producer" else "kv_consumer",
+            kv_load_failure_policy=args.policy,
+        )
+    elif args.role != "plain":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvxferdConnector",
             kv_connector_module_path="kvxferd.integrations.vllm",
@@ -140,7 +148,12 @@ class Engine:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
-    p.add_argument("--role", choices=["producer", "consumer", "plain"], required=True)
+    p.add_argument(
+        "--role",
+        choices=["producer", "consumer", "plain", "nixl-producer", "nixl-consumer"],
+        required=True,
+    )
+    p.add_argument("--nixl-port", type=int, default=5600, help="VLLM_NIXL_SIDE_CHANNEL_PORT")
     p.add_argument("--engine-socket", default="")
     p.add_argument("--policy", choices=["fail", "recompute"], default="fail")
     p.add_argument("--transfer-timeout-s", type=float, default=20.0)

@@ -138,7 +138,9 @@ def test_abort_before_loading_frees_the_prefill_side(pair: Pair) -> None:
     """A decode request aborted before it was scheduled releases the prefill side's published blocks at once."""
     ps = prompts([50], seed=14)
     params = prefill(pair, "b", ps)
-    assert sessions(pair.sender.probe_port) >= 1  # published, waiting for its fetch
+    wait_until(
+        lambda: sessions(pair.sender.probe_port) >= 1, 30, "published, waiting for its fetch"
+    )
     out = decode(pair.decode_fail, "bb", ps, params, abort=["bb0"], abort_after_steps=0)
     assert out["outputs"] == {}
     pair.decode_fail.drain()

@@ -1,7 +1,9 @@
-"""``python -m kvxferd.integrations.vllm pool-config --model DIR --block-size N --num-blocks M``.
+"""``python -m kvxferd.integrations.vllm pool-config | proxy``.
 
-Prints the ``[pool]`` TOML section for the sender and receiver daemons that
-serve this model; the connector refuses to start against a pool that differs.
+``pool-config --model DIR --block-size N --num-blocks M`` prints the ``[pool]`` TOML
+section for the sender and receiver daemons that serve this model; the connector
+refuses to start against a pool that differs. ``proxy --prefill URL --decode URL``
+runs the example P/D proxy (proxy.py).
 """
 
 from __future__ import annotations
@@ -28,11 +30,21 @@ def _parser() -> argparse.ArgumentParser:
     pc.add_argument(
         "--dtype", default="auto", help="vLLM's KV cache dtype (auto: the model's dtype)"
     )
+    px = sub.add_parser("proxy", help="the example P/D proxy (docs/vllm.md)")
+    px.add_argument("--prefill", action="append", required=True, help="a prefill server URL")
+    px.add_argument("--decode", action="append", required=True, help="a decode server URL")
+    px.add_argument("--host", default="127.0.0.1")
+    px.add_argument("--port", type=int, default=8000)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "proxy":
+        from kvxferd.integrations.vllm.proxy import serve
+
+        serve(args.prefill, args.decode, args.host, args.port)
+        return 0
     if args.block_size < 1 or args.num_blocks < 1:
         print("kvxferd: --block-size and --num-blocks must be at least 1", file=sys.stderr)
         return 2
