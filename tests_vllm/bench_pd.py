@@ -67,11 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--singles", type=int, default=10)
     ap.add_argument("--json", default="")
+    ap.add_argument("--sender-threads", type=int, default=1)
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="kxb"))
     rig = Rig(str(tmp), build_model(tmp / "model"))
     try:
-        tx, rx = rig.daemon("sender", "tx"), rig.daemon("receiver", "rx")
+        tx = rig.daemon("sender", "tx", threads=args.sender_threads)
+        rx = rig.daemon("receiver", "rx")
         tx.wait_ready()
         rx.wait_ready()
         paths = {

@@ -40,10 +40,12 @@ class Rig:
     daemons: list[DaemonProcess] = field(default_factory=list)
     engines: list[EngineProcess] = field(default_factory=list)
 
-    def daemon(self, role: str, name: str, pool_blocks: int = POOL_BLOCKS) -> DaemonProcess:
+    def daemon(
+        self, role: str, name: str, pool_blocks: int = POOL_BLOCKS, threads: int = 1
+    ) -> DaemonProcess:
         cfg = Path(self.sock_dir) / f"{name}.toml"
         cfg.write_text(pool_config(self.model, pool_blocks) + DAEMON_DEADLINES)
-        d = spawn_daemon(role, name, self.sock_dir, cfg)
+        d = spawn_daemon(role, name, self.sock_dir, cfg, threads)
         self.daemons.append(d)
         return d
 

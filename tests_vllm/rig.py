@@ -80,11 +80,13 @@ def pool_config(model: Path, num_blocks: int) -> str:
     return out.stdout
 
 
-def spawn_daemon(role: str, name: str, sock_dir: str, config: Path) -> DaemonProcess:
+def spawn_daemon(
+    role: str, name: str, sock_dir: str, config: Path, threads: int = 1
+) -> DaemonProcess:
     args = ["--config", str(config)]
     if role == "sender":
         args += ["--listen", "tcp://127.0.0.1:0"]
-    env = {"KVXFERD_NUM_THREADS": "1"} if role == "sender" else {}
+    env = {"KVXFERD_NUM_THREADS": str(threads)} if role == "sender" else {}
     return DaemonProcess(role, name, sock_dir, env, args)
 
 

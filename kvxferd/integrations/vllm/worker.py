@@ -51,6 +51,7 @@ log = logging.getLogger("kvxferd.integrations.vllm")
 
 RETRY_S = 0.5  # a close or wait the daemon did not answer is asked again this often
 RECHECK_S = 1.0  # at most one describe() per this long to notice a restarted daemon
+CONFIRM_S = 0.5  # a new transfer trusts a describe() this recent (a daemon starts in seconds)
 
 
 class PoolBlocks:
@@ -143,6 +144,7 @@ class WorkerSide:
         self._early_cancels: set[str] = set()  # loop only: cancelled before the task began
         self._last_check = 0.0  # loop only
         self._posted_id = ""  # loop only: the daemon incarnation last handed to the engine thread
+        self._confirmed_id, self._confirmed_at = "", 0.0  # loop only: last describe() that matched
         self._loop = asyncio.new_event_loop()
         self._client = AsyncClient(settings.engine_socket, timeout_s=settings.call_timeout_s)
         self._io = threading.Thread(
@@ -335,17 +337,26 @@ class WorkerSide:
         return ev
 
     async def _same_daemon(self, d: _Daemon) -> bool:
-        """Whether ``d`` is still the daemon that answers (one describe per step with new transfers).
+        """Whether ``d`` is still the daemon that answers (a describe at most every CONFIRM_S).
 
         A restarted daemon has a new pool: a transfer started on it with blocks of the old
-        mapping would move the wrong memory. A daemon that does not answer counts as the
-        same one here; its calls fail on their own.
+        mapping would move the wrong memory. A daemon takes seconds to start (it imports
+        torch and NIXL and creates its agent), so an answer of the same daemon less than
+        CONFIRM_S old proves that no new one has taken the socket since. A daemon that does
+        not answer counts as the same one here; its calls fail on their own.
         """
+        if (
+            d.info.daemon_id == self._confirmed_id
+            and time.monotonic() - self._confirmed_at < CONFIRM_S
+        ):
+            return True
+        asked = time.monotonic()
         try:
             info = await self._client.describe()
         except EngineError:
             return True
         if info.daemon_id == d.info.daemon_id:
+            self._confirmed_id, self._confirmed_at = info.daemon_id, asked
             return True
         await self._check_daemon()
         return False
