@@ -103,8 +103,15 @@ def test_corrupted_block_changes_tokens(pd: PD) -> None:
     assert disagg != mono
 
 
-def test_sessions_return_to_zero(pd: PD) -> None:
-    """After the runs, both daemons hold no session and the connector got every pool block back."""
+def test_many_requests_leak_nothing(pd: PD) -> None:
+    """After 64 more requests, both daemons hold no session and both connectors got every pool block back."""
+    before = pd.decode.call({"op": "stats"}, 30)["stats"]
+    for r in range(4):
+        ps = prompts(LENGTHS, seed=100 + r)
+        decode_all(pd, f"n{r}.", ps, prefill_all(pd, f"n{r}.", ps))
+    after = pd.decode.call({"op": "stats"}, 30)["stats"]
+    assert after["loads"] - before["loads"] == 4 * len(LENGTHS), after
+    assert after["load_failures"] == before["load_failures"], after
     pd.prefill.drain()
     pd.decode.drain()
     wait_until(lambda: sessions(pd.sender.probe_port) == 0, 30, "sender sessions at zero")
