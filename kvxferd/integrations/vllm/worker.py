@@ -51,6 +51,7 @@ log = logging.getLogger("kvxferd.integrations.vllm")
 
 RETRY_S = 0.5  # a close or wait the daemon did not answer is asked again this often
 RECHECK_S = 1.0  # at most one describe() per this long to notice a restarted daemon
+MAX_EARLY_CANCELS = 4096  # cancels kept for tasks not started yet
 CONFIRM_S = 0.5  # a new transfer trusts a describe() this recent (a daemon starts in seconds)
 
 
@@ -138,10 +139,12 @@ class WorkerSide:
         self._done: queue.SimpleQueue[_Loaded | _Daemon] = queue.SimpleQueue()
         self._waiting: deque[tuple[Load, float]] = deque()  # loads waiting for pool room
         self._aborted: set[str] = set()  # req ids whose load was cancelled by an abort
+        self._in_flight: set[str] = set()  # req ids handed to the io thread, not yet finished
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._cancels: dict[str, asyncio.Event] = {}  # loop only: transfer/req id -> cancel
-        self._early_cancels: set[str] = set()  # loop only: cancelled before the task began
+        # loop only: cancelled before its task began (or after it ended), oldest first, bounded
+        self._early_cancels: dict[str, None] = {}
         self._last_check = 0.0  # loop only
         self._posted_id = ""  # loop only: the daemon incarnation last handed to the engine thread
         self._confirmed_id, self._confirmed_at = "", 0.0  # loop only: last describe() that matched
@@ -203,14 +206,14 @@ class WorkerSide:
         for ld in plan.loads:
             self._waiting.append((ld, now + self.settings.transfer_timeout_s))
         for rid in plan.cancel_loads:
-            self._aborted.add(rid)
             if any(ld.req_id == rid for ld, _ in self._waiting):
                 self._waiting = deque((ld, t) for ld, t in self._waiting if ld.req_id != rid)
-                self._aborted.discard(rid)
                 self._finished_recving.add(rid)
                 self.stats.add(loads_cancelled=1)
-            else:
+            elif rid in self._in_flight:
+                self._aborted.add(rid)
                 self._loop.call_soon_threadsafe(self._cancel, rid)
+            # else: it already ended and was reported; vLLM frees its blocks on that report
         for tid in plan.unpublish:
             self._loop.call_soon_threadsafe(self._cancel, tid)
         for remote in plan.release:
@@ -264,6 +267,7 @@ class WorkerSide:
                 continue
             self._waiting.popleft()
             batch.append((ld, ids))
+            self._in_flight.add(ld.req_id)
         if batch:
             self._submit(self._fetch_all(d, batch))
 
@@ -281,6 +285,7 @@ class WorkerSide:
 
     def _finish_load(self, r: _Loaded) -> None:
         rid = r.load.req_id
+        self._in_flight.discard(rid)
         self._finished_recving.add(rid)
         if rid in self._aborted:
             self._aborted.discard(rid)
@@ -325,14 +330,15 @@ class WorkerSide:
     def _cancel(self, key: str) -> None:
         ev = self._cancels.get(key)
         if ev is None:
-            self._early_cancels.add(key)
+            self._early_cancels[key] = None
+            if len(self._early_cancels) > MAX_EARLY_CANCELS:  # those of ended tasks
+                del self._early_cancels[next(iter(self._early_cancels))]
         else:
             ev.set()
 
     def _cancel_event(self, key: str) -> asyncio.Event:
         ev = self._cancels[key] = asyncio.Event()
-        if key in self._early_cancels:
-            self._early_cancels.discard(key)
+        if self._early_cancels.pop(key, 0) is None:
             ev.set()
         return ev
 
