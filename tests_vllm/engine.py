@@ -9,7 +9,7 @@ for the nixl roles, the reference it is measured against; none for ``plain``), p
     {"op": "run", "requests": [{"id", "prompt": [ids], "max_tokens", "params": {...} | null}],
      "abort": [ids], "abort_after_steps": K, "timeout_s": T}
         -> {"event": "result", "outputs": {id: {"tokens", "finish_reason", "kv_transfer_params"}},
-            "aborted": [ids], "steps": N, "elapsed_s": S}
+            "aborted": [ids], "steps": N, "preemptions": P, "elapsed_s": S}
     {"op": "drain", "timeout_s": T}  step until the scheduler holds no request
         -> {"event": "drained", "stats": connector stats, "elapsed_s": S}
     {"op": "stats"} -> {"event": "stats", "stats": ...}
@@ -68,7 +68,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         dtype="float32",
         enforce_eager=True,
         block_size=BLOCK_SIZE,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=False,
         **kw,
@@ -104,6 +104,7 @@ class Engine:
         to_abort = list(cmd.get("abort", []))
         abort_after = int(cmd.get("abort_after_steps", 0))
         outputs: dict[str, Any] = {}
+        preempted: dict[str, int] = {}
         steps = 0
         while pending:
             if time.monotonic() > deadline:
@@ -124,12 +125,16 @@ class Engine:
                         "kv_transfer_params": out.kv_transfer_params,
                     }
             steps += 1
+            for req in list(self.scheduler.requests.values()):
+                if req.num_preemptions:
+                    preempted[req.request_id] = req.num_preemptions
             if idle:
                 time.sleep(0.001)  # waiting on a transfer: do not spin a shared core
         return {
             "outputs": outputs,
             "aborted": list(cmd.get("abort", [])),
             "steps": steps,
+            "preemptions": sum(preempted.values()),
             "elapsed_s": time.monotonic() - t0,
         }
 
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-socket", default="")
     p.add_argument("--policy", choices=["fail", "recompute"], default="fail")
     p.add_argument("--transfer-timeout-s", type=float, default=20.0)
+    p.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES)
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -216,3 +216,32 @@ def test_killed_receiver_recomputes_then_a_restarted_one_serves(rig: Rig) -> Non
     pre.drain()
     dec.drain()
     idle(sender, rx2)
+
+
+def test_preempted_requests_decode_right_and_release(rig: Rig) -> None:
+    """With too little KV memory for the batch to grow, vLLM preempts loaded decode requests; tokens still equal monolithic ones and nothing leaks."""
+    sender, rx = rig.daemon("sender", "tx"), rig.daemon("receiver", "rx")
+    sender.wait_ready()
+    rx.wait_ready()
+    small = ["--kv-cache-bytes", str(48 * 2 * 16384)]  # 48 blocks of 32 tokens in all
+    pre = rig.engine("prefill", "producer", sender, *small)
+    dec = rig.engine("decode", "consumer", rx, *small)
+    pre.wait_ready()
+    dec.wait_ready()
+    p = Pair(rig, sender, rx, rx, pre, dec, dec)
+    # 45 blocks of prompt, each a few tokens short of a block boundary: decoding needs 6 more.
+    ps = prompts([318, 286, 254, 222, 190, 158], seed=17)
+    params = prefill(p, "p", ps)
+    out = decode(dec, "d", ps, params)
+    mono = decode(dec, "m", ps, [None] * len(ps))
+    print(f"\npreemptions: disaggregated {out['preemptions']}, monolithic {mono['preemptions']}")
+    assert out["preemptions"] > 0
+    n = len(ps)
+    assert [out["outputs"][f"d{i}"]["tokens"] for i in range(n)] == [
+        mono["outputs"][f"m{i}"]["tokens"] for i in range(n)
+    ]
+    pre.drain()
+    dec.drain()
+    idle(sender, rx)
+    for e in (pre, dec):
+        assert e.call({"op": "stats"}, 30)["stats"]["pool_free"] == POOL_BLOCKS
