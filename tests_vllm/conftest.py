@@ -41,11 +41,16 @@ class Rig:
     engines: list[EngineProcess] = field(default_factory=list)
 
     def daemon(
-        self, role: str, name: str, pool_blocks: int = POOL_BLOCKS, threads: int = 1
+        self,
+        role: str,
+        name: str,
+        pool_blocks: int = POOL_BLOCKS,
+        threads: int = 1,
+        listen: str = "",
     ) -> DaemonProcess:
         cfg = Path(self.sock_dir) / f"{name}.toml"
         cfg.write_text(pool_config(self.model, pool_blocks) + DAEMON_DEADLINES)
-        d = spawn_daemon(role, name, self.sock_dir, cfg, threads)
+        d = spawn_daemon(role, name, self.sock_dir, cfg, threads, listen)
         self.daemons.append(d)
         return d
 

@@ -81,11 +81,11 @@ def pool_config(model: Path, num_blocks: int) -> str:
 
 
 def spawn_daemon(
-    role: str, name: str, sock_dir: str, config: Path, threads: int = 1
+    role: str, name: str, sock_dir: str, config: Path, threads: int = 1, listen: str = ""
 ) -> DaemonProcess:
     args = ["--config", str(config)]
     if role == "sender":
-        args += ["--listen", "tcp://127.0.0.1:0"]
+        args += ["--listen", listen or "tcp://127.0.0.1:0"]
     env = {"KVXFERD_NUM_THREADS": str(threads)} if role == "sender" else {}
     return DaemonProcess(role, name, sock_dir, env, args)
 

@@ -245,3 +245,39 @@ def test_preempted_requests_decode_right_and_release(rig: Rig) -> None:
     idle(sender, rx)
     for e in (pre, dec):
         assert e.call({"op": "stats"}, 30)["stats"]["pool_free"] == POOL_BLOCKS
+
+
+def test_restarted_sender_serves_the_prefill_instance_again(rig: Rig) -> None:
+    """A sender killed and restarted on its address is mapped again by the prefill instance, and decodes load from it."""
+    from tests_vllm.test_serve import free_port
+
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    sender, rx = rig.daemon("sender", "tx", listen=listen), rig.daemon("receiver", "rx")
+    sender.wait_ready()
+    rx.wait_ready()
+    pre = rig.engine("prefill", "producer", sender)
+    dec = rig.engine("decode", "consumer", rx, "--transfer-timeout-s", "5")
+    pre.wait_ready()
+    dec.wait_ready()
+    p = Pair(rig, sender, rx, rx, pre, dec, dec)
+    ps = prompts([77], seed=18)
+    mono = decode(dec, "m", ps, [None])["outputs"]["m0"]["tokens"]
+    assert decode(dec, "a", ps, prefill(p, "a", ps))["outputs"]["a0"]["tokens"] == mono
+
+    sender.proc.send_signal(signal.SIGKILL)
+    sender.proc.wait(10)
+    sender2 = rig.daemon("sender", "tx", listen=listen)
+    sender2.wait_ready()
+    loads = dec.call({"op": "stats"}, 30)["stats"]["loads"]
+
+    def loaded_again() -> bool:
+        tag = f"b{time.monotonic_ns()}"
+        out = decode(dec, tag, ps, prefill(p, tag, ps))["outputs"][f"{tag}0"]
+        return bool(
+            dec.call({"op": "stats"}, 30)["stats"]["loads"] > loads and out["tokens"] == mono
+        )
+
+    wait_until(loaded_again, 60, "a load through the restarted sender")
+    pre.drain()
+    dec.drain()
+    idle(sender2, rx)
