@@ -247,8 +247,9 @@ def test_preempted_requests_decode_right_and_release(rig: Rig) -> None:
         assert e.call({"op": "stats"}, 30)["stats"]["pool_free"] == POOL_BLOCKS
 
 
-def test_restarted_sender_serves_the_prefill_instance_again(rig: Rig) -> None:
-    """A sender killed and restarted on its address is mapped again by the prefill instance, and decodes load from it."""
+@pytest.mark.parametrize("address", ["same", "new"])
+def test_restarted_sender_serves_the_prefill_instance_again(rig: Rig, address: str) -> None:
+    """A sender killed and restarted (on its address or another) is mapped again by the prefill instance, whose params then name it, and decodes load from it."""
     from tests_vllm.test_serve import free_port
 
     listen = f"tcp://127.0.0.1:{free_port()}"
@@ -266,7 +267,7 @@ def test_restarted_sender_serves_the_prefill_instance_again(rig: Rig) -> None:
 
     sender.proc.send_signal(signal.SIGKILL)
     sender.proc.wait(10)
-    sender2 = rig.daemon("sender", "tx", listen=listen)
+    sender2 = rig.daemon("sender", "tx", listen=listen if address == "same" else "")
     sender2.wait_ready()
     loads = dec.call({"op": "stats"}, 30)["stats"]["loads"]
 

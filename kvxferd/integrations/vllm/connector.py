@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -34,6 +35,16 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["KvxferdConnector"]
+
+
+class SenderMoved(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler: the sender daemon restarted on another listen endpoint."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def aggregate(self, other: Any) -> Any:
+        return other  # the latest move wins
 
 
 class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -128,6 +139,10 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         r = self.get_transfer_results(finished_req_ids)
         return None, r.finished_recving or None
 
+    def build_connector_worker_meta(self) -> Any:
+        moved = self._worker.take_moved_endpoint() if self._worker is not None else None
+        return None if moved is None else SenderMoved(moved)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -169,3 +184,6 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         self._sched.update_connector_output(connector_output.finished_recving)
+        moved = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(moved, SenderMoved) and self._sched.producer:
+            self._sched.sender = moved.endpoint  # params of later prefills name it

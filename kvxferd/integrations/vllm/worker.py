@@ -140,6 +140,7 @@ class WorkerSide:
         self._waiting: deque[tuple[Load, float]] = deque()  # loads waiting for pool room
         self._aborted: set[str] = set()  # req ids whose load was cancelled by an abort
         self._in_flight: set[str] = set()  # req ids handed to the io thread, not yet finished
+        self._moved: str | None = None  # a restarted daemon's new endpoint, not yet reported
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._cancels: dict[str, asyncio.Event] = {}  # loop only: transfer/req id -> cancel
@@ -279,7 +280,9 @@ class WorkerSide:
             except queue.Empty:
                 return
             if isinstance(item, _Daemon):
-                self._daemon = item
+                old, self._daemon = self._daemon, item
+                if old is not None and item.info.endpoint != old.info.endpoint:
+                    self._moved = item.info.endpoint
             else:
                 self._finish_load(item)
 
@@ -307,6 +310,11 @@ class WorkerSide:
             self._submit(self._close(r.handle, r.daemon, r.pool_ids))
         else:
             r.daemon.blocks.give(r.pool_ids)
+
+    def take_moved_endpoint(self) -> str | None:
+        """The restarted daemon's new endpoint, once (for the scheduler side's params)."""
+        moved, self._moved = self._moved, None
+        return moved
 
     def _fail(self, ld: Load, why: str) -> None:
         self._finished_recving.add(ld.req_id)
