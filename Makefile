@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint types unit setup clean mutants faults faults-quick
+.PHONY: run test lint types unit setup clean mutants faults faults-quick test-vllm vllm-if-present
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,8 @@ run: $(STAMP)
 	$(VENV)/bin/kvxferd demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvxferd tests
-	$(VENV)/bin/ruff format --check kvxferd tests
+	$(VENV)/bin/ruff check kvxferd tests tests_vllm
+	$(VENV)/bin/ruff format --check kvxferd tests tests_vllm
 
 types: $(STAMP)
 	$(VENV)/bin/mypy
@@ -30,7 +30,7 @@ unit: $(STAMP)
 	$(PY) -m pytest -q
 
 # mutants are part of every check: a guarded fix whose revert no test catches fails the build.
-test: lint types unit mutants
+test: lint types unit mutants vllm-if-present
 
 # Revert each guarded fix in a copy of the tree; every one must make its tests fail
 # (56 mutants, two at a time: about 4 min on 2 cores).
@@ -45,5 +45,28 @@ faults: $(STAMP)
 faults-quick: $(STAMP)
 	$(VENV)/bin/kvxferd faults --quick
 
+# vLLM is heavy (a 4 GB environment, about 3 min to install): its own venv, made by test-vllm.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "torch==2.13.0"
+	$(VLLM_PY) -m pip install -q -e ".[dev,vllm]"
+	# vLLM's CPU path needs none of these, and with them `from vllm import LLM` fails.
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# Real prefill and decode vLLM engines moving KV through real daemons (tests_vllm/, a few minutes).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests_vllm
+
+# `make test` runs the vLLM tests only where their environment already exists.
+vllm-if-present:
+	@if [ -x $(VLLM_PY) ]; then $(MAKE) --no-print-directory test-vllm; \
+	else echo "make test: vLLM tests skipped (no $(VLLM_VENV); 'make test-vllm' creates it and runs them)"; fi
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

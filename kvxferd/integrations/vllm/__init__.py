@@ -1,0 +1,31 @@
+"""vLLM v1 KV connector: prefill and decode instances move KV through the kvxferd daemons.
+
+vLLM loads it with ``kv_connector="KvxferdConnector"`` and
+``kv_connector_module_path="kvxferd.integrations.vllm"`` (docs/vllm.md)::
+
+    settings.py   the connector's own settings, read from kv_connector_extra_config
+    metadata.py   kv_transfer_params keys, scheduler -> worker plans, worker -> scheduler reports
+    geometry.py   vLLM's KV tensors (read from their strides) <-> the daemon's pool; pool-config
+    scheduler.py  the scheduler side: which requests save or load, and their params
+    worker.py     the worker side: copies, publishes, fetches, completions (an io thread)
+    connector.py  KvxferdConnector: vLLM's KVConnectorBase_V1 over the two sides
+    proxy.py      an example P/D proxy that forwards kv_transfer_params
+    __main__.py   python -m kvxferd.integrations.vllm pool-config ...
+
+vLLM is imported only when ``KvxferdConnector`` is first looked up, so
+``pool-config`` and the unit tests run without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KvxferdConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvxferdConnector":
+        from kvxferd.integrations.vllm.connector import KvxferdConnector
+
+        return KvxferdConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,65 @@
+"""``python -m kvxferd.integrations.vllm pool-config | proxy``.
+
+``pool-config --model DIR --block-size N --num-blocks M`` prints the ``[pool]`` TOML
+section for the sender and receiver daemons that serve this model; the connector
+refuses to start against a pool that differs. ``proxy --prefill URL --decode URL``
+runs the example P/D proxy (proxy.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvxferd.errors import ConfigError
+from kvxferd.integrations.vllm.geometry import model_pool_shape
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvxferd.integrations.vllm")
+    sub = p.add_subparsers(dest="command", required=True)
+    pc = sub.add_parser("pool-config", help="print the daemons' [pool] section for a model")
+    pc.add_argument("--model", required=True, help="the model directory (its config.json)")
+    pc.add_argument("--block-size", type=int, required=True, help="vLLM's --block-size")
+    pc.add_argument(
+        "--num-blocks",
+        type=int,
+        required=True,
+        help="pool blocks: the vLLM blocks of all transfers in flight at once",
+    )
+    pc.add_argument(
+        "--dtype", default="auto", help="vLLM's KV cache dtype (auto: the model's dtype)"
+    )
+    px = sub.add_parser("proxy", help="the example P/D proxy (docs/vllm.md)")
+    px.add_argument("--prefill", action="append", required=True, help="a prefill server URL")
+    px.add_argument("--decode", action="append", required=True, help="a decode server URL")
+    px.add_argument("--host", default="127.0.0.1")
+    px.add_argument("--port", type=int, default=8000)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "proxy":
+        from kvxferd.integrations.vllm.proxy import serve
+
+        serve(args.prefill, args.decode, args.host, args.port)
+        return 0
+    if args.block_size < 1 or args.num_blocks < 1:
+        print("kvxferd: --block-size and --num-blocks must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        shape = model_pool_shape(args.model, args.block_size, args.dtype)
+    except ConfigError as e:
+        print(f"kvxferd: configuration error: {e}", file=sys.stderr)
+        return 2
+    comment = (
+        f"kvxferd [pool] for {args.model}, vLLM block size {args.block_size} "
+        "(the same on the sender and the receiver)"
+    )
+    sys.stdout.write(shape.toml(args.num_blocks, comment))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

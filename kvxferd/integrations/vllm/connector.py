@@ -1,0 +1,189 @@
+"""KvxferdConnector: vLLM's KVConnectorBase_V1 over the scheduler side and the worker side.
+
+vLLM builds one instance per role: ``SCHEDULER`` (in the engine core; plans,
+never touches KV) and ``WORKER`` (in each worker; copies and transfers). This
+class only routes vLLM's calls to :class:`SchedulerSide` or :class:`WorkerSide`
+and checks at start that the deployment is one it serves:
+
+* ``kv_role`` ``kv_producer`` (a sender daemon) or ``kv_consumer`` (a receiver daemon);
+* one KV cache group of full attention, tensor and pipeline parallel size 1;
+* the daemon's ``[pool]`` fits the KV tensors vLLM allocated (else ConfigError naming
+  the values; ``python -m kvxferd.integrations.vllm pool-config`` prints them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvxferd.client import Client, EngineError
+from kvxferd.errors import ConfigError
+from kvxferd.integrations.vllm.geometry import blocks_for
+from kvxferd.integrations.vllm.metadata import StepPlan
+from kvxferd.integrations.vllm.scheduler import SchedulerSide
+from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
+from kvxferd.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KvxferdConnector"]
+
+
+class SenderMoved(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler: the sender daemon restarted on another listen endpoint."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def aggregate(self, other: Any) -> Any:
+        return other  # the latest move wins
+
+
+class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Disaggregated prefill/decode through the local kvxferd sender or receiver daemon."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.settings: ConnectorSettings = load_settings(ktc.kv_connector_extra_config)
+        producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        if producer == consumer:
+            raise ConfigError(
+                f"kv_role = {ktc.kv_role!r}: the kvxferd connector runs as kv_producer (prefill, "
+                "with a sender daemon) or kv_consumer (decode, with a receiver daemon)"
+            )
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+            raise ConfigError(
+                "the kvxferd connector supports tensor_parallel_size = pipeline_parallel_size = 1"
+            )
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError(
+                "the kvxferd connector supports one KV cache group (full attention) only"
+            )
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.blocks_per_request = blocks_for(
+            vllm_config.model_config.max_model_len, self.block_size
+        )
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            sender = self._sender_endpoint() if producer else None
+            self._sched = SchedulerSide(
+                producer=producer, consumer=consumer, block_size=self.block_size, sender=sender
+            )
+        else:
+            self._worker = WorkerSide(self.settings, producer=producer, consumer=consumer)
+
+    def _sender_endpoint(self) -> str:
+        """The sender daemon's listen endpoint, which decode instances fetch from."""
+        client = Client(self.settings.engine_socket, timeout_s=self.settings.call_timeout_s)
+        try:
+            info = client.describe()
+        except EngineError as e:
+            raise ConfigError(
+                f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r}: "
+                f"no kvxferd sender daemon answers ({e})"
+            ) from None
+        finally:
+            client.close_client()
+        if info.role != "sender" or not info.endpoint:
+            raise ConfigError(
+                f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r} is a "
+                f"{info.role} daemon; a kv_producer needs a sender"
+            )
+        return info.endpoint
+
+    def stats(self) -> dict[str, int]:
+        """The worker side's counters (loads, loaded_bytes, load_failures, ...) and free pool blocks."""
+        w = self._worker
+        return {} if w is None else {**w.stats.snapshot(), "pool_free": w.pool_free()}
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches, self._kv_cache_config.num_blocks, self.blocks_per_request)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_step(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete between steps (asynchronous), never inside a forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # saves copy whole blocks after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._plan())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        done, failed = self._worker.results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return None, r.finished_recving or None
+
+    def build_connector_worker_meta(self) -> Any:
+        moved = self._worker.take_moved_endpoint() if self._worker is not None else None
+        return None if moved is None else SenderMoved(moved)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepPlan)
+        return meta
+
+    # -- scheduler side --------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._sched is not None
+        self._sched.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output.finished_recving)
+        moved = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(moved, SenderMoved) and self._sched.producer:
+            self._sched.sender = moved.endpoint  # params of later prefills name it

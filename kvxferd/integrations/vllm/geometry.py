@@ -1,0 +1,218 @@
+"""vLLM's KV blocks <-> the daemon's pool, and the ``[pool]`` a model needs.
+
+vLLM allocates one tensor per attention layer; one of its dimensions indexes
+the blocks (found by its size and stride, never assumed: the CPU backend
+allocates ``[num_blocks, kv_heads, block_size, 2 * head_size]``, CUDA backends
+put K/V first, and so on). A vLLM block of one layer is everything at one index
+of that dimension: K and V, every head. It is copied whole, in the tensor's own
+element order, into one pool block of that layer, so the pool must be::
+
+    num_layers  = the model's attention layers
+    block_elems = the elements of one block of one layer (2 * kv_heads * block_size * head_size)
+    dtype       = vLLM's KV cache dtype
+
+Both sides of a transfer run the same model on the same vLLM, so the bytes a
+prefill instance copies out are the bytes its decode instance copies back in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvxferd.engine_protocol import PoolInfo
+from kvxferd.errors import ConfigError
+
+_POOL_DTYPES: dict[torch.dtype, str] = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+}
+# fp8 KV caches move as bytes.
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _POOL_DTYPES[getattr(torch, _name)] = "uint8"
+_CONFIG_DTYPES = {
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolShape:
+    """The ``[pool]`` values a daemon needs for one model and block size."""
+
+    num_layers: int
+    block_elems: int
+    dtype: str
+
+    def toml(self, num_blocks: int, comment: str = "") -> str:
+        """The ``[pool]`` section (what ``pool-config`` prints)."""
+        head = f"# {comment}\n" if comment else ""
+        return (
+            f"{head}[pool]\n"
+            f"num_layers = {self.num_layers}\n"
+            f"num_blocks = {num_blocks}\n"
+            f"block_elems = {self.block_elems}\n"
+            f'dtype = "{self.dtype}"\n'
+        )
+
+
+def _natural(name: str) -> tuple[object, ...]:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    name: str
+    kv: torch.Tensor  # vLLM's tensor, as allocated
+    block_dim: int
+
+
+class KvGeometry:
+    """vLLM's per-layer KV tensors, the dimension that indexes blocks, and copies to/from the pool."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        if not kv_caches:
+            raise ConfigError("vLLM registered no KV cache tensors")
+        self.num_blocks = num_blocks
+        layers = []
+        for name in sorted(kv_caches, key=_natural):  # the same order on every instance
+            t = kv_caches[name]
+            layers.append(_Layer(name, t, _block_dim(name, t, num_blocks)))
+        first = layers[0]
+        self.block_shape = _without(first.kv.shape, first.block_dim)
+        self.torch_dtype = first.kv.dtype
+        for lay in layers[1:]:
+            if (
+                _without(lay.kv.shape, lay.block_dim) != self.block_shape
+                or lay.kv.dtype != self.torch_dtype
+            ):
+                raise ConfigError(
+                    f"KV layers differ ({first.name}: {tuple(first.kv.shape)} {first.kv.dtype}, "
+                    f"{lay.name}: {tuple(lay.kv.shape)} {lay.kv.dtype}); kvxferd moves uniform layers only"
+                )
+        if self.torch_dtype not in _POOL_DTYPES:
+            raise ConfigError(f"KV cache dtype {self.torch_dtype} has no kvxferd pool dtype")
+        self.layers = layers
+        self.block_elems = math.prod(self.block_shape)
+        self.block_bytes = self.block_elems * self.torch_dtype.itemsize
+        self.shape = PoolShape(len(layers), self.block_elems, _POOL_DTYPES[self.torch_dtype])
+
+    def describe(self) -> str:
+        lay = self.layers[0]
+        return (
+            f"{len(self.layers)} layers like {lay.name}: shape {tuple(lay.kv.shape)} strides "
+            f"{lay.kv.stride()} {lay.kv.dtype}, blocks on dim {lay.block_dim}, "
+            f"{self.block_bytes} bytes per block per layer"
+        )
+
+    def check_pool(self, info: PoolInfo, blocks_per_request: int, role: str) -> None:
+        """ConfigError naming the ``[pool]`` values needed unless the daemon's pool fits."""
+        lay = info.layout
+        need = self.shape
+        if info.device != "cpu":
+            raise ConfigError(
+                f"the {role} daemon's pool is on {info.device}; the vLLM connector copies through "
+                'a CPU pool: set [pool] device = "cpu"'
+            )
+        problems = []
+        if lay.num_layers != need.num_layers:
+            problems.append(f"num_layers = {lay.num_layers}, needs {need.num_layers}")
+        if lay.block_bytes != self.block_bytes or lay.dtype != need.dtype:
+            have = lay.block_bytes // max(1, _itemsize(lay.dtype))
+            problems.append(
+                f'block_elems = {have} dtype = "{lay.dtype}", needs {need.block_elems} "{need.dtype}"'
+            )
+        if lay.num_blocks < blocks_per_request:
+            problems.append(
+                f"num_blocks = {lay.num_blocks}, needs at least {blocks_per_request} (one longest request)"
+            )
+        if problems:
+            raise ConfigError(
+                f"the {role} daemon's [pool] does not fit this model ({'; '.join(problems)}). "
+                f"Set in its configuration:\n{need.toml(max(lay.num_blocks, blocks_per_request))}"
+                f"(python -m kvxferd.integrations.vllm pool-config prints this section)"
+            )
+
+    # -- copies (the engine thread; the pool blocks are the connector's own) ----------------
+    def save(self, pool: torch.Tensor, block_ids: list[int], pool_ids: list[int]) -> None:
+        """Copy vLLM blocks ``block_ids`` of every layer into pool blocks ``pool_ids``."""
+        src = torch.tensor(block_ids, dtype=torch.long)
+        dst = torch.tensor(pool_ids, dtype=torch.long)
+        n = len(block_ids)
+        for i, lay in enumerate(self.layers):
+            rows = lay.kv.index_select(lay.block_dim, src).movedim(lay.block_dim, 0)
+            pool[i].index_copy_(
+                0, dst, rows.contiguous().view(torch.uint8).reshape(n, self.block_bytes)
+            )
+
+    def load(self, pool: torch.Tensor, pool_ids: list[int], block_ids: list[int]) -> None:
+        """Copy pool blocks ``pool_ids`` of every layer into vLLM blocks ``block_ids``."""
+        src = torch.tensor(pool_ids, dtype=torch.long)
+        dst = torch.tensor(block_ids, dtype=torch.long)
+        n = len(block_ids)
+        for i, lay in enumerate(self.layers):
+            rows = pool[i].index_select(0, src).view(self.torch_dtype).reshape(n, *self.block_shape)
+            lay.kv.index_copy_(lay.block_dim, dst, rows.movedim(0, lay.block_dim))
+
+
+def _without(shape: torch.Size, dim: int) -> tuple[int, ...]:
+    return tuple(s for i, s in enumerate(shape) if i != dim)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"uint8": 1, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4}.get(dtype, 1)
+
+
+def _block_dim(name: str, t: torch.Tensor, num_blocks: int) -> int:
+    """The dimension of ``t`` that indexes blocks: size ``num_blocks``, the largest stride if several."""
+    dims = [d for d in range(t.dim()) if t.shape[d] == num_blocks]
+    if not dims:
+        raise ConfigError(
+            f"KV tensor {name} {tuple(t.shape)} has no dimension of {num_blocks} blocks"
+        )
+    return max(dims, key=lambda d: t.stride(d))
+
+
+# -- the [pool] a model needs, from its config.json (no vLLM needed) -----------------------
+def model_pool_shape(model_dir: str | Path, block_size: int, dtype: str | None = None) -> PoolShape:
+    """The pool shape for a Hugging Face model directory (its config.json) and a vLLM block size."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model: cannot read {path}: {e}") from None
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("kv_lora_rank"):
+        raise ConfigError("MLA models (kv_lora_rank) are not supported by this connector yet")
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: missing or bad field {e}") from None
+    name = (
+        dtype
+        if dtype not in (None, "auto")
+        else str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    )
+    if name not in _CONFIG_DTYPES and name not in ("uint8", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise ConfigError(f"--dtype {name!r}: not a KV cache dtype kvxferd moves")
+    pool_dtype = _CONFIG_DTYPES.get(name, "uint8")
+    return PoolShape(layers, 2 * kv_heads * block_size * head_dim, pool_dtype)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

@@ -1,0 +1,99 @@
+"""What crosses between the connector's parts: kv_transfer_params, plans, reports.
+
+kv_transfer_params (the standard vLLM P/D flow; a proxy forwards them unchanged)::
+
+    prefill request   {"do_remote_decode": true}
+    prefill output    {"do_remote_prefill": true, "do_remote_decode": false,
+                       "kvxferd_transfer_id": "...",   the request id on the sender daemon
+                       "kvxferd_sender": "tcp://...",  the sender daemon's listen endpoint
+                       "kvxferd_num_tokens": P,        prompt tokens whose KV was published
+                       "kvxferd_num_blocks": B}        vLLM blocks (ceil(P / block_size))
+    decode request    the prefill output's params, unchanged
+
+The scheduler side tells the worker side what to do in one :class:`StepPlan`
+per engine step (vLLM's connector metadata); the worker reports completions
+through vLLM's own fields (finished_sending, finished_recving, failed_recving).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+TRANSFER_ID = "kvxferd_transfer_id"
+SENDER = "kvxferd_sender"
+NUM_TOKENS = "kvxferd_num_tokens"
+NUM_BLOCKS = "kvxferd_num_blocks"
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteKv:
+    """A decode request's source: the published transfer named by its kv_transfer_params."""
+
+    transfer_id: str
+    sender: str
+    num_tokens: int
+    num_blocks: int
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> RemoteKv | None:
+        """The source, or None when the params ask for no remote prefill (or are not ours)."""
+        if not params or not params.get(DO_REMOTE_PREFILL):
+            return None
+        try:
+            tid, sender = params[TRANSFER_ID], params[SENDER]
+            num_tokens, num_blocks = int(params[NUM_TOKENS]), int(params[NUM_BLOCKS])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not isinstance(tid, str) or not isinstance(sender, str):
+            return None
+        return cls(tid, sender, num_tokens, num_blocks)
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            DO_REMOTE_PREFILL: True,
+            DO_REMOTE_DECODE: False,
+            TRANSFER_ID: self.transfer_id,
+            SENDER: self.sender,
+            NUM_TOKENS: self.num_tokens,
+            NUM_BLOCKS: self.num_blocks,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Prefill side: copy these vLLM blocks into the pool and publish them as ``transfer_id``."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Decode side: fetch ``remote`` and copy its blocks into ``block_ids``.
+
+    The first ``skip`` blocks are already computed locally (a prefix-cache hit):
+    they are fetched with the rest but not copied.
+    """
+
+    req_id: str
+    remote: RemoteKv
+    block_ids: tuple[int, ...]
+    skip: int = 0
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The scheduler side's orders for one engine step (vLLM's KVConnectorMetadata)."""
+
+    saves: list[Save] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    unpublish: list[str] = field(default_factory=list)  # transfer ids whose request was aborted
+    cancel_loads: list[str] = field(default_factory=list)  # req ids aborted while loading
+    release: list[RemoteKv] = field(default_factory=list)  # remote KV never loaded: free it there
+
+    def empty(self) -> bool:
+        return not (self.saves or self.loads or self.unpublish or self.cancel_loads or self.release)

@@ -1,0 +1,162 @@
+"""The scheduler side of the connector: which requests save or load, and their kv_transfer_params.
+
+It never touches KV memory and never blocks on a daemon during a step: it only
+plans, and the worker side carries the plan out (metadata.StepPlan).
+
+Prefill (producer) request, ``{"do_remote_decode": true}``::
+
+    update_state_after_alloc   -> tracked (_to_save)
+    build_connector_meta       the step that completes its prompt -> Save(block ids, transfer id)
+                               -> _published (the worker copies and publishes after the forward)
+    request_finished           length-capped or stopped -> kv_transfer_params (RemoteKv), blocks
+                               freed at once (the KV is in the daemon's pool by then);
+                               aborted after its save -> unpublish (the sender's blocks are freed)
+
+Decode (consumer) request, kv_transfer_params from a prefill output::
+
+    get_num_new_matched_tokens prompt tokens not computed locally, loaded asynchronously
+    update_state_after_alloc   -> Load(local block ids) (or release, if nothing is to load)
+    request_finished           aborted while loading -> cancel_loads; never allocated -> release
+
+Everything here runs on vLLM's scheduler thread; no lock is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from kvxferd.integrations.vllm.geometry import blocks_for
+from kvxferd.integrations.vllm.metadata import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    Load,
+    RemoteKv,
+    Save,
+    StepPlan,
+)
+
+log = logging.getLogger("kvxferd.integrations.vllm")
+
+# vLLM's RequestStatus names for a request that ran to its end (its KV is complete).
+_COMPLETED = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
+
+
+def transfer_id(req_id: str) -> str:
+    """A request id for the daemons: unique across instances and restarts, printable, short."""
+    safe = "".join(c for c in req_id if c.isascii() and c.isprintable() and c != " ")[:64]
+    return f"{uuid.uuid4().hex}-{safe}"
+
+
+class SchedulerSide:
+    """Plans saves and loads; ``sender`` is the local sender daemon's endpoint (producers)."""
+
+    def __init__(
+        self, *, producer: bool, consumer: bool, block_size: int, sender: str | None
+    ) -> None:
+        if producer and sender is None:
+            raise ValueError("a producer needs its sender daemon's endpoint")
+        self.producer = producer
+        self.consumer = consumer
+        self.block_size = block_size
+        self.sender = sender
+        self._kv_cache_manager: Any = None
+        self._to_save: dict[str, Any] = {}  # req id -> vLLM Request, prompt not yet complete
+        self._published: dict[str, RemoteKv] = {}  # req id -> what its Save published
+        self._loading: set[str] = set()  # req ids handed to the worker, not reported finished
+        self._plan = StepPlan()
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+
+    # -- decode side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        remote = RemoteKv.from_params(request.kv_transfer_params) if self.consumer else None
+        if remote is None:
+            return 0, False
+        if not self._matches(request, remote):
+            return 0, False
+        count = remote.num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _matches(self, request: Any, remote: RemoteKv) -> bool:
+        n = len(request.prompt_token_ids or ())
+        return remote.num_tokens == n and remote.num_blocks == blocks_for(n, self.block_size)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        rid = request.request_id
+        if self.producer and params.get(DO_REMOTE_DECODE) and rid not in self._published:
+            self._to_save[rid] = request
+        remote = RemoteKv.from_params(params) if self.consumer else None
+        if remote is None:
+            return
+        params[DO_REMOTE_PREFILL] = False  # load once, even if this is called again
+        if num_external_tokens <= 0 or not self._matches(request, remote):
+            if not self._matches(request, remote):
+                log.warning(
+                    "request %s: kv_transfer_params describe %d tokens in %d blocks, the prompt "
+                    "has %d tokens; computing it here",
+                    rid,
+                    remote.num_tokens,
+                    remote.num_blocks,
+                    len(request.prompt_token_ids or ()),
+                )
+            self._plan.release.append(remote)
+            return
+        block_ids = blocks.get_block_ids()[0][: remote.num_blocks]
+        skip = (remote.num_tokens - num_external_tokens) // self.block_size
+        self._plan.loads.append(Load(rid, remote, tuple(block_ids), skip))
+        self._loading.add(rid)
+
+    # -- prefill side ----------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        if self._to_save:
+            self._plan_saves(scheduler_output)
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def _plan_saves(self, scheduler_output: Any) -> None:
+        scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens or {}
+        for rid, n in scheduled.items():
+            req = self._to_save.get(rid)
+            if req is None or req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue  # not ours, or a chunked prefill with chunks to go
+            del self._to_save[rid]
+            num_tokens = req.num_prompt_tokens
+            num_blocks = blocks_for(num_tokens, self.block_size)
+            block_ids = self._kv_cache_manager.get_block_ids(rid)[0][:num_blocks]
+            assert self.sender is not None
+            remote = RemoteKv(transfer_id(rid), self.sender, num_tokens, num_blocks)
+            self._plan.saves.append(Save(rid, remote.transfer_id, tuple(block_ids)))
+            self._published[rid] = remote
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        if self.consumer:
+            if rid in self._loading:
+                self._loading.discard(rid)
+                self._plan.cancel_loads.append(rid)
+            elif (remote := RemoteKv.from_params(params)) is not None:
+                params[DO_REMOTE_PREFILL] = False
+                self._plan.release.append(remote)  # aborted before it was scheduled
+        if not self.producer:
+            return False, None
+        self._to_save.pop(rid, None)
+        published = self._published.pop(rid, None)
+        if published is None:
+            return False, None
+        if request.status.name in _COMPLETED:
+            return False, published.to_params()
+        self._plan.unpublish.append(published.transfer_id)
+        return False, None
+
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        for rid in finished_recving or ():
+            self._loading.discard(rid)

@@ -1,0 +1,46 @@
+"""The connector's settings: ``kv_connector_extra_config``, validated once at start.
+
+Only ``engine_socket`` is required; the rest are deadlines with defaults that
+suit one prefill and one decode instance on a LAN::
+
+    engine_socket      the local daemon's engine socket (its service.engine_socket)
+    transfer_timeout_s decode side: a fetch not done by then is a load failure
+    call_timeout_s     any one call to the local daemon (a dead daemon costs this long)
+    close_timeout_s    how long a close waits for writes still in flight
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvxferd.errors import ConfigError
+
+
+class ConnectorSettings(BaseModel):
+    """What ``kv_connector_extra_config`` may hold."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine_socket: str = Field(pattern=r"^(ipc|tcp)://.{1,240}$")
+    transfer_timeout_s: float = Field(30.0, gt=0, le=3600)
+    call_timeout_s: float = Field(5.0, gt=0, le=600)
+    close_timeout_s: float = Field(5.0, gt=0, le=600)
+
+
+def load_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
+    """The settings from vLLM's ``kv_connector_extra_config``; ConfigError naming the bad key."""
+    try:
+        return ConnectorSettings.model_validate(dict(extra or {}))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "kv_connector_extra_config"
+        raise ConfigError(
+            f"kv_connector_extra_config[{where!r}]: {first['msg']}"
+            + (
+                " (e.g. {'engine_socket': 'ipc:///run/kvxferd/engine.sock'})"
+                if where == "engine_socket"
+                else ""
+            )
+        ) from None

@@ -1,0 +1,556 @@
+"""The worker side of the connector: copies between vLLM's blocks and the pool, publishes, fetches.
+
+The daemon's pool is the connector's staging area: vLLM's own KV memory is
+never registered with NIXL nor written by a daemon, so a failed, late or
+cancelled transfer can only ever touch pool blocks, never a vLLM block.
+
+Threads and what they own::
+
+    engine thread   vLLM's model-runner thread: every connector call. Copies vLLM blocks
+                    into pool blocks (saves, after the forward) and pool blocks into vLLM
+                    blocks (completed loads, between forwards); takes pool blocks.
+    kvxferd-vllm-io an asyncio loop with one AsyncClient (its only user): one task per
+                    publish or fetch (call, wait, cancel, close); gives pool blocks back
+                    once a close says no write can touch them.
+
+They share :class:`PoolBlocks` (its own lock), ``_done`` (a SimpleQueue: io -> engine)
+and :class:`Stats` (its own lock). Loop-only state (``_cancels``, ``_early_cancels``)
+is touched only by coroutines and callbacks on the loop.
+
+One transfer (Tx = prefill, Rx = decode)::
+
+    Tx  engine: take pool blocks, copy, submit -> io: publish, wait for its end (fetched,
+        expired, cancelled by unpublish), close until safe, give the blocks back
+    Rx  engine: take pool blocks, submit -> io: fetch, wait (transfer_timeout_s), cancel if
+        aborted or late -> engine (_done): copy if it succeeded, report finished (and failed)
+        -> io: close until safe, give the blocks back
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvxferd.client import AsyncClient, Client, EngineError, EngineRejected, attach_pool
+from kvxferd.engine_protocol import EngineReason, Outcome, PoolInfo
+from kvxferd.errors import ConfigError
+from kvxferd.integrations.vllm.geometry import KvGeometry
+from kvxferd.integrations.vllm.metadata import Load, RemoteKv, Save, StepPlan
+from kvxferd.integrations.vllm.settings import ConnectorSettings
+
+log = logging.getLogger("kvxferd.integrations.vllm")
+
+RETRY_S = 0.5  # a close or wait the daemon did not answer is asked again this often
+RECHECK_S = 1.0  # at most one describe() per this long to notice a restarted daemon
+MAX_EARLY_CANCELS = 4096  # cancels kept for tasks not started yet
+CONFIRM_S = 0.5  # a new transfer trusts a describe() this recent (a daemon starts in seconds)
+
+
+class PoolBlocks:
+    """The daemon pool's blocks, all this connector's: a free list shared by both threads."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._lock = threading.Lock()
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.num_blocks = num_blocks
+
+    def take(self, n: int) -> list[int] | None:
+        with self._lock:
+            if n > len(self._free):
+                return None
+            taken = self._free[-n:] if n else []
+            del self._free[len(self._free) - n :]
+        return taken[::-1]
+
+    def give(self, ids: list[int]) -> None:
+        with self._lock:
+            self._free.extend(reversed(ids))
+
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+
+@dataclass(slots=True)
+class Stats:
+    """What the connector did, for tests and logs (``KvxferdConnector.stats()``)."""
+
+    saves: int = 0
+    save_failures: int = 0  # no pool room or the publish failed: the decode side will fail to load
+    loads: int = 0  # loads that put the remote KV into vLLM's blocks
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_failures: int = 0
+    loads_cancelled: int = 0
+    releases: int = 0  # remote KV freed without loading it (abort, local hit)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return {k: getattr(self, k) for k in self.__slots__ if k != "lock"}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class _Daemon:
+    """One incarnation of the local daemon: its pool mapped here and the blocks we own in it."""
+
+    info: PoolInfo
+    pool: torch.Tensor
+    blocks: PoolBlocks
+
+
+@dataclass(slots=True)
+class _Loaded:
+    """A fetch that ended (io -> engine)."""
+
+    load: Load
+    daemon: _Daemon
+    pool_ids: list[int]
+    handle: int | None
+    outcome: Outcome | None
+    why: str
+
+
+class WorkerSide:
+    """The connector's worker half for one vLLM worker (TP = 1, one daemon per worker)."""
+
+    def __init__(self, settings: ConnectorSettings, *, producer: bool, consumer: bool) -> None:
+        self.settings = settings
+        self.producer = producer
+        self.consumer = consumer
+        self.role = "sender" if producer else "receiver"
+        self.stats = Stats()
+        self.geometry: KvGeometry | None = None
+        self._daemon: _Daemon | None = None
+        self._done: queue.SimpleQueue[_Loaded | _Daemon] = queue.SimpleQueue()
+        self._waiting: deque[tuple[Load, float]] = deque()  # loads waiting for pool room
+        self._aborted: set[str] = set()  # req ids whose load was cancelled by an abort
+        self._in_flight: set[str] = set()  # req ids handed to the io thread, not yet finished
+        self._moved: str | None = None  # a restarted daemon's new endpoint, not yet reported
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._cancels: dict[str, asyncio.Event] = {}  # loop only: transfer/req id -> cancel
+        # loop only: cancelled before its task began (or after it ended), oldest first, bounded
+        self._early_cancels: dict[str, None] = {}
+        self._last_check = 0.0  # loop only
+        self._posted_id = ""  # loop only: the daemon incarnation last handed to the engine thread
+        self._confirmed_id, self._confirmed_at = "", 0.0  # loop only: last describe() that matched
+        self._loop = asyncio.new_event_loop()
+        self._client = AsyncClient(settings.engine_socket, timeout_s=settings.call_timeout_s)
+        self._io = threading.Thread(
+            target=self._loop.run_forever, name="kvxferd-vllm-io", daemon=True
+        )
+
+    # -- start ---------------------------------------------------------------------------
+    def register(
+        self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks_per_request: int
+    ) -> None:
+        """Read vLLM's KV layout, check the daemon's pool against it, map the pool, start the io thread."""
+        self.geometry = KvGeometry(kv_caches, num_blocks)
+        info = self._describe_once()
+        self.geometry.check_pool(info, blocks_per_request, self.role)
+        self._daemon = self._attach(info)
+        self._blocks_per_request = blocks_per_request
+        self._io.start()
+        log.info(
+            "kvxferd connector (%s) on %s: %s; pool of %d blocks",
+            "producer" if self.producer else "consumer",
+            self.settings.engine_socket,
+            self.geometry.describe(),
+            info.layout.num_blocks,
+        )
+
+    def _describe_once(self) -> PoolInfo:
+        client = Client(self.settings.engine_socket, timeout_s=self.settings.call_timeout_s)
+        try:
+            info = client.describe()
+        except EngineError as e:
+            raise ConfigError(
+                f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r}: "
+                f"no kvxferd {self.role} daemon answers ({e})"
+            ) from None
+        finally:
+            client.close_client()
+        if info.role != self.role:
+            raise ConfigError(
+                f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r} is a "
+                f"{info.role} daemon; a {'kv_producer' if self.producer else 'kv_consumer'} needs a {self.role}"
+            )
+        return info
+
+    @staticmethod
+    def _attach(info: PoolInfo) -> _Daemon:
+        return _Daemon(info, attach_pool(info), PoolBlocks(info.layout.num_blocks))
+
+    def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # -- engine thread: one step ------------------------------------------------------------
+    def start_step(self, plan: StepPlan) -> None:
+        """start_load_kv: loads, cancels, releases and unpublishes of this step's plan."""
+        self._take_done()
+        now = time.monotonic()
+        for ld in plan.loads:
+            self._waiting.append((ld, now + self.settings.transfer_timeout_s))
+        for rid in plan.cancel_loads:
+            if any(ld.req_id == rid for ld, _ in self._waiting):
+                self._waiting = deque((ld, t) for ld, t in self._waiting if ld.req_id != rid)
+                self._finished_recving.add(rid)
+                self.stats.add(loads_cancelled=1)
+            elif rid in self._in_flight:
+                self._aborted.add(rid)
+                self._loop.call_soon_threadsafe(self._cancel, rid)
+            # else: it already ended and was reported; vLLM frees its blocks on that report
+        for tid in plan.unpublish:
+            self._loop.call_soon_threadsafe(self._cancel, tid)
+        for remote in plan.release:
+            self._release(remote)
+        self._start_waiting()
+
+    def save(self, plan: StepPlan) -> None:
+        """wait_for_save: copy each completed prompt's blocks into the pool and publish them."""
+        d, geo = self._daemon, self.geometry
+        assert d is not None and geo is not None
+        batch: list[tuple[Save, list[int]]] = []
+        for s in plan.saves:
+            ids = d.blocks.take(len(s.block_ids))
+            if ids is None:
+                self.stats.add(save_failures=1)
+                log.error(
+                    "request %s: no room in the sender's pool for %d blocks (%d of %d free); its "
+                    "decode will fail to load: raise [pool] num_blocks",
+                    s.req_id,
+                    len(s.block_ids),
+                    d.blocks.free(),
+                    d.blocks.num_blocks,
+                )
+                continue
+            geo.save(d.pool, list(s.block_ids), ids)
+            batch.append((s, ids))
+        if batch:
+            self._submit(self._publish_all(d, batch))
+
+    def results(self) -> tuple[set[str], set[str]]:
+        """get_transfer_results: (finished_recving, failed_recving) since the last call."""
+        self._take_done()
+        self._start_waiting()
+        done, failed = self._finished_recving, self._failed_recving
+        self._finished_recving, self._failed_recving = set(), set()
+        return done, failed
+
+    def _start_waiting(self) -> None:
+        d = self._daemon
+        assert d is not None
+        now = time.monotonic()
+        batch: list[tuple[Load, list[int]]] = []
+        while self._waiting:
+            ld, deadline = self._waiting[0]
+            ids = d.blocks.take(ld.remote.num_blocks)
+            if ids is None:
+                if now < deadline:
+                    break  # in order: a later, smaller load must not starve this one
+                self._waiting.popleft()
+                self._fail(ld, "no room in the receiver's pool before transfer_timeout_s")
+                continue
+            self._waiting.popleft()
+            batch.append((ld, ids))
+            self._in_flight.add(ld.req_id)
+        if batch:
+            self._submit(self._fetch_all(d, batch))
+
+    def _take_done(self) -> None:
+        """Apply what the io thread finished: a new daemon incarnation, ended fetches."""
+        while True:
+            try:
+                item = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Daemon):
+                old, self._daemon = self._daemon, item
+                if old is not None and item.info.endpoint != old.info.endpoint:
+                    self._moved = item.info.endpoint
+            else:
+                self._finish_load(item)
+
+    def _finish_load(self, r: _Loaded) -> None:
+        rid = r.load.req_id
+        self._in_flight.discard(rid)
+        self._finished_recving.add(rid)
+        if rid in self._aborted:
+            self._aborted.discard(rid)
+            self.stats.add(loads_cancelled=1)
+        elif r.outcome is not None and r.outcome.ok and r.daemon is self._daemon:
+            geo = self.geometry
+            assert geo is not None
+            skip = r.load.skip
+            geo.load(r.daemon.pool, r.pool_ids[skip:], list(r.load.block_ids[skip:]))
+            n = len(r.load.block_ids) - skip
+            self.stats.add(
+                loads=1, loaded_blocks=n, loaded_bytes=n * len(geo.layers) * geo.block_bytes
+            )
+        else:
+            self._failed_recving.add(rid)
+            self.stats.add(load_failures=1)
+            log.warning("request %s: KV load from %s failed: %s", rid, r.load.remote.sender, r.why)
+        if r.handle is not None:
+            self._submit(self._close(r.handle, r.daemon, r.pool_ids))
+        else:
+            r.daemon.blocks.give(r.pool_ids)
+
+    def take_moved_endpoint(self) -> str | None:
+        """The restarted daemon's new endpoint, once (for the scheduler side's params)."""
+        moved, self._moved = self._moved, None
+        return moved
+
+    def _fail(self, ld: Load, why: str) -> None:
+        self._finished_recving.add(ld.req_id)
+        self._failed_recving.add(ld.req_id)
+        self.stats.add(load_failures=1)
+        log.warning("request %s: KV load from %s failed: %s", ld.req_id, ld.remote.sender, why)
+
+    def _release(self, remote: RemoteKv) -> None:
+        """Free remote KV we will not load: fetch it and cancel at once (the sender ends its publish)."""
+        d = self._daemon
+        assert d is not None
+        ids = d.blocks.take(remote.num_blocks)
+        if ids is None:
+            log.info(
+                "transfer %s not released (no pool room); the sender expires it", remote.transfer_id
+            )
+            return
+        self._submit(self._release_remote(remote, d, ids))
+
+    # -- io thread -----------------------------------------------------------------------
+    def _cancel(self, key: str) -> None:
+        ev = self._cancels.get(key)
+        if ev is None:
+            self._early_cancels[key] = None
+            if len(self._early_cancels) > MAX_EARLY_CANCELS:  # those of ended tasks
+                del self._early_cancels[next(iter(self._early_cancels))]
+        else:
+            ev.set()
+
+    def _cancel_event(self, key: str) -> asyncio.Event:
+        ev = self._cancels[key] = asyncio.Event()
+        if self._early_cancels.pop(key, 0) is None:
+            ev.set()
+        return ev
+
+    async def _same_daemon(self, d: _Daemon) -> bool:
+        """Whether ``d`` is still the daemon that answers (a describe at most every CONFIRM_S).
+
+        A restarted daemon has a new pool: a transfer started on it with blocks of the old
+        mapping would move the wrong memory. A daemon takes seconds to start (it imports
+        torch and NIXL and creates its agent), so an answer of the same daemon less than
+        CONFIRM_S old proves that no new one has taken the socket since. A daemon that does
+        not answer counts as the same one here; its calls fail on their own.
+        """
+        if (
+            d.info.daemon_id == self._confirmed_id
+            and time.monotonic() - self._confirmed_at < CONFIRM_S
+        ):
+            return True
+        asked = time.monotonic()
+        try:
+            info = await self._client.describe()
+        except EngineError:
+            return True
+        if info.daemon_id == d.info.daemon_id:
+            self._confirmed_id, self._confirmed_at = info.daemon_id, asked
+            return True
+        await self._check_daemon()
+        return False
+
+    async def _publish_all(self, d: _Daemon, batch: list[tuple[Save, list[int]]]) -> None:
+        if not await self._same_daemon(d):
+            for s, ids in batch:
+                self.stats.add(save_failures=1)
+                log.error("request %s: not published: the sender daemon restarted", s.req_id)
+                d.blocks.give(ids)
+            return
+        for s, ids in batch:
+            self._loop.create_task(self._publish(s, d, ids))
+
+    async def _fetch_all(self, d: _Daemon, batch: list[tuple[Load, list[int]]]) -> None:
+        if not await self._same_daemon(d):
+            for ld, ids in batch:
+                self._done.put(_Loaded(ld, d, ids, None, None, "the receiver daemon restarted"))
+            return
+        for ld, ids in batch:
+            self._loop.create_task(self._fetch(ld, d, ids))
+
+    async def _publish(self, s: Save, d: _Daemon, ids: list[int]) -> None:
+        cancel = self._cancel_event(s.transfer_id)
+        try:
+            try:
+                h = await self._client.publish(s.transfer_id, ids)
+            except EngineRejected as e:
+                self.stats.add(save_failures=1)
+                log.error("request %s: publish refused: %s", s.req_id, e)
+                d.blocks.give(ids)
+                return
+            except EngineError as e:  # no answer: it may have run; find it by key and close it
+                self.stats.add(save_failures=1)
+                log.error("request %s: publish not answered: %s", s.req_id, e)
+                await self._close_key(s.transfer_id, None, d, ids)
+                return
+            self.stats.add(saves=1)
+            await self._until_end(h, cancel, None)
+            await self._close(h, d, ids)
+        finally:
+            self._cancels.pop(s.transfer_id, None)
+
+    async def _fetch(self, ld: Load, d: _Daemon, ids: list[int]) -> None:
+        cancel = self._cancel_event(ld.req_id)
+        r = ld.remote
+        try:
+            try:
+                h = await self._client.fetch(
+                    r.transfer_id,
+                    r.sender,
+                    ids,
+                    timeout_ms=int(self.settings.transfer_timeout_s * 1000),
+                    want_aux=False,
+                )
+            except EngineRejected as e:
+                self._done.put(_Loaded(ld, d, ids, None, None, f"fetch refused: {e}"))
+                return
+            except EngineError as e:
+                self._done.put(_Loaded(ld, d, [], None, None, f"fetch not answered: {e}"))
+                await self._close_key(r.transfer_id, r.sender, d, ids)
+                return
+            budget = self.settings.transfer_timeout_s + self.settings.call_timeout_s
+            out = await self._until_end(h, cancel, budget)
+            if out is None:
+                why = "cancelled" if cancel.is_set() else f"not done within {budget:.0f}s"
+            else:
+                why = f"{out.state}: {out.reason} {out.detail}".strip()
+            self._done.put(_Loaded(ld, d, ids, h, out, why))
+        finally:
+            self._cancels.pop(ld.req_id, None)
+
+    async def _release_remote(self, r: RemoteKv, d: _Daemon, ids: list[int]) -> None:
+        try:
+            h = await self._client.fetch(r.transfer_id, r.sender, ids, want_aux=False)
+            await self._client.cancel(h)
+        except EngineError as e:
+            log.info("transfer %s not released: %s; the sender expires it", r.transfer_id, e)
+            await self._close_key(r.transfer_id, r.sender, d, ids)
+            return
+        self.stats.add(releases=1)
+        await self._close(h, d, ids)
+
+    async def _until_end(
+        self, h: int, cancel: asyncio.Event, budget: float | None
+    ) -> Outcome | None:
+        """The handle's outcome; None when cancelled or past ``budget`` seconds (it is cancelled then)."""
+        deadline = None if budget is None else time.monotonic() + budget
+        while not cancel.is_set():
+            left = 3600.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                break
+            waiter = asyncio.ensure_future(self._client.wait(h, min(left, 60.0)))
+            stop = asyncio.ensure_future(cancel.wait())
+            await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                break
+            try:
+                out = waiter.result()
+            except (
+                EngineRejected
+            ) as e:  # unknown_handle: the daemon restarted, the transfer is gone
+                log.warning("handle %d: %s", h, e)
+                self._recheck()
+                return None
+            except EngineError:  # not answered: ask again
+                self._recheck()
+                await asyncio.sleep(RETRY_S)
+                continue
+            if out is not None:
+                return out
+        try:
+            await self._client.cancel(h)
+        except EngineError:
+            pass
+        return None
+
+    async def _close(self, h: int, d: _Daemon, ids: list[int]) -> None:
+        """Close until the daemon says no write can touch ``ids``; then give them back."""
+        while True:
+            try:
+                if await self._client.close(h, self.settings.close_timeout_s):
+                    break
+            except EngineRejected as e:
+                if e.reason is EngineReason.UNKNOWN_HANDLE:  # gone with a restarted daemon
+                    break
+                log.warning("close of handle %d: %s", h, e)
+            except EngineError:
+                self._recheck()
+            await asyncio.sleep(RETRY_S)
+        d.blocks.give(ids)
+
+    async def _close_key(self, tid: str, sender: str | None, d: _Daemon, ids: list[int]) -> None:
+        """After a call nobody answered: close whatever runs under its key, then give ``ids`` back."""
+        while True:
+            try:
+                if await self._client.close_request(
+                    tid, self.settings.close_timeout_s, sender_endpoint=sender
+                ):
+                    break
+            except EngineError:
+                self._recheck()
+            await asyncio.sleep(RETRY_S)
+        d.blocks.give(ids)
+
+    def _recheck(self) -> None:
+        """Ask (at most once per RECHECK_S) whether the daemon restarted; if so, map its new pool."""
+        now = time.monotonic()
+        if now - self._last_check >= RECHECK_S:
+            self._last_check = now
+            self._loop.create_task(self._check_daemon())
+
+    async def _check_daemon(self) -> None:
+        d = self._daemon
+        try:
+            info = await self._client.describe()
+        except EngineError:
+            return
+        if d is None or info.daemon_id in (d.info.daemon_id, self._posted_id):
+            return
+        geo = self.geometry
+        assert geo is not None
+        try:
+            geo.check_pool(info, self._blocks_per_request, self.role)
+        except ConfigError as e:
+            log.error("the restarted %s daemon's pool does not fit: %s", self.role, e)
+            return
+        log.warning("the %s daemon restarted (%s); mapping its new pool", self.role, info.daemon_id)
+        self._posted_id = info.daemon_id
+        self._done.put(self._attach(info))
+
+    # -- end -----------------------------------------------------------------------------
+    def pool_free(self) -> int:
+        d = self._daemon
+        return 0 if d is None else d.blocks.free()
+
+    def shutdown(self) -> None:
+        if self._io.is_alive():
+            self._client.close_client()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._io.join(5.0)
