@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 # resolver's own timeout for a name that does not resolve); the NIXL agent and pool another
 # ~8 s. The one-line stderr check is what shows the failure came before the set-up; the
 # time bound only catches a check that waits for something.
-FAIL_FAST_S = 15.0
+FAIL_FAST_S = 25.0
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def start(role: str, sock_dir: str, **env: str) -> tuple[int, list[str], float]:
         text=True,
         # Well above FAIL_FAST_S, well below pytest's timeout: a daemon that got past the
         # checks (allocating a huge pool, say) fails the test here, with its own message.
-        timeout=30,
+        timeout=40,
     )
     return proc.returncode, proc.stderr.strip().splitlines(), time.monotonic() - t0
 
