@@ -178,6 +178,16 @@ def _lookup_msg(
     )
 
 
+def _wait_msg(handle: int, timeout: float, close: bool) -> Build:
+    return lambda call_id, deadline: ep.Wait(
+        call_id=call_id,
+        handle_id=handle,
+        timeout_ms=_ms(timeout),
+        deadline_unix_ms=deadline,
+        close=close,
+    )
+
+
 def _found(reply: ep.ToEngine) -> int | None:
     """A Lookup's handle id, or None when nothing is open under that key."""
     if isinstance(reply, ep.Error) and reply.reason is EngineReason.UNKNOWN_HANDLE:
@@ -289,14 +299,14 @@ class Client:
                 return True
             raise
 
-    def wait(self, handle: int, timeout: float) -> Outcome | None:
-        """The outcome once the transfer ended, or None after ``timeout`` seconds."""
-        reply = self._call(
-            lambda c, d: ep.Wait(
-                call_id=c, handle_id=handle, timeout_ms=_ms(timeout), deadline_unix_ms=d
-            ),
-            timeout,
-        )
+    def wait(self, handle: int, timeout: float, *, close: bool = False) -> Outcome | None:
+        """The outcome once the transfer ended, or None after ``timeout`` seconds.
+
+        ``close=True`` also closes the handle once it ended (one round trip instead of
+        ``wait`` + ``close``): ``outcome.closed`` is then what ``close`` would have
+        returned; while it is False the handle stays open for another ``close``.
+        """
+        reply = self._call(_wait_msg(handle, timeout, close), timeout)
         out = _check(reply, (ep.Outcome, ep.Pending))
         return out if isinstance(out, ep.Outcome) else None
 
@@ -592,13 +602,8 @@ class AsyncClient:
                 return True
             raise
 
-    async def wait(self, handle: int, timeout: float) -> Outcome | None:
-        reply = await self._call(
-            lambda c, d: ep.Wait(
-                call_id=c, handle_id=handle, timeout_ms=_ms(timeout), deadline_unix_ms=d
-            ),
-            timeout,
-        )
+    async def wait(self, handle: int, timeout: float, *, close: bool = False) -> Outcome | None:
+        reply = await self._call(_wait_msg(handle, timeout, close), timeout)
         out = _check(reply, (ep.Outcome, ep.Pending))
         return out if isinstance(out, ep.Outcome) else None
 

@@ -3,19 +3,19 @@
 Each bench child plays the engine of one daemon, exactly as an inference engine
 would: the ``tx`` child starts a sender daemon (``python -m kvxferd sender``),
 maps its pool with :func:`~kvxferd.client.attach_pool`, writes the source
-blocks into it and, per request, calls ``publish``, ``wait`` and ``close``; each
-``rx`` child starts a receiver daemon and, per request, calls ``fetch``, ``wait``
-and ``close``, verifying the bytes through its own mapping of the receiver's
-pool. Both engines run an :class:`~kvxferd.client.AsyncClient` with one task
-per request in flight::
+blocks into it and, per request, calls ``publish`` and ``wait(close=True)``
+(wait and close in one round trip; a ``close`` follows only if that one could
+not close); each ``rx`` child starts a receiver daemon and, per request, calls
+``fetch`` and ``wait(close=True)``, verifying the bytes through its own mapping
+of the receiver's pool: four engine calls per request. Both engines run an
+:class:`~kvxferd.client.AsyncClient` with one task per request in flight::
 
-    rx task s (of inflight)   requests s, s + inflight, ...: fetch -> wait -> close
+    rx task s (of inflight)   requests s, s + inflight, ...: fetch -> wait(close)
     tx task s (of 2 x inflight, so publishes run ahead of the fetches)
-                              requests s, s + 2 x inflight, ...: publish -> wait -> close
+                              requests s, s + 2 x inflight, ...: publish -> wait(close)
 
 A request's latency runs from the engine's ``fetch`` call to the outcome's
-arrival in the receiver engine (the close that frees the slot is not in it, but
-is in the rate). Each child reads its daemon's CPU time (every thread's
+arrival in the receiver engine, the close included (it frees the slot). Each child reads its daemon's CPU time (every thread's
 ``/proc/PID/task/TID/schedstat``) around the repetition, so the report carries
 daemon CPU per request; the engines' own CPU is reported beside it.
 """
@@ -209,10 +209,11 @@ class EngineTx(_Side):
                 if published >= lead:
                     first.set()
                 try:
-                    out = await client.wait(h, WAIT_TIMEOUT_S)
+                    out = await client.wait(h, WAIT_TIMEOUT_S, close=True)
                     if out is None or not out.ok:
                         self._failures += 1
-                    await client.close(h, WAIT_TIMEOUT_S)
+                    if out is None or not out.closed:
+                        await client.close(h, WAIT_TIMEOUT_S)
                 except Exception as e:
                     sys.stderr.write(f"bench engine wait/close: {e!r}\n")
                     self._failures += 1
@@ -281,7 +282,7 @@ class EngineRx(_Destination):
                         self.slots[s],
                         want_aux=False,
                     )
-                    out = await client.wait(h, WAIT_TIMEOUT_S)
+                    out = await client.wait(h, WAIT_TIMEOUT_S, close=True)
                     done_at = time.monotonic()
                     if out is None or not out.ok:
                         failures += 1
@@ -289,7 +290,9 @@ class EngineRx(_Destination):
                         lat.append(done_at - t)
                         nbytes += out.nbytes
                         last = max(last, done_at)
-                    if not await client.close(h, WAIT_TIMEOUT_S):
+                    if not (out is not None and out.closed) and not await client.close(
+                        h, WAIT_TIMEOUT_S
+                    ):
                         raise BenchError(f"slot {s} not reusable after close")
                 except BenchError:
                     raise
