@@ -500,6 +500,11 @@ class _LoopConn:
         self.shut.set()
 
 
+def _time_out(fut: asyncio.Future[ep.ToEngine]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 class AsyncClient:
     """The engine protocol as coroutines; usable from several event loops in several threads."""
 
@@ -532,18 +537,22 @@ class AsyncClient:
             call_id = next(_call_ids)
             fut: asyncio.Future[ep.ToEngine] = conn.loop.create_future()
             conn.pending[call_id] = fut
+            # A timer on the future, not asyncio.wait_for: the same bound without wait_for's
+            # extra task and future per call (issue 12: the engine side's cost per call).
+            timer = conn.loop.call_later(bound, _time_out, fut)
             try:
                 try:
                     frame = ep.encode(build(call_id, _deadline_ms(bound)))
                     await conn.sock.send(frame, flags=zmq.NOBLOCK)
                 except zmq.ZMQError as e:
                     raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
-                return await asyncio.wait_for(fut, bound)
+                return await fut
             except TimeoutError:
                 raise EngineUnavailable(
                     EngineReason.TIMEOUT, f"no reply from {self.endpoint} within {bound:.1f}s"
                 ) from None
             finally:
+                timer.cancel()
                 conn.pending.pop(call_id, None)
 
     async def describe(self) -> PoolInfo:
