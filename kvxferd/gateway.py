@@ -41,21 +41,18 @@ service is called, and on the close thread, and gets ``Error(timeout)``
 (``rejected_timeout``). A Close still runs waits at most until its deadline.
 
 Keys and handles. Publish is keyed by request id, Fetch by (request id, sender
-endpoint, layer range). ``_work`` maps a key to its :class:`_Work`, entered on
-the loop *before* the service is called, so a retry or Lookup that arrives
-while the first call still runs waits for it (up to its own deadline) instead of
-starting a second one (the service call runs inline now, so "running" lasts only
-while it runs; the table still holds)::
+endpoint, layer range). ``_work`` maps a key to its :class:`_Work`. The service
+call runs inline on the loop, so a key is taken and settled in one step: a
+retry or Lookup is read only after the first call returned (before issue 12 the
+call ran on a thread and a key had a "running" state that retries waited on)::
 
     key state     _work[key]                  a Publish/Fetch with that key        Lookup
     ------------  --------------------------  -----------------------------------  --------------
-    free          absent                      runs; -> running                     unknown_handle
-    running       _Work, done pending         same parameters: waits, then as      waits, then
-                                              open; other parameters: duplicate    as open
-    open          _Work, done = handle id     same parameters: that handle; other  that handle
+    free          absent                      runs; -> open (stays free if it      unknown_handle
+                                              failed or expired)
+    open          _Work with its handle id    same parameters: that handle; other  that handle
                                               parameters: duplicate
-    (the call failed or expired: running -> free, and waiters retry; Close(safe) of the
-    handle: open -> free)
+    (Close(safe) of the handle: open -> free)
 
 A handle id comes from a counter that starts at the daemon's start time in ms
 shifted left by 20 bits, so no id is ever reused, not even by a restarted
@@ -120,10 +117,10 @@ class _Entry:
 
 @dataclass(slots=True)
 class _Work:
-    """One Publish/Fetch key in use: its parameters' digest and, once the call returned, its handle."""
+    """One Publish/Fetch key in use: its parameters' digest and its handle id."""
 
     digest: bytes
-    done: asyncio.Future[int | None]  # the handle id, or None: the call failed, the key is free
+    handle_id: int
 
 
 class _UnknownHandle(Exception):
@@ -424,16 +421,9 @@ class Gateway:
         """The reply of a call that needs no wait, served inline; None: it needs a call task."""
         try:
             if isinstance(msg, ep.Publish | ep.Fetch):
-                key = self._key(msg)
-                work = self._work.get(key)
-                if work is not None and not work.done.done():
-                    return None  # the first call with this key still runs: wait for it
-                return self._start_now(rid, msg, key)
+                return self._start(rid, msg)
             if isinstance(msg, ep.Lookup):
-                work = self._work.get(self._key(msg))
-                if work is not None and not work.done.done():
-                    return None
-                return self._lookup_now(rid, msg)
+                return self._lookup(rid, msg)
             if isinstance(msg, ep.Wait):
                 entry = self._entry(rid, msg.handle_id)
                 completion = entry.handle.session.completion
@@ -530,10 +520,7 @@ class Gateway:
         return ep.Error(call_id=msg.call_id, reason=ep.EngineReason.INTERNAL, detail=repr(e)[:1024])
 
     async def _dispatch(self, rid: bytes, msg: ep.ToGateway) -> ep._Msg:
-        if isinstance(msg, ep.Publish | ep.Fetch):
-            return await self._start(rid, msg)
-        if isinstance(msg, ep.Lookup):
-            return await self._lookup(rid, msg)
+        """A Wait or Close that must wait (every other call is answered inline by ``_now``)."""
         if isinstance(msg, ep.Wait):
             entry = self._entry(rid, msg.handle_id)
             started = time.monotonic()
@@ -579,27 +566,18 @@ class Gateway:
         if safe and self._handles.get(handle_id) is entry:
             del self._handles[handle_id]
             work = self._work.get(entry.key)
-            if work is not None and work.done.done() and work.done.result() == handle_id:
+            if work is not None and work.handle_id == handle_id:
                 del self._work[entry.key]
 
-    async def _start(self, rid: bytes, msg: ep.Publish | ep.Fetch) -> ep._Msg:
-        """Publish or Fetch whose key is held by a call still running: wait for it first."""
-        key = self._key(msg)
-        while (work := self._work.get(key)) is not None and not work.done.done():
-            if work.digest != _digest(msg):
-                break  # _start_now refuses it as a duplicate
-            await self._found(rid, key, work, msg.deadline_unix_ms)
-        return self._start_now(rid, msg, key)
-
-    def _start_now(self, rid: bytes, msg: ep.Publish | ep.Fetch, key: _Key) -> ep._Msg:
+    def _start(self, rid: bytes, msg: ep.Publish | ep.Fetch) -> ep._Msg:
         """Publish or Fetch: the handle of the open call with this key, or a new one (inline)."""
         want = "sender" if isinstance(msg, ep.Publish) else "receiver"
         if want != self.role:
             return self._refuse(
                 msg.call_id, ep.EngineReason.WRONG_ROLE, f"this daemon is a {self.role}"
             )
-        digest = _digest(msg)
-        while (work := self._work.get(key)) is not None:
+        key, digest = self._key(msg), _digest(msg)
+        if (work := self._work.get(key)) is not None and work.handle_id in self._handles:
             if work.digest != digest:
                 what = "published" if isinstance(msg, ep.Publish) else "fetched"
                 return self._refuse(
@@ -607,10 +585,10 @@ class Gateway:
                     ep.EngineReason.DUPLICATE,
                     f"request {msg.request_id} is already {what} with other parameters",
                 )
-            found = self._found_now(rid, key, work)
-            if found is not None:
-                self.stats.add("calls_found_by_key")
-                return ep.Handle(call_id=msg.call_id, handle_id=found)
+            found = self._share(rid, key)
+            assert found is not None
+            self.stats.add("calls_found_by_key")
+            return ep.Handle(call_id=msg.call_id, handle_id=found)
         if self._refusing is not None:
             return self._refuse(
                 msg.call_id,
@@ -621,68 +599,38 @@ class Gateway:
             return self._refuse(
                 msg.call_id, ep.EngineReason.BUSY, f"{self.max_handles} handles open (max_handles)"
             )
-        assert self._loop is not None
-        work = self._work[key] = _Work(digest, self._loop.create_future())
-        hid: int | None = None
-        try:
-            handle = _before(msg.deadline_unix_ms, self._service_call(msg))()
-            hid = next(self._handle_ids)
-            self._handles[hid] = _Entry([rid], handle, key)
-        finally:
-            if hid is None and self._work.get(key) is work:
-                del self._work[key]
-            work.done.set_result(hid)
+        handle = _before(msg.deadline_unix_ms, self._service_call(msg))()
+        hid = next(self._handle_ids)
+        self._handles[hid] = _Entry([rid], handle, key)
+        self._work[key] = _Work(digest, hid)
         return ep.Handle(call_id=msg.call_id, handle_id=hid)
 
-    async def _lookup(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
-        """Lookup whose key is held by a call still running: wait for it first."""
-        key = self._key(msg)
-        while (work := self._work.get(key)) is not None and not work.done.done():
-            await self._found(rid, key, work, msg.deadline_unix_ms)
-        return self._lookup_now(rid, msg)
-
-    def _lookup_now(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
+    def _lookup(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
         """The open call with this key, shared with this connection (inline)."""
         if self.role == "receiver" and msg.sender_endpoint is None:
             return self._refuse(
                 msg.call_id, ep.EngineReason.MALFORMED, "lookup on a receiver needs sender_endpoint"
             )
-        key = self._key(msg)
-        while (work := self._work.get(key)) is not None:
-            found = self._found_now(rid, key, work)
-            if found is not None:
-                return ep.Handle(call_id=msg.call_id, handle_id=found)
+        found = self._share(rid, self._key(msg))
+        if found is not None:
+            return ep.Handle(call_id=msg.call_id, handle_id=found)
         return self._refuse(
             msg.call_id,
             ep.EngineReason.UNKNOWN_HANDLE,
             f"no open {'publish' if self.role == 'sender' else 'fetch'} of request {msg.request_id}",
         )
 
-    async def _found(self, rid: bytes, key: _Key, work: _Work, deadline_ms: int) -> int | None:
-        """Wait (up to ``deadline_ms``) for the call that holds ``key``; its handle id, now also ``rid``'s.
-
-        None when that call failed or its handle is gone: the key is free again.
-        """
-        if not work.done.done():
-            left = _left_s(deadline_ms)
-            try:
-                await asyncio.wait_for(asyncio.shield(work.done), left)
-            except TimeoutError:
-                raise _Expired from None
-        return self._found_now(rid, key, work)
-
-    def _found_now(self, rid: bytes, key: _Key, work: _Work) -> int | None:
-        """The handle id of ``work``'s (finished) call, now also ``rid``'s; None: the key is free."""
-        hid = work.done.result()
-        entry = None if hid is None else self._handles.get(hid)
-        if entry is None:
-            if self._work.get(key) is work:
-                del self._work[key]
+    def _share(self, rid: bytes, key: _Key) -> int | None:
+        """The open handle of ``key``, now also usable by connection ``rid``; None: key free."""
+        work = self._work.get(key)
+        entry = None if work is None else self._handles.get(work.handle_id)
+        if work is None or entry is None:
+            self._work.pop(key, None)
             return None
         if rid not in entry.owners:
             entry.owners.append(rid)
             del entry.owners[:-MAX_OWNERS]
-        return hid
+        return work.handle_id
 
     def _key(self, msg: ep.Publish | ep.Fetch | ep.Lookup) -> _Key:
         if self.role == "sender":

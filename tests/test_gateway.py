@@ -38,7 +38,7 @@ from kvxferd.client import (
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.engine_protocol import EngineReason
 from kvxferd.errors import Reason
-from kvxferd.gateway import Gateway
+from kvxferd.gateway import CLOSE_THREADS, Gateway
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from tests.conditions import wait_until
@@ -592,6 +592,49 @@ def test_publish_queued_past_its_deadline_never_runs(
         h = c.publish(rid, [10, 11])
         assert _sessions_of(sender, rid) == 1
         assert c.close(h, CALL_S)
+
+
+@contextlib.contextmanager
+def hold_close_threads(gw: Gateway) -> Iterator[None]:
+    """Keep every gateway close thread busy (as long closes would) until exit."""
+    release, busy = threading.Event(), threading.Semaphore(0)
+
+    def hold() -> None:
+        busy.release()
+        release.wait(4 * CALL_S)
+
+    assert gw._slow is not None
+    held = [gw._slow.submit(hold) for _ in range(CLOSE_THREADS)]
+    try:
+        for _ in held:
+            assert busy.acquire(timeout=CALL_S)
+        yield
+    finally:
+        release.set()
+        for f in held:
+            f.result(CALL_S)
+
+
+def test_close_queued_past_its_deadline_never_runs(
+    sender: Sender, start_gateway: Callable[..., Started]
+) -> None:
+    """A close still waiting for a close thread when its caller gives up is refused (timeout) and leaves the request open."""
+    gw, _, endpoint = start_gateway(sender, "late-close")
+    with Client(endpoint, timeout_s=0.5) as c:
+        h = c.publish("gw-late-close", [62])  # never fetched: open, so its close must wait
+        with hold_close_threads(gw):
+            with pytest.raises(EngineUnavailable) as ei:
+                c.close(h, 0.0)
+            assert ei.value.reason is EngineReason.TIMEOUT
+        wait_until(
+            lambda: gw.stats.get("rejected_timeout") >= 1 or c.poll(h) is not None,
+            CALL_S,
+            "the late close was taken off the queue",
+        )
+        assert c.poll(h) is None, "a close ran after its caller gave up"
+        assert gw.stats.get("rejected_timeout") == 1
+    with Client(endpoint, timeout_s=CALL_S) as c2:
+        assert c2.close_request("gw-late-close", CALL_S)
 
 
 def test_expired_calls_are_refused_when_decoded(
