@@ -178,6 +178,16 @@ def _lookup_msg(
     )
 
 
+def _wait_msg(handle: int, timeout: float, close: bool) -> Build:
+    return lambda call_id, deadline: ep.Wait(
+        call_id=call_id,
+        handle_id=handle,
+        timeout_ms=_ms(timeout),
+        deadline_unix_ms=deadline,
+        close=close,
+    )
+
+
 def _found(reply: ep.ToEngine) -> int | None:
     """A Lookup's handle id, or None when nothing is open under that key."""
     if isinstance(reply, ep.Error) and reply.reason is EngineReason.UNKNOWN_HANDLE:
@@ -289,14 +299,14 @@ class Client:
                 return True
             raise
 
-    def wait(self, handle: int, timeout: float) -> Outcome | None:
-        """The outcome once the transfer ended, or None after ``timeout`` seconds."""
-        reply = self._call(
-            lambda c, d: ep.Wait(
-                call_id=c, handle_id=handle, timeout_ms=_ms(timeout), deadline_unix_ms=d
-            ),
-            timeout,
-        )
+    def wait(self, handle: int, timeout: float, *, close: bool = False) -> Outcome | None:
+        """The outcome once the transfer ended, or None after ``timeout`` seconds.
+
+        ``close=True`` also closes the handle once it ended (one round trip instead of
+        ``wait`` + ``close``): ``outcome.closed`` is then what ``close`` would have
+        returned; while it is False the handle stays open for another ``close``.
+        """
+        reply = self._call(_wait_msg(handle, timeout, close), timeout)
         out = _check(reply, (ep.Outcome, ep.Pending))
         return out if isinstance(out, ep.Outcome) else None
 
@@ -490,6 +500,11 @@ class _LoopConn:
         self.shut.set()
 
 
+def _time_out(fut: asyncio.Future[ep.ToEngine]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 class AsyncClient:
     """The engine protocol as coroutines; usable from several event loops in several threads."""
 
@@ -522,18 +537,22 @@ class AsyncClient:
             call_id = next(_call_ids)
             fut: asyncio.Future[ep.ToEngine] = conn.loop.create_future()
             conn.pending[call_id] = fut
+            # A timer on the future, not asyncio.wait_for: the same bound without wait_for's
+            # extra task and future per call (issue 12: the engine side's cost per call).
+            timer = conn.loop.call_later(bound, _time_out, fut)
             try:
                 try:
                     frame = ep.encode(build(call_id, _deadline_ms(bound)))
                     await conn.sock.send(frame, flags=zmq.NOBLOCK)
                 except zmq.ZMQError as e:
                     raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
-                return await asyncio.wait_for(fut, bound)
+                return await fut
             except TimeoutError:
                 raise EngineUnavailable(
                     EngineReason.TIMEOUT, f"no reply from {self.endpoint} within {bound:.1f}s"
                 ) from None
             finally:
+                timer.cancel()
                 conn.pending.pop(call_id, None)
 
     async def describe(self) -> PoolInfo:
@@ -592,13 +611,8 @@ class AsyncClient:
                 return True
             raise
 
-    async def wait(self, handle: int, timeout: float) -> Outcome | None:
-        reply = await self._call(
-            lambda c, d: ep.Wait(
-                call_id=c, handle_id=handle, timeout_ms=_ms(timeout), deadline_unix_ms=d
-            ),
-            timeout,
-        )
+    async def wait(self, handle: int, timeout: float, *, close: bool = False) -> Outcome | None:
+        reply = await self._call(_wait_msg(handle, timeout, close), timeout)
         out = _check(reply, (ep.Outcome, ep.Pending))
         return out if isinstance(out, ep.Outcome) else None
 

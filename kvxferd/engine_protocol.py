@@ -18,7 +18,7 @@ Calls and their replies (engine DEALER -> gateway ROUTER and back)::
     Publish(request_id, block_ids, aux, expected)    -> Handle | Error     (sender only)
     Fetch(request_id, sender_endpoint, block_ids...) -> Handle | Error     (receiver only)
     Lookup(request_id[, sender_endpoint, layers])    -> Handle | Error(unknown_handle)
-    Wait(handle_id, timeout_ms)                      -> Outcome | Pending | Error
+    Wait(handle_id, timeout_ms[, close])             -> Outcome | Pending | Error
     Poll(handle_id)                                  -> Outcome | Pending | Error
     Cancel(handle_id)                                -> Ok | Error
     Close(handle_id, timeout_ms)                     -> Closed | Error
@@ -43,7 +43,7 @@ from msgspec import Meta
 from kvxferd.errors import ProtocolError, Reason
 from kvxferd.protocol import U31, U63, BlockIds, Endpoint, RequestId, Text, decode_frame
 
-ENGINE_PROTOCOL_VERSION = 2  # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch
+ENGINE_PROTOCOL_VERSION = 3  # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch; 3: Wait.close
 MAGIC = b"KE"
 HEADER = MAGIC + bytes([ENGINE_PROTOCOL_VERSION])
 MAX_FRAME_BYTES = 16 << 20  # a Publish of 1M block ids fits; nothing bigger is accepted
@@ -171,12 +171,18 @@ class Lookup(_Msg, tag="lookup", frozen=True):
 
 
 class Wait(_Msg, tag="wait", frozen=True):
-    """The handle's outcome once it ended, or Pending after ``timeout_ms``."""
+    """The handle's outcome once it ended, or Pending after ``timeout_ms``.
+
+    ``close``: once ended, also Close the handle (waiting for in-flight writes within
+    what is left of ``timeout_ms``) and say in ``Outcome.closed`` whether it is gone;
+    one round trip instead of Wait + Close.
+    """
 
     call_id: CallId
     handle_id: HandleId
     timeout_ms: WaitMs
     deadline_unix_ms: DeadlineMs = 0
+    close: bool = False
 
 
 class Poll(_Msg, tag="poll", frozen=True):
@@ -258,6 +264,7 @@ class Outcome(_Msg, tag="outcome", frozen=True):
     aux: Aux | None = None
     in_doubt: bool = False
     reusable: bool = False
+    closed: bool | None = None  # Wait(close=True): True = closed safe and forgotten, as Close
 
     @property
     def ok(self) -> bool:

@@ -13,15 +13,21 @@ Where things run::
 
     what                         runs on                   owns
     ---------------------------  ------------------------  -------------------------------------
-    serve task, call tasks       the loop start() ran on   the ROUTER (zmq.asyncio), _handles,
+    reader, serve task (a tick), the loop start() ran on   the ROUTER (a plain zmq socket, read
+    call tasks                                             when its fd is readable), _handles,
                                                            _work, _calls, _refusing; no lock: only
                                                            this loop touches them
-    publish / fetch / cancel     kvxferd-gw-quick threads  nothing; they call the service
-    close(timeout)               kvxferd-gw-close threads  nothing; they may block up to timeout
-    Wait                         the loop (wait_async)     the awaiting future, on this loop
+    publish / fetch / lookup /   the loop, inline, as the  nothing; the service calls never wait
+    cancel, a Wait or Close      frame is read             on a peer (a lock held for microseconds,
+    that need not wait                                     an eventfd write)
+    Wait that must wait          a call task (wait_async)  the awaiting future, on this loop
+    Close that must wait         kvxferd-gw-close threads  nothing; they may block up to timeout
 
-A call that may block never runs on the loop. Calls served at once are bounded
-by ``max_inflight``: one more gets ``Error(busy)`` at once, it is never queued.
+A call that may block never runs on the loop; a call that cannot block runs
+inline, with no task and no thread hand-off (issue 12: the asyncio socket, the
+task and the thread-pool hop per call were most of a daemon's CPU per request).
+Calls served at once are bounded by ``max_inflight``: while that many wait, one
+more (inline or not) gets ``Error(busy)`` at once, it is never queued.
 Describe and Poll answer inline and are not counted. A malformed frame gets
 ``Error(malformed)`` (or the ProtocolError's reason), is counted in ``stats``,
 and never stops the serve task. An unexpected exception in the serve task or a
@@ -30,25 +36,23 @@ and the engine gets ``Error(internal)``; the serve task goes on.
 
 Deadlines. A call's ``deadline_unix_ms`` is when its engine stops waiting. A
 call whose deadline has passed is not executed: it is checked when the frame is
-decoded and again on the gateway thread right before the service is called (a
-daemon that was frozen reads and queues calls late), and gets ``Error(timeout)``
+decoded (a daemon that was frozen reads its calls late), again right before the
+service is called, and on the close thread, and gets ``Error(timeout)``
 (``rejected_timeout``). A Close still runs waits at most until its deadline.
 
 Keys and handles. Publish is keyed by request id, Fetch by (request id, sender
-endpoint, layer range). ``_work`` maps a key to its :class:`_Work`, entered on
-the loop *before* the service is called, so a retry or Lookup that arrives
-while the first call still runs waits for it (up to its own deadline) instead of
-starting a second one::
+endpoint, layer range). ``_work`` maps a key to its :class:`_Work`. The service
+call runs inline on the loop, so a key is taken and settled in one step: a
+retry or Lookup is read only after the first call returned (before issue 12 the
+call ran on a thread and a key had a "running" state that retries waited on)::
 
     key state     _work[key]                  a Publish/Fetch with that key        Lookup
     ------------  --------------------------  -----------------------------------  --------------
-    free          absent                      runs; -> running                     unknown_handle
-    running       _Work, done pending         same parameters: waits, then as      waits, then
-                                              open; other parameters: duplicate    as open
-    open          _Work, done = handle id     same parameters: that handle; other  that handle
+    free          absent                      runs; -> open (stays free if it      unknown_handle
+                                              failed or expired)
+    open          _Work with its handle id    same parameters: that handle; other  that handle
                                               parameters: duplicate
-    (the call failed or expired: running -> free, and waiters retry; Close(safe) of the
-    handle: open -> free)
+    (Close(safe) of the handle: open -> free)
 
 A handle id comes from a counter that starts at the daemon's start time in ms
 shifted left by 20 bits, so no id is ever reused, not even by a restarted
@@ -80,7 +84,6 @@ from typing import Any, Literal, TypeVar, cast
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from kvxferd import engine_protocol as ep
 from kvxferd.control import process_context
@@ -97,8 +100,9 @@ log = logging.getLogger("kvxferd.gateway")
 T = TypeVar("T")
 
 MAX_HANDLES = 65_536  # live handles across all engines; one more publish/fetch gets BUSY
-QUICK_THREADS = 8  # publish / fetch / cancel: short calls, never wait on a peer
 CLOSE_THREADS = 32  # close(timeout): may block up to the engine's timeout
+TICK_S = 1.0  # the serve task's tick: last_progress, and a read in case an fd edge was missed
+READ_BATCH = 256  # frames read per turn of the loop before other callbacks get a turn
 MAX_OWNERS = 16  # connections that may use one handle (its creator, then those that found it)
 
 _Key = tuple[str, str, str, int, int]  # (kind, request id, sender endpoint, layer begin, end)
@@ -113,10 +117,10 @@ class _Entry:
 
 @dataclass(slots=True)
 class _Work:
-    """One Publish/Fetch key in use: its parameters' digest and, once the call returned, its handle."""
+    """One Publish/Fetch key in use: its parameters' digest and its handle id."""
 
     digest: bytes
-    done: asyncio.Future[int | None]  # the handle id, or None: the call failed, the key is free
+    handle_id: int
 
 
 class _UnknownHandle(Exception):
@@ -182,10 +186,11 @@ class Gateway:
         self._calls: dict[asyncio.Task[None], int] = {}  # call task -> call id
         self._refusing: ep.EngineReason | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._fd: int | None = None  # the ROUTER's fd, watched by the loop (add_reader)
+        self._read_soon = False  # a _read is scheduled with call_soon
         self._serve_task: asyncio.Task[None] | None = None
         self._ipc_path: str | None = None
-        self._quick: ThreadPoolExecutor | None = None
         self._slow: ThreadPoolExecutor | None = None
         self._pool_info: ep.PoolInfo | None = None
 
@@ -196,8 +201,7 @@ class Gateway:
             raise RuntimeError("gateway already started")
         self._loop = asyncio.get_running_loop()
         self._pool_info = _pool_info(self.service)
-        ctx = zmq.asyncio.Context.shadow(process_context().underlying)
-        sock = ctx.socket(zmq.ROUTER)
+        sock: zmq.Socket[bytes] = process_context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone engine fails, is counted
@@ -221,14 +225,14 @@ class Gateway:
         bound = sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint = bound.decode() if isinstance(bound, bytes) else str(bound)
         self._sock = sock
-        self._quick = ThreadPoolExecutor(
-            max_workers=min(self.max_inflight, QUICK_THREADS), thread_name_prefix="kvxferd-gw-quick"
-        )
         self._slow = ThreadPoolExecutor(
             max_workers=min(self.max_inflight, CLOSE_THREADS), thread_name_prefix="kvxferd-gw-close"
         )
+        self._fd = fd = cast(int, sock.getsockopt(zmq.FD))
+        self._loop.add_reader(fd, self._read)
         self._serve_task = self._loop.create_task(self._serve(), name="kvxferd-gateway")
         self._serve_task.add_done_callback(self._serve_done)
+        self._read_later()  # frames that came before the reader was in place
         log.info("engine gateway (%s) serving at %s", self.role, self.endpoint)
         return self.endpoint
 
@@ -286,55 +290,74 @@ class Gateway:
             if late:
                 log.warning("gateway stop: %d tasks still running after %.1fs", len(late), timeout)
         self._sock = None
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)  # type: ignore[union-attr]
+            self._fd = None
         sock.close(linger=0)
-        for ex in (self._quick, self._slow):
-            if ex is not None:  # running calls end on their own bounds; queued ones are dropped
-                ex.shutdown(wait=False, cancel_futures=True)
+        if self._slow is not None:  # running closes end on their own bounds; queued ones drop
+            self._slow.shutdown(wait=False, cancel_futures=True)
         self._handles.clear()
         self._work.clear()
         log.info("engine gateway stopped (%s)", self.endpoint)
 
     # -- serving ------------------------------------------------------------------------
     async def _serve(self) -> None:
+        """The tick: ``last_progress`` while the loop runs, and a read in case an edge was missed."""
+        while self._sock is not None:
+            await asyncio.sleep(TICK_S)
+            self.last_progress = time.monotonic()
+            self._read()
+
+    def _read_later(self, delay: float = 0.0) -> None:
+        """Read again soon: after a send (ZMQ's fd is edge-triggered; a send can take the
+        edge of a frame that arrived meanwhile), after a full batch, after an error."""
+        if self._loop is None or self._sock is None:
+            return
+        if delay:
+            self._loop.call_later(delay, self._read)
+        elif not self._read_soon:
+            self._read_soon = True
+            self._loop.call_soon(self._read)
+
+    def _read(self) -> None:
+        """Take every frame waiting on the ROUTER (up to a batch), each handled inline."""
+        self._read_soon = False
         sock = self._sock
-        assert sock is not None
-        while True:
+        if sock is None:
+            return
+        for _ in range(READ_BATCH):
             try:
-                if not await self._serve_one(sock):
+                if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                if sock.closed:
+                    return
+                self.stats.add("recv_errors")
+                log.warning("gateway: receive failed: %s", e)
+                self._read_later(0.01)
+                return
             except Exception:  # a bug on one turn must not stop the gateway
                 self.guard.caught("gateway")
-                await asyncio.sleep(0.01)  # never spin on a persistent error
-
-    async def _serve_one(self, sock: zmq.asyncio.Socket) -> bool:
-        """Take one frame (or tick); False once the socket is closed."""
-        try:
-            frames = await asyncio.wait_for(sock.recv_multipart(), 1.0)
-        except TimeoutError:
+                self._read_later(0.01)  # never spin on a persistent error
+                return
             self.last_progress = time.monotonic()
-            return True
-        except zmq.ZMQError as e:
-            if sock.closed:
-                return False
-            self.stats.add("recv_errors")
-            log.warning("gateway: receive failed: %s", e)
-            await asyncio.sleep(0.01)
-            return True
-        self.last_progress = time.monotonic()
-        try:
-            self._on_frames(frames)
-        except Exception:
-            self.guard.caught("gateway")
-            self.stats.add("internal_errors")
-            self._reply(
-                frames[0],
-                ep.Error(
-                    call_id=ep.salvage_call_id(frames[1:]),
-                    reason=ep.EngineReason.INTERNAL,
-                    detail="the daemon failed on this message (a bug; see its log)",
-                ),
-            )
-        return True
+            try:
+                self._on_frames(frames)
+            except Exception:
+                self.guard.caught("gateway")
+                self.stats.add("internal_errors")
+                self._reply(
+                    frames[0],
+                    ep.Error(
+                        call_id=ep.salvage_call_id(frames[1:]),
+                        reason=ep.EngineReason.INTERNAL,
+                        detail="the daemon failed on this message (a bug; see its log)",
+                    ),
+                )
+        self._read_later()  # more may wait: let the loop's other callbacks run first
 
     def _serve_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -385,10 +408,49 @@ class Gateway:
                 ),
             )
             return
+        reply = self._now(rid, msg)
+        if reply is not None:
+            self._reply(rid, reply)
+            return
         assert self._loop is not None
         task = self._loop.create_task(self._call(rid, msg))
         self._calls[task] = msg.call_id
         task.add_done_callback(self._call_done)
+
+    def _now(self, rid: bytes, msg: ep.ToGateway) -> ep._Msg | None:
+        """The reply of a call that needs no wait, served inline; None: it needs a call task."""
+        try:
+            if isinstance(msg, ep.Publish | ep.Fetch):
+                return self._start(rid, msg)
+            if isinstance(msg, ep.Lookup):
+                return self._lookup(rid, msg)
+            if isinstance(msg, ep.Wait):
+                entry = self._entry(rid, msg.handle_id)
+                completion = entry.handle.session.completion
+                if completion.done():
+                    if msg.close and not _closes_at_once(entry.handle):
+                        return None  # the close may wait for writes in flight
+                    value = completion.value()
+                    assert value is not None
+                    out = _outcome(msg.call_id, entry.handle, value)
+                    if msg.close:
+                        safe = _close(entry.handle, 0, msg.deadline_unix_ms)
+                        out = self._closed_outcome(out, msg.handle_id, entry, safe)
+                    return out
+                return ep.Pending(call_id=msg.call_id) if msg.timeout_ms == 0 else None
+            if isinstance(msg, ep.Cancel):
+                entry = self._entry(rid, msg.handle_id)
+                _before(msg.deadline_unix_ms, entry.handle.cancel)()
+                return ep.Ok(call_id=msg.call_id)
+            if isinstance(msg, ep.Close):
+                entry = self._entry(rid, msg.handle_id)
+                if not _closes_at_once(entry.handle):
+                    return None
+                safe = _close(entry.handle, 0, msg.deadline_unix_ms)
+                return self._closed(msg, entry, safe)
+        except Exception as e:
+            return self._call_error(msg, e)
+        return None
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._calls.pop(task, None)
@@ -405,17 +467,13 @@ class Gateway:
         if sock is None:
             self.stats.add("reply_dropped")
             return
-        # NOBLOCK: the send happens now and its future is already done; the loop never waits.
+        # NOBLOCK: the loop never waits; a gone engine (ROUTER_MANDATORY), a full queue or a
+        # closing socket drops the reply, counted.
         try:
-            fut = cast(
-                "asyncio.Future[object]",
-                sock.send_multipart([rid, ep.encode(msg)], flags=zmq.NOBLOCK),
-            )
-        except zmq.ZMQError:  # the socket is closing
+            sock.send_multipart([rid, ep.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
             self.stats.add("reply_dropped")
-            return
-        if fut.exception() is not None:  # the engine is gone or not reading
-            self.stats.add("reply_dropped")
+        self._read_later()
 
     async def _call(self, rid: bytes, msg: ep.ToGateway) -> None:
         reply: ep._Msg
@@ -431,67 +489,95 @@ class Gateway:
                 ),
             )
             raise
-        except _UnknownHandle:
+        except Exception as e:
+            reply = self._call_error(msg, e)
+        # No longer in flight once answered: the engine's next call must not find it counted.
+        self._calls.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+        self._reply(rid, reply)
+
+    def _call_error(self, msg: ep.ToGateway, e: Exception) -> ep.Error:
+        """The Error reply for a call that raised ``e`` (counted; a bug is logged as one)."""
+        if isinstance(e, _UnknownHandle):
             self.stats.add("rejected_unknown_handle")
-            reply = ep.Error(
+            return ep.Error(
                 call_id=msg.call_id,
                 reason=ep.EngineReason.UNKNOWN_HANDLE,
                 detail="no such handle on this connection",
             )
-        except _Expired:
+        if isinstance(e, _Expired):
             self.stats.add("rejected_timeout")
-            reply = _expired(msg.call_id, "a gateway thread got to it")
-        except RejectedError as e:
+            return _expired(msg.call_id, "the gateway got to it")
+        if isinstance(e, RejectedError):
             self.stats.add(f"rejected_{e.reason}")
-            reply = ep.Error(
+            return ep.Error(
                 call_id=msg.call_id, reason=ep.EngineReason(e.reason.value), detail=e.detail[:1024]
             )
-        except Exception as e:
+        try:
+            raise e
+        except Exception:
             self.guard.caught(f"gateway {msg.__struct_config__.tag} call")
-            self.stats.add("internal_errors")
-            reply = ep.Error(
-                call_id=msg.call_id, reason=ep.EngineReason.INTERNAL, detail=repr(e)[:1024]
-            )
-        self._reply(rid, reply)
+        self.stats.add("internal_errors")
+        return ep.Error(call_id=msg.call_id, reason=ep.EngineReason.INTERNAL, detail=repr(e)[:1024])
 
     async def _dispatch(self, rid: bytes, msg: ep.ToGateway) -> ep._Msg:
-        if isinstance(msg, ep.Publish | ep.Fetch):
-            return await self._start(rid, msg)
-        if isinstance(msg, ep.Lookup):
-            return await self._lookup(rid, msg)
+        """A Wait or Close that must wait (every other call is answered inline by ``_now``)."""
         if isinstance(msg, ep.Wait):
             entry = self._entry(rid, msg.handle_id)
+            started = time.monotonic()
             value = await entry.handle.wait_async(msg.timeout_ms / 1000)
             if value is None:
                 return ep.Pending(call_id=msg.call_id)
-            return _outcome(msg.call_id, entry.handle, value)
-        if isinstance(msg, ep.Cancel):
-            entry = self._entry(rid, msg.handle_id)
-            await self._blocking(self._quick, _before(msg.deadline_unix_ms, entry.handle.cancel))
-            return ep.Ok(call_id=msg.call_id)
+            out = _outcome(msg.call_id, entry.handle, value)
+            if not msg.close:
+                return out
+            left_ms = max(0, msg.timeout_ms - int((time.monotonic() - started) * 1000))
+            if _closes_at_once(entry.handle):
+                safe = _close(entry.handle, 0, msg.deadline_unix_ms)
+            else:
+                safe = await self._blocking(
+                    self._slow,
+                    functools.partial(_close, entry.handle, left_ms, msg.deadline_unix_ms),
+                )
+            # The outcome as it stands after the close (reusable may have turned true).
+            out = _outcome(msg.call_id, entry.handle, value)
+            return self._closed_outcome(out, msg.handle_id, entry, safe)
         if isinstance(msg, ep.Close):
             entry = self._entry(rid, msg.handle_id)
             safe = await self._blocking(
                 self._slow,
                 functools.partial(_close, entry.handle, msg.timeout_ms, msg.deadline_unix_ms),
             )
-            if safe and self._handles.get(msg.handle_id) is entry:
-                del self._handles[msg.handle_id]
-                work = self._work.get(entry.key)
-                if work is not None and work.done.done() and work.done.result() == msg.handle_id:
-                    del self._work[entry.key]
-            return ep.Closed(call_id=msg.call_id, safe=bool(safe))
-        raise AssertionError(f"unexpected message {type(msg).__name__}")  # Describe/Poll inline
+            return self._closed(msg, entry, safe)
+        raise AssertionError(f"unexpected message {type(msg).__name__}")  # the rest inline
 
-    async def _start(self, rid: bytes, msg: ep.Publish | ep.Fetch) -> ep._Msg:
-        """Publish or Fetch: the handle of the open call with this key, or a new one."""
+    def _closed(self, msg: ep.Close, entry: _Entry, safe: bool) -> ep.Closed:
+        """A Close's reply; a handle closed safe is forgotten, and its key freed."""
+        self._forget(msg.handle_id, entry, safe)
+        return ep.Closed(call_id=msg.call_id, safe=bool(safe))
+
+    def _closed_outcome(
+        self, out: ep.Outcome, handle_id: int, entry: _Entry, safe: bool
+    ) -> ep.Outcome:
+        """A Wait(close=True)'s outcome; the handle forgotten as by Close when safe."""
+        self._forget(handle_id, entry, safe)
+        return msgspec.structs.replace(out, closed=bool(safe))
+
+    def _forget(self, handle_id: int, entry: _Entry, safe: bool) -> None:
+        if safe and self._handles.get(handle_id) is entry:
+            del self._handles[handle_id]
+            work = self._work.get(entry.key)
+            if work is not None and work.handle_id == handle_id:
+                del self._work[entry.key]
+
+    def _start(self, rid: bytes, msg: ep.Publish | ep.Fetch) -> ep._Msg:
+        """Publish or Fetch: the handle of the open call with this key, or a new one (inline)."""
         want = "sender" if isinstance(msg, ep.Publish) else "receiver"
         if want != self.role:
             return self._refuse(
                 msg.call_id, ep.EngineReason.WRONG_ROLE, f"this daemon is a {self.role}"
             )
         key, digest = self._key(msg), _digest(msg)
-        while (work := self._work.get(key)) is not None:
+        if (work := self._work.get(key)) is not None and work.handle_id in self._handles:
             if work.digest != digest:
                 what = "published" if isinstance(msg, ep.Publish) else "fetched"
                 return self._refuse(
@@ -499,10 +585,10 @@ class Gateway:
                     ep.EngineReason.DUPLICATE,
                     f"request {msg.request_id} is already {what} with other parameters",
                 )
-            found = await self._found(rid, key, work, msg.deadline_unix_ms)
-            if found is not None:
-                self.stats.add("calls_found_by_key")
-                return ep.Handle(call_id=msg.call_id, handle_id=found)
+            found = self._share(rid, key)
+            assert found is not None
+            self.stats.add("calls_found_by_key")
+            return ep.Handle(call_id=msg.call_id, handle_id=found)
         if self._refusing is not None:
             return self._refuse(
                 msg.call_id,
@@ -513,61 +599,38 @@ class Gateway:
             return self._refuse(
                 msg.call_id, ep.EngineReason.BUSY, f"{self.max_handles} handles open (max_handles)"
             )
-        assert self._loop is not None
-        work = self._work[key] = _Work(digest, self._loop.create_future())
-        hid: int | None = None
-        try:
-            handle = await self._blocking(
-                self._quick,
-                _before(msg.deadline_unix_ms, self._service_call(msg)),
-                on_orphan=_cancel_handle,
-            )
-            hid = next(self._handle_ids)
-            self._handles[hid] = _Entry([rid], handle, key)
-        finally:
-            if hid is None and self._work.get(key) is work:
-                del self._work[key]
-            work.done.set_result(hid)
+        handle = _before(msg.deadline_unix_ms, self._service_call(msg))()
+        hid = next(self._handle_ids)
+        self._handles[hid] = _Entry([rid], handle, key)
+        self._work[key] = _Work(digest, hid)
         return ep.Handle(call_id=msg.call_id, handle_id=hid)
 
-    async def _lookup(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
-        """The open call with this key (waiting for one still running), shared with this connection."""
+    def _lookup(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
+        """The open call with this key, shared with this connection (inline)."""
         if self.role == "receiver" and msg.sender_endpoint is None:
             return self._refuse(
                 msg.call_id, ep.EngineReason.MALFORMED, "lookup on a receiver needs sender_endpoint"
             )
-        key = self._key(msg)
-        while (work := self._work.get(key)) is not None:
-            found = await self._found(rid, key, work, msg.deadline_unix_ms)
-            if found is not None:
-                return ep.Handle(call_id=msg.call_id, handle_id=found)
+        found = self._share(rid, self._key(msg))
+        if found is not None:
+            return ep.Handle(call_id=msg.call_id, handle_id=found)
         return self._refuse(
             msg.call_id,
             ep.EngineReason.UNKNOWN_HANDLE,
             f"no open {'publish' if self.role == 'sender' else 'fetch'} of request {msg.request_id}",
         )
 
-    async def _found(self, rid: bytes, key: _Key, work: _Work, deadline_ms: int) -> int | None:
-        """Wait (up to ``deadline_ms``) for the call that holds ``key``; its handle id, now also ``rid``'s.
-
-        None when that call failed or its handle is gone: the key is free again.
-        """
-        if not work.done.done():
-            left = _left_s(deadline_ms)
-            try:
-                await asyncio.wait_for(asyncio.shield(work.done), left)
-            except TimeoutError:
-                raise _Expired from None
-        hid = work.done.result()
-        entry = None if hid is None else self._handles.get(hid)
-        if entry is None:
-            if self._work.get(key) is work:
-                del self._work[key]
+    def _share(self, rid: bytes, key: _Key) -> int | None:
+        """The open handle of ``key``, now also usable by connection ``rid``; None: key free."""
+        work = self._work.get(key)
+        entry = None if work is None else self._handles.get(work.handle_id)
+        if work is None or entry is None:
+            self._work.pop(key, None)
             return None
         if rid not in entry.owners:
             entry.owners.append(rid)
             del entry.owners[:-MAX_OWNERS]
-        return hid
+        return work.handle_id
 
     def _key(self, msg: ep.Publish | ep.Fetch | ep.Lookup) -> _Key:
         if self.role == "sender":
@@ -627,30 +690,11 @@ class Gateway:
             return ep.Pending(call_id=msg.call_id)
         return _outcome(msg.call_id, entry.handle, value)
 
-    async def _blocking(
-        self,
-        executor: ThreadPoolExecutor | None,
-        fn: Callable[[], T],
-        *,
-        on_orphan: Callable[[T], None] | None = None,
-    ) -> T:
-        """Run ``fn`` on a gateway thread; if this call is cancelled, ``on_orphan`` gets its result."""
+    async def _blocking(self, executor: ThreadPoolExecutor | None, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on a gateway thread (a Close that may wait); shielded from cancellation:
+        a cancelled call leaves the close to finish on its own bound."""
         assert self._loop is not None and executor is not None
-        fut = self._loop.run_in_executor(executor, fn)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            if on_orphan is not None:
-                fut.add_done_callback(functools.partial(self._orphaned, on_orphan))
-            raise
-
-    def _orphaned(self, on_orphan: Callable[[T], None], fut: asyncio.Future[T]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        try:
-            on_orphan(fut.result())
-        except Exception:
-            self.guard.caught("gateway: cleaning up an orphaned call")
+        return await asyncio.shield(self._loop.run_in_executor(executor, fn))
 
 
 def _expired(call_id: int, when: str) -> ep.Error:
@@ -679,9 +723,12 @@ def _close(handle: TxHandle | RxHandle, timeout_ms: int, deadline_ms: int) -> bo
     return handle.close(timeout)
 
 
-def _cancel_handle(handle: TxHandle | RxHandle) -> None:
-    """A publish/fetch whose caller was cancelled (gateway stopping): end it, nobody holds it."""
-    handle.cancel()
+def _closes_at_once(handle: TxHandle | RxHandle) -> bool:
+    """True when ``close`` needs no wait: the transfer ended and its memory is settled."""
+    if isinstance(handle, TxHandle):
+        return handle.session.drained_event.is_set()
+    rx = handle.session
+    return rx.ended and rx.fence_done.is_set()
 
 
 def _outcome(call_id: int, handle: TxHandle | RxHandle, value: TxOutcome | RxOutcome) -> ep.Outcome:

@@ -63,12 +63,14 @@ def test_plot_without_matplotlib_says_how_to_install(
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(120)
-def test_tiny_bench_reports_all_three_paths(tmp_path: Path) -> None:
-    """A tiny run gives every path GB/s, latency and req/s with verified bytes, and both ratios."""
+@pytest.mark.timeout(240)
+def test_tiny_bench_reports_every_path(tmp_path: Path) -> None:
+    """A tiny run gives every path of every workload GB/s, latency and req/s with verified bytes,
+    the ratios to both raw-NIXL baselines, and the engine path its daemons' CPU per request."""
     workloads = (
         Workload("tiny-scat", 16, 8, inflight=2, threads=2, target="bulk"),
         Workload("tiny-2rx", 4, 1, layers=2, scattered=False, receivers=2, inflight=4),
+        Workload("tiny-engine", 16, 2, inflight=3, threads=2, engine=True, target="engine-w1"),
     )
     opts = Options(
         preset="test",
@@ -82,10 +84,13 @@ def test_tiny_bench_reports_all_three_paths(tmp_path: Path) -> None:
     progress = io.StringIO()
     report = bench.run_bench(opts, progress=progress)
 
-    assert "tiny-2rx: rep 2/2" in progress.getvalue()
-    assert [w["name"] for w in report["workloads"]] == ["tiny-scat", "tiny-2rx"]
+    assert "tiny-2rx: kvxferd+nixl+zmq rep 2/2" in progress.getvalue()
+    assert "tiny-engine: nixl-default rep 2/2" in progress.getvalue()
+    assert [w["name"] for w in report["workloads"]] == ["tiny-scat", "tiny-2rx", "tiny-engine"]
     for w in report["workloads"]:
-        assert set(w["paths"]) == {"kvxferd", "nixl", "zmq"}
+        mine = "engine" if w["engine"] else "kvxferd"
+        others = {"nixl", "nixl-default"} | (set() if w["engine"] else {"zmq"})
+        assert set(w["paths"]) == {mine} | others
         for name, p in w["paths"].items():
             assert p["verified"] and p["failures"] == 0, (w["name"], name, p)
             assert 0 < p["gbps"]["min"] <= p["gbps"]["median"] <= p["gbps"]["max"]
@@ -93,16 +98,28 @@ def test_tiny_bench_reports_all_three_paths(tmp_path: Path) -> None:
             assert 0 < p["latency_ms"]["p50"] <= p["latency_ms"]["p99"]
             assert len(p["reps"]) == 2
             assert all(r["requests"] == w["requests_per_rep"] * w["receivers"] for r in p["reps"])
-        want = w["paths"]["kvxferd"]["gbps"]["median"] / w["paths"]["nixl"]["gbps"]["median"]
-        assert w["ratio_kvxferd_nixl"] == pytest.approx(want)
-        assert w["ratio_kvxferd_zmq"] > 0
+        for base, key in (
+            ("nixl", "ratio_kvxferd_nixl"),
+            ("nixl-default", "ratio_kvxferd_nixl_default"),
+        ):
+            want = w["paths"][mine]["gbps"]["median"] / w["paths"][base]["gbps"]["median"]
+            assert w[key] == pytest.approx(want)
+        assert (w["ratio_kvxferd_zmq"] is None) is w["engine"]
+    engine = report["workloads"][2]
+    assert 0 < engine["daemon_cpu_us_per_request"]["median"] < 1e6
+    assert engine["engine_cpu_us_per_request"]["median"] > 0
     assert {t["target"] for t in report["targets"]} == {
+        "engine-latency",
+        "engine-rate",
+        "engine-cpu",
+        "small-vs-nixl",
         "bulk",
         "scatter16k",
         "small4k",
         "small4k-loaded",
         "zmq",
     }
+    assert next(t for t in report["targets"] if t["target"] == "engine-cpu")["met"] in (True, False)
     assert next(t for t in report["targets"] if t["target"] == "bulk")["met"] in (True, False)
     assert report["machine"]["nproc"] >= 1 and report["dataplane"]["backend"] == "UCX"
 
@@ -111,6 +128,7 @@ def test_tiny_bench_reports_all_three_paths(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["workloads"][1]["receivers"] == 2
     text = bench.format_report(report)
     assert "tiny-scat" in text and "kvxferd/NIXL" in text and "bytes verified" in text
+    assert "tiny-engine" in text and "daemon CPU us/req" in text
     if bench.plot_available():
         bench.write_plot(report, str(tmp_path / "bench.png"))
         assert (tmp_path / "bench.png").stat().st_size > 1000

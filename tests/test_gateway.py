@@ -38,7 +38,7 @@ from kvxferd.client import (
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.engine_protocol import EngineReason
 from kvxferd.errors import Reason
-from kvxferd.gateway import QUICK_THREADS, Gateway
+from kvxferd.gateway import CLOSE_THREADS, Gateway
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from tests.conditions import wait_until
@@ -256,6 +256,35 @@ def test_publish_fetch_moves_bytes_through_shared_memory(
     # Unmapping in the engine leaves the daemon's segment in place.
     src_kv.kvxferd_mapping.close()  # type: ignore[attr-defined]
     assert os.path.exists(f"/dev/shm/{tx_info.shm_name}")
+
+
+@pytest.mark.parametrize("ended_first", [False, True])
+def test_wait_with_close_returns_the_outcome_and_closes_the_handle(
+    clients: tuple[Client, Client], ended_first: bool
+) -> None:
+    """A wait with close answers the outcome with closed=True and forgets the handle (as close would), whether it had to wait or the transfer had already ended."""
+    tx, rx = clients
+    tx_info, rx_info = tx.describe(), rx.describe()
+    src_kv, dst_kv = _attach(tx_info), _attach(rx_info)
+    data = _fill(src_kv, [60, 61], seed=5)
+    rid = f"gw-wait-close-{ended_first}"
+    h_rx = rx.fetch(rid, tx_info.endpoint or "", [62, 63])  # parked until published
+    h_tx = tx.publish(rid, [60, 61])
+    if ended_first:
+        assert rx.wait(h_rx, CALL_S) is not None and tx.wait(h_tx, CALL_S) is not None
+    out_rx = rx.wait(h_rx, CALL_S, close=True)
+    out_tx = tx.wait(h_tx, CALL_S, close=True)
+    assert out_rx is not None and out_rx.ok and out_rx.closed is True and out_rx.reusable
+    assert out_tx is not None and out_tx.ok and out_tx.closed is True
+    assert torch.equal(dst_kv[:, [62, 63], :], data)
+    for c, h in ((rx, h_rx), (tx, h_tx)):
+        with pytest.raises(EngineRejected) as ei:  # closed: forgotten
+            c.poll(h)
+        assert ei.value.reason is EngineReason.UNKNOWN_HANDLE
+    assert tx.lookup(rid) is None  # the key is free again
+    plain = rx.fetch(f"{rid}-plain", tx_info.endpoint or "", [62])
+    assert rx.wait(plain, 0.01) is None  # nothing published: pending, and no close asked
+    assert rx.close(plain, CALL_S)
 
 
 def test_layer_range_and_pending_fetch(clients: tuple[Client, Client]) -> None:
@@ -518,24 +547,22 @@ def _fetches_of(receiver: Receiver, request_id: str) -> int:
 
 
 @contextlib.contextmanager
-def hold_quick_threads(gw: Gateway) -> Iterator[None]:
-    """Keep every gateway quick thread busy (as a frozen or overloaded daemon would) until exit."""
-    release, busy = threading.Event(), threading.Semaphore(0)
+def hold_gateway(gw: Gateway) -> Iterator[None]:
+    """Keep the gateway's loop busy (as a frozen or overloaded daemon would) until exit: the
+    calls sent meanwhile wait unread, then are read in order."""
+    release, busy = threading.Event(), threading.Event()
 
     def hold() -> None:
-        busy.release()
+        busy.set()
         release.wait(4 * CALL_S)
 
-    assert gw._quick is not None
-    held = [gw._quick.submit(hold) for _ in range(QUICK_THREADS)]
+    assert gw._loop is not None
+    gw._loop.call_soon_threadsafe(hold)
     try:
-        for _ in held:
-            assert busy.acquire(timeout=CALL_S)
+        assert busy.wait(CALL_S)
         yield
     finally:
         release.set()
-        for f in held:
-            f.result(CALL_S)
 
 
 def _unix_ms(offset_s: float = 0.0) -> int:
@@ -545,15 +572,15 @@ def _unix_ms(offset_s: float = 0.0) -> int:
 def test_publish_queued_past_its_deadline_never_runs(
     sender: Sender, start_gateway: Callable[..., Started]
 ) -> None:
-    """A publish still waiting for a gateway thread when its caller gives up is refused (timeout) and creates no session; a retry then creates one."""
+    """A publish the gateway gets to only after its caller gave up is refused (timeout) and creates no session; a retry then creates one."""
     gw, _, endpoint = start_gateway(sender, "late")
     rid = "gw-late"
     with Client(endpoint, timeout_s=0.5) as c:
-        with hold_quick_threads(gw):
+        with hold_gateway(gw):
             with pytest.raises(EngineUnavailable) as ei:
                 c.publish(rid, [10, 11])
             assert ei.value.reason is EngineReason.TIMEOUT
-        # The held threads are free: the queued publish reaches its check (or, unfixed, runs).
+        # The loop is free: the queued publish reaches its check (or, unfixed, runs).
         wait_until(
             lambda: gw.stats.get("rejected_timeout") >= 1 or _sessions_of(sender, rid) > 0,
             CALL_S,
@@ -565,6 +592,49 @@ def test_publish_queued_past_its_deadline_never_runs(
         h = c.publish(rid, [10, 11])
         assert _sessions_of(sender, rid) == 1
         assert c.close(h, CALL_S)
+
+
+@contextlib.contextmanager
+def hold_close_threads(gw: Gateway) -> Iterator[None]:
+    """Keep every gateway close thread busy (as long closes would) until exit."""
+    release, busy = threading.Event(), threading.Semaphore(0)
+
+    def hold() -> None:
+        busy.release()
+        release.wait(4 * CALL_S)
+
+    assert gw._slow is not None
+    held = [gw._slow.submit(hold) for _ in range(CLOSE_THREADS)]
+    try:
+        for _ in held:
+            assert busy.acquire(timeout=CALL_S)
+        yield
+    finally:
+        release.set()
+        for f in held:
+            f.result(CALL_S)
+
+
+def test_close_queued_past_its_deadline_never_runs(
+    sender: Sender, start_gateway: Callable[..., Started]
+) -> None:
+    """A close still waiting for a close thread when its caller gives up is refused (timeout) and leaves the request open."""
+    gw, _, endpoint = start_gateway(sender, "late-close")
+    with Client(endpoint, timeout_s=0.5) as c:
+        h = c.publish("gw-late-close", [62])  # never fetched: open, so its close must wait
+        with hold_close_threads(gw):
+            with pytest.raises(EngineUnavailable) as ei:
+                c.close(h, 0.0)
+            assert ei.value.reason is EngineReason.TIMEOUT
+        wait_until(
+            lambda: gw.stats.get("rejected_timeout") >= 1 or c.poll(h) is not None,
+            CALL_S,
+            "the late close was taken off the queue",
+        )
+        assert c.poll(h) is None, "a close ran after its caller gave up"
+        assert gw.stats.get("rejected_timeout") == 1
+    with Client(endpoint, timeout_s=CALL_S) as c2:
+        assert c2.close_request("gw-late-close", CALL_S)
 
 
 def test_expired_calls_are_refused_when_decoded(
@@ -619,17 +689,17 @@ def test_expired_calls_are_refused_when_decoded(
 def test_publish_retried_while_the_first_is_queued_gets_the_same_handle(
     sender: Sender, start_gateway: Callable[..., Started]
 ) -> None:
-    """A retry arriving while the first publish still waits for a thread ends with one session and one handle for both; other blocks get duplicate."""
+    """A retry queued behind the first publish ends with one session and one handle for both; other blocks get duplicate."""
     gw, _, endpoint = start_gateway(sender, "retry")
     rid = "gw-retry"
     with RawEngine(endpoint) as raw:
-        with hold_quick_threads(gw):
+        with hold_gateway(gw):
             raw.send(ep.Publish(call_id=1, request_id=rid, block_ids=[50, 51], aux=b"a"))
             raw.send(ep.Publish(call_id=2, request_id=rid, block_ids=[50, 51], aux=b"a"))
-            other = raw.call(ep.Publish(call_id=3, request_id=rid, block_ids=[50], aux=b"a"))
-            assert isinstance(other, ep.Error) and other.call_id == 3, other
-            assert other.reason is EngineReason.DUPLICATE
-        replies = {r.call_id: r for r in (raw.recv(), raw.recv())}
+            raw.send(ep.Publish(call_id=3, request_id=rid, block_ids=[50], aux=b"a"))
+        replies = {r.call_id: r for r in (raw.recv(), raw.recv(), raw.recv())}
+        other = replies.pop(3)
+        assert isinstance(other, ep.Error) and other.reason is EngineReason.DUPLICATE, other
         assert {type(r) for r in replies.values()} == {ep.Handle}, replies
         assert replies[1].handle_id == replies[2].handle_id
         assert _sessions_of(sender, rid) == 1
@@ -736,8 +806,9 @@ def test_an_unexpected_error_in_the_serve_task_is_caught_counted_and_reported(
 
     monkeypatch.setattr(sock, "recv_multipart", recv_fails_once)
     with Client(endpoint, timeout_s=CALL_S) as c:
-        assert failed.wait(CALL_S)
-        assert c.describe().role == "sender"  # the serve task lives on
+        # The first read fails; the call is read again and answered: the gateway lives on.
+        assert c.describe().role == "sender"
+        assert failed.is_set()
         real_decode = ep.decode_to_gateway
 
         def decode_fails(frames: list[bytes], max_bytes: int = ep.MAX_FRAME_BYTES) -> Any:

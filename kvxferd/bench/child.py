@@ -8,8 +8,10 @@ import os
 import select
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
+from kvxferd.bench.engine_path import EngineRx, EngineTx
 from kvxferd.bench.kvxferd_path import KvxRx, KvxTx
 from kvxferd.bench.nixl_path import RawRx, RawTx
 from kvxferd.bench.plan import Plan
@@ -86,7 +88,7 @@ class _ChildServer:
         if what == "setup":
             self.teardown()
             plan = Plan.from_json(cmd["plan"])
-            self.sides = self._make_sides(plan)
+            self._make_sides(plan, cmd.get("paths") or list(plan.workload.paths))
             return {"info": {p: s.info() for p, s in self.sides.items()}}
         if what == "teardown":
             self.teardown()
@@ -99,12 +101,18 @@ class _ChildServer:
         step = {"prepare": side.prepare, "run": side.run, "finish": side.finish}[what]
         return step(rep, count)
 
-    def _make_sides(self, plan: Plan) -> dict[str, _Side]:
-        dp = self.dataplane
-        if self.role == "tx":
-            return {"kvxferd": KvxTx(plan, dp), "nixl": RawTx(plan, dp), "zmq": ZmqTx(plan)}
-        k = self.index
-        return {"kvxferd": KvxRx(plan, dp, k), "nixl": RawRx(plan, dp, k), "zmq": ZmqRx(plan, k)}
+    def _make_sides(self, plan: Plan, paths: list[str]) -> None:
+        """The sides of ``paths``, into ``self.sides`` as each starts (a failed setup tears down)."""
+        dp, k, tx = self.dataplane, self.index, self.role == "tx"
+        make: dict[str, Callable[[], _Side]] = {
+            "kvxferd": (lambda: KvxTx(plan, dp)) if tx else (lambda: KvxRx(plan, dp, k)),
+            "engine": (lambda: EngineTx(plan, dp)) if tx else (lambda: EngineRx(plan, dp, k)),
+            "nixl": (lambda: RawTx(plan, True)) if tx else (lambda: RawRx(plan, k, True)),
+            "nixl-default": (lambda: RawTx(plan, False)) if tx else (lambda: RawRx(plan, k, False)),
+            "zmq": (lambda: ZmqTx(plan)) if tx else (lambda: ZmqRx(plan, k)),
+        }
+        for path in paths:
+            self.sides[path] = make[path]()
 
     def teardown(self) -> None:
         for side in self.sides.values():

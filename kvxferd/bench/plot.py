@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.bench.workload import PATHS, _size
+from kvxferd.bench.workload import _size
 
 
 def plot_available() -> bool:
@@ -18,7 +18,7 @@ def plot_available() -> bool:
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
-    """Grouped bars: median GB/s (min-max whiskers) of the three paths for every workload."""
+    """Grouped bars: median GB/s (min-max whiskers) of every path of every workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,13 +26,18 @@ def write_plot(report: dict[str, Any], path: str) -> None:
 
     ws = report["workloads"]
     x = np.arange(len(ws))
-    width = 0.27
+    names = ("kvxferd", "engine", "nixl", "nixl-default", "zmq")
+    labels_ = ("kvxferd", "engine path", "raw NIXL (tuned)", "raw NIXL (default)", "ZMQ copy")
+    width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(max(8.0, 0.75 * len(ws) + 3), 5.5))
-    for j, (name, label) in enumerate(zip(PATHS, ("kvxferd", "raw NIXL", "ZMQ copy"), strict=True)):
-        g = [w["paths"][name]["gbps"] for w in ws]
+    nan = {"median": np.nan, "min": np.nan, "max": np.nan}
+    for j, (name, label) in enumerate(zip(names, labels_, strict=True)):
+        g = [w["paths"][name]["gbps"] if name in w["paths"] else nan for w in ws]
+        if all(np.isnan(v["median"]) for v in g):
+            continue
         med = np.array([v["median"] for v in g])
         err = np.array([[v["median"] - v["min"] for v in g], [v["max"] - v["median"] for v in g]])
-        ax.bar(x + (j - 1) * width, med, width, yerr=err, capsize=2, label=label)
+        ax.bar(x + (j - 2) * width, med, width, yerr=err, capsize=2, label=label)
     labels = [
         f"{w['name']}\n{_size(w['block_bytes'])} x {w['blocks']}"
         + (f" x {w['layers']}L" if w["layers"] > 1 else "")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvxferd.bench.plan import Plan
-from kvxferd.bench.workload import PATHS, Options, _size
+from kvxferd.bench.workload import Options, _size
 from kvxferd.config import DataPlaneSettings
 
 if TYPE_CHECKING:
@@ -54,11 +54,14 @@ def summarize_workload(plan: Plan, reps: dict[str, list[Rep]]) -> dict[str, Any]
         if not paths[path]["verified"]:
             paths[path]["detail"] = "; ".join(r.detail for r in rs if r.detail)
 
-    def ratio(a: str, b: str) -> float:
+    def ratio(a: str, b: str) -> float | None:
+        if a not in paths or b not in paths:
+            return None
         den = paths[b]["gbps"]["median"]
         return paths[a]["gbps"]["median"] / den if den > 0 else float("inf")
 
-    return {
+    kx = w.kvxferd_path
+    out = {
         **asdict(w),
         "block_bytes": w.block_bytes,
         "request_bytes": w.request_bytes,
@@ -66,9 +69,19 @@ def summarize_workload(plan: Plan, reps: dict[str, list[Rep]]) -> dict[str, Any]
         "requests_per_rep": plan.requests,
         "pool_blocks": plan.num_blocks,
         "paths": paths,
-        "ratio_kvxferd_nixl": ratio("kvxferd", "nixl"),
-        "ratio_kvxferd_zmq": ratio("kvxferd", "zmq"),
+        "ratio_kvxferd_nixl": ratio(kx, "nixl"),
+        "ratio_kvxferd_nixl_default": ratio(kx, "nixl-default"),
+        "ratio_kvxferd_zmq": ratio(kx, "zmq"),
     }
+    if w.engine:
+        rs = reps["engine"]
+        out["daemon_cpu_us_per_request"] = _spread(
+            [r.daemon_cpu_s / r.requests * 1e6 if r.requests else float("nan") for r in rs]
+        )
+        out["engine_cpu_us_per_request"] = _spread(
+            [r.engine_cpu_s / r.requests * 1e6 if r.requests else float("nan") for r in rs]
+        )
+    return out
 
 
 def evaluate_targets(workloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -91,6 +104,19 @@ def evaluate_targets(workloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
 
+    library = [w for w in workloads if not w.get("engine")]
+    engine = [w for w in workloads if w.get("engine")]
+    _engine_targets(engine, out)
+    small = [w for w in library if w["name"].startswith("small-") and not w["rate"]]
+    out.append(
+        {
+            "target": "small-vs-nixl",
+            "text": "library path, small requests: kvxferd >= 0.5x prepared raw NIXL requests/s",
+            "met": all(w["ratio_kvxferd_nixl"] >= 0.5 for w in small) if small else None,
+            "detail": ", ".join(f"{w['name']} {w['ratio_kvxferd_nixl']:.3f}x" for w in small)
+            or "not run",
+        }
+    )
     ratio_target(
         "bulk", "bulk", "64 MiB requests of >= 256 KiB blocks: kvxferd >= 0.95x raw NIXL", 0.95
     )
@@ -143,16 +169,72 @@ def evaluate_targets(workloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "detail": detail,
         }
     )
-    behind = [w["name"] for w in workloads if w["ratio_kvxferd_zmq"] <= 1.0]
+    behind = [w["name"] for w in library if w["ratio_kvxferd_zmq"] <= 1.0]
     out.append(
         {
             "target": "zmq",
             "text": "kvxferd ahead of the ZMQ-copy path on every workload",
-            "met": not behind if workloads else None,
+            "met": not behind if library else None,
             "detail": ("behind on " + ", ".join(behind)) if behind else "ahead on all",
         }
     )
     return out
+
+
+ENGINE_P50_MS = 0.5  # at one in flight
+ENGINE_RPS = 5000.0  # at 16 in flight
+ENGINE_CPU_US = 200.0  # daemon CPU per request, every in-flight depth
+
+
+def _engine_targets(engine: list[dict[str, Any]], out: list[dict[str, Any]]) -> None:
+    """Issue 12's engine-path targets, each with its value and the ratio to prepared raw NIXL."""
+
+    def at(n: int) -> list[dict[str, Any]]:
+        return [w for w in engine if w["inflight"] == n]
+
+    def fig(w: dict[str, Any], what: str) -> str:
+        e = w["paths"]["engine"]
+        value = (
+            f"p50 {e['latency_ms']['p50']:.3f} ms (p99 {e['latency_ms']['p99']:.3f})"
+            if what == "p50"
+            else f"{e['rps']['median']:.0f} req/s"
+        )
+        return f"{w['name']} {value}, {w['ratio_kvxferd_nixl']:.3f}x raw NIXL"
+
+    one, sixteen = at(1), at(16)
+    out.append(
+        {
+            "target": "engine-latency",
+            "text": f"engine path, 1-4 x 16 KiB: p50 < {ENGINE_P50_MS} ms at one in flight",
+            "met": all(w["paths"]["engine"]["latency_ms"]["p50"] < ENGINE_P50_MS for w in one)
+            if one
+            else None,
+            "detail": "; ".join(fig(w, "p50") for w in one) or "not run",
+        }
+    )
+    out.append(
+        {
+            "target": "engine-rate",
+            "text": f"engine path: >= {ENGINE_RPS:.0f} req/s at 16 in flight",
+            "met": all(w["paths"]["engine"]["rps"]["median"] >= ENGINE_RPS for w in sixteen)
+            if sixteen
+            else None,
+            "detail": "; ".join(fig(w, "rps") for w in sixteen) or "not run",
+        }
+    )
+    out.append(
+        {
+            "target": "engine-cpu",
+            "text": f"engine path: daemon CPU per request < {ENGINE_CPU_US / 1000} ms",
+            "met": all(w["daemon_cpu_us_per_request"]["median"] < ENGINE_CPU_US for w in engine)
+            if engine
+            else None,
+            "detail": ", ".join(
+                f"{w['name']} {w['daemon_cpu_us_per_request']['median']:.0f} us" for w in engine
+            )
+            or "not run",
+        }
+    )
 
 
 def machine_info() -> dict[str, Any]:
@@ -195,7 +277,7 @@ def dataplane_description(dp: DataPlaneSettings) -> str:
 
 def build_report(opts: Options, workloads: list[dict[str, Any]], started: float) -> dict[str, Any]:
     return {
-        "version": 1,
+        "version": 2,  # 2: engine workloads, nixl tuned + nixl-default baselines
         "preset": opts.preset,
         "started_unix": started,
         "elapsed_s": time.time() - started,
@@ -210,49 +292,90 @@ def build_report(opts: Options, workloads: list[dict[str, Any]], started: float)
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """Markdown tables: throughput and ratios, then latency and request rate, then targets."""
+    """Markdown tables: library path (throughput, latency), engine path, then targets."""
     m = report["machine"]
     lines = [
         f"kvxferd bench, {report['preset']} preset, {report['reps']} repetitions per path "
         f"(alternating), {report['elapsed_s']:.0f} s",
         f"machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['mem_gib']} GiB, kernel {m['kernel']}, "
         f"nixl {m['nixl']}, pyzmq {m['pyzmq']}",
-        f"data plane (kvxferd and raw NIXL alike): {report['dataplane_text']}",
-        "",
-        "| workload | request | descs | kvxferd GB/s | raw NIXL GB/s | ZMQ copy GB/s | kvxferd/NIXL | kvxferd/ZMQ |",
-        "|---|---|--:|--:|--:|--:|--:|--:|",
+        f"data plane of kvxferd and its daemons: {report['dataplane_text']}",
+        "raw NIXL: prepared lists, a notification per WRITE; 'NIXL' tuned (progress thread off, "
+        "UCX_TLS shm, error handling none), 'NIXL default' as NIXL ships",
     ]
+    library = [w for w in report["workloads"] if not w.get("engine")]
+    engine = [w for w in report["workloads"] if w.get("engine")]
 
     def gb(p: dict[str, Any]) -> str:
         g = p["gbps"]
         flag = "" if p["verified"] and not p["failures"] else " (!)"
         return f"{g['median']:.2f} [{g['min']:.2f}-{g['max']:.2f}]{flag}"
 
-    for w in report["workloads"]:
-        p = w["paths"]
-        req = f"{_size(w['block_bytes'])} x {w['blocks']}" + (
-            f" x {w['layers']}L" if w["layers"] > 1 else ""
-        )
-        lines.append(
-            f"| {w['name']} | {req} {'scat' if w['scattered'] else 'contig'} | {w['descs_per_request']} "
-            f"| {gb(p['kvxferd'])} | {gb(p['nixl'])} | {gb(p['zmq'])} "
-            f"| {w['ratio_kvxferd_nixl']:.2f} | {w['ratio_kvxferd_zmq']:.2f} |"
-        )
-    lines += [
-        "",
-        "| workload | thr | rx | in flight | kvxferd p50 / p99 ms | NIXL p50 / p99 ms | ZMQ p50 / p99 ms | kvxferd req/s | NIXL req/s | ZMQ req/s |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    for w in report["workloads"]:
-        p = w["paths"]
-        lat = [f"{p[x]['latency_ms']['p50']:.3f} / {p[x]['latency_ms']['p99']:.3f}" for x in PATHS]
-        rps = [f"{p[x]['rps']['median']:.0f}" for x in PATHS]
-        inflight = f"{w['inflight']}" + (f" @ {w['rate']:g}/s" if w["rate"] else "")
-        lines.append(
-            f"| {w['name']} | {w['threads']} | {w['receivers']} | {inflight} | "
-            + " | ".join(lat + rps)
-            + " |"
-        )
+    def x(r: float | None) -> str:
+        return "-" if r is None else f"{r:.3f}" if r < 0.1 else f"{r:.2f}"
+
+    def lat(p: dict[str, Any]) -> str:
+        return f"{p['latency_ms']['p50']:.3f} / {p['latency_ms']['p99']:.3f}"
+
+    if library:
+        lines += [
+            "",
+            "| workload | request | descs | kvxferd GB/s | NIXL GB/s | NIXL default GB/s | ZMQ copy GB/s "
+            "| kvxferd/NIXL | kvxferd/NIXL default | kvxferd/ZMQ |",
+            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        ]
+        for w in library:
+            p = w["paths"]
+            req = f"{_size(w['block_bytes'])} x {w['blocks']}" + (
+                f" x {w['layers']}L" if w["layers"] > 1 else ""
+            )
+            lines.append(
+                f"| {w['name']} | {req} {'scat' if w['scattered'] else 'contig'} "
+                f"| {w['descs_per_request']} | {gb(p['kvxferd'])} | {gb(p['nixl'])} "
+                f"| {gb(p['nixl-default'])} | {gb(p['zmq'])} | {x(w['ratio_kvxferd_nixl'])} "
+                f"| {x(w['ratio_kvxferd_nixl_default'])} | {x(w['ratio_kvxferd_zmq'])} |"
+            )
+        cols = ("kvxferd", "nixl", "nixl-default", "zmq")
+        lines += [
+            "",
+            "| workload | thr | rx | in flight | kvxferd p50 / p99 ms | NIXL p50 / p99 ms "
+            "| NIXL default p50 / p99 ms | ZMQ p50 / p99 ms | kvxferd req/s | NIXL req/s "
+            "| NIXL default req/s | ZMQ req/s |",
+            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        ]
+        for w in library:
+            p = w["paths"]
+            inflight = f"{w['inflight']}" + (f" @ {w['rate']:g}/s" if w["rate"] else "")
+            lines.append(
+                f"| {w['name']} | {w['threads']} | {w['receivers']} | {inflight} | "
+                + " | ".join(
+                    [lat(p[c]) for c in cols] + [f"{p[c]['rps']['median']:.0f}" for c in cols]
+                )
+                + " |"
+            )
+    if engine:
+        lines += [
+            "",
+            "Engine path (daemons driven through kvxferd.client; latency fetch call -> outcome):",
+            "",
+            "| workload | request | in flight | engine p50 / p99 ms | engine req/s | NIXL req/s "
+            "| NIXL default req/s | engine/NIXL | engine/NIXL default | daemon CPU us/req "
+            "| engine CPU us/req | NIXL p50 / p99 ms |",
+            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        ]
+        for w in engine:
+            p = w["paths"]
+            r = p["engine"]["rps"]
+            flag = "" if p["engine"]["verified"] and not p["engine"]["failures"] else " (!)"
+            cpu = w["daemon_cpu_us_per_request"]
+            lines.append(
+                f"| {w['name']} | {_size(w['block_bytes'])} x {w['blocks']} | {w['inflight']} "
+                f"| {lat(p['engine'])} | {r['median']:.0f} [{r['min']:.0f}-{r['max']:.0f}]{flag} "
+                f"| {p['nixl']['rps']['median']:.0f} | {p['nixl-default']['rps']['median']:.0f} "
+                f"| {x(w['ratio_kvxferd_nixl'])} | {x(w['ratio_kvxferd_nixl_default'])} "
+                f"| {cpu['median']:.0f} [{cpu['min']:.0f}-{cpu['max']:.0f}] "
+                f"| {w['engine_cpu_us_per_request']['median']:.0f} | {lat(p['nixl'])} |"
+            )
     problems = [
         f"{w['name']}/{path}: {p['failures']} failed requests, verified={p['verified']} {p.get('detail', '')}"
         for w in report["workloads"]

@@ -15,8 +15,8 @@ from kvxferd.bench.plan import Plan
 from kvxferd.bench.report import build_report, summarize_workload
 from kvxferd.bench.workload import (
     CHILD_START_TIMEOUT_S,
-    PATHS,
     SETUP_TIMEOUT_S,
+    SPINNING_PATHS,
     STEP_TIMEOUT_S,
     BenchError,
     Options,
@@ -100,6 +100,8 @@ class Rep:
     detail: str
     lat_us: list[float]
     sender_stats: dict[str, int] = field(default_factory=dict)  # kvxferd only: Sender counters
+    daemon_cpu_s: float = 0.0  # engine path: CPU of every daemon over the repetition
+    engine_cpu_s: float = 0.0  # engine path: CPU of the engine processes
 
     @property
     def gbps(self) -> float:
@@ -151,30 +153,50 @@ class _Runner:
     def _workload(self, n: int, w: Workload) -> dict[str, Any]:
         opts = self.opts
         plan = Plan.make(w, opts, n)
-        tx, rxs = self.children[0], self.children[1 : 1 + w.receivers]
         head = f"bench [{n + 1}/{len(opts.workloads)}] {w.name}"
         self.say(
             f"{head}: setting up ({w.label()}; {plan.requests} requests/rep/receiver)", final=False
         )
+        reps: dict[str, list[Rep]] = {p: [] for p in w.paths}
+        # NIXL's default agent runs a progress thread that spins a core: its phase runs alone,
+        # after the others (which alternate), so it never slows another path down.
+        alone = [p for p in w.paths if p in SPINNING_PATHS]
+        for phase in ([p for p in w.paths if p not in alone], alone):
+            if phase:
+                self._phase(plan, phase, reps, head)
+        return summarize_workload(plan, reps)
+
+    def _phase(
+        self, plan: Plan, paths: Sequence[str], reps: dict[str, list[Rep]], head: str
+    ) -> None:
+        """Set up ``paths`` in every child, warm each up, run their repetitions alternated."""
+        w, opts = plan.workload, self.opts
+        tx, rxs = self.children[0], self.children[1 : 1 + w.receivers]
         infos = [
-            r["info"] for r in _ask_all([tx, *rxs], SETUP_TIMEOUT_S, "setup", plan=plan.to_json())
+            r["info"]
+            for r in _ask_all(
+                [tx, *rxs], SETUP_TIMEOUT_S, "setup", plan=plan.to_json(), paths=paths
+            )
         ]
         tx_info, rx_infos = infos[0], infos[1:]
-        for path in PATHS:
+        for path in paths:
             tx.ask(STEP_TIMEOUT_S, "connect", path=path, peers=[i[path] for i in rx_infos])
             _ask_all(rxs, STEP_TIMEOUT_S, "connect", path=path, peers=[tx_info[path]])
         warmup = min(plan.requests, 2 * w.inflight)
-        for path in PATHS:
+        for path in paths:
             self._rep(plan, path, -1, warmup)
-        reps: dict[str, list[Rep]] = {p: [] for p in PATHS}
         for r in range(opts.reps):
-            for path in PATHS:
+            for path in paths:
                 reps[path].append(self._rep(plan, path, r, plan.requests))
-            figures = ", ".join(f"{p} {reps[p][-1].gbps:.2f} GB/s" for p in PATHS)
-            self.say(f"{head}: rep {r + 1}/{opts.reps}: {figures}", final=r == opts.reps - 1)
+            figures = ", ".join(
+                f"{p} {reps[p][-1].rps:.0f} req/s"
+                if w.engine
+                else f"{p} {reps[p][-1].gbps:.2f} GB/s"
+                for p in paths
+            )
+            self.say(f"{head}: {'+'.join(paths)} rep {r + 1}/{opts.reps}: {figures}", final=False)
         _ask_all(rxs, STEP_TIMEOUT_S, "teardown")  # receivers first: nothing is in flight now
         tx.ask(STEP_TIMEOUT_S, "teardown")
-        return summarize_workload(plan, reps)
 
     def _rep(self, plan: Plan, path: str, rep: int, count: int) -> Rep:
         w = plan.workload
@@ -182,7 +204,7 @@ class _Runner:
         everyone = [tx, *rxs]
         step = dict(path=path, rep=rep, count=count)
         _ask_all(everyone, STEP_TIMEOUT_S, "prepare", **step)
-        drivers = rxs if path == "kvxferd" else [tx]
+        drivers = rxs if path in ("kvxferd", "engine") else [tx]
         runs = _ask_all(drivers, plan.run_timeout_s(count) + STEP_TIMEOUT_S, "run", **step)
         finals = _ask_all(everyone, plan.run_timeout_s(count) + STEP_TIMEOUT_S, "finish", **step)
         bad = [f["detail"] for f in finals[1:] if not f["verified"]]
@@ -197,6 +219,8 @@ class _Runner:
             detail="; ".join(bad),
             lat_us=[x for r in runs for x in r["lat_us"]],
             sender_stats=finals[0].get("stats", {}),
+            daemon_cpu_s=sum(float(x.get("daemon_cpu_s", 0.0)) for x in [*runs, finals[0]]),
+            engine_cpu_s=sum(float(x.get("engine_cpu_s", 0.0)) for x in [*runs, finals[0]]),
         )
 
 

@@ -1,4 +1,4 @@
-"""What a run measures: the three paths, the workloads and presets, a run's options and bounds."""
+"""What a run measures: the paths, the workloads and presets, a run's options and bounds."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ from typing import Literal
 
 from kvxferd.config import DataPlaneSettings
 
-Path_ = Literal["kvxferd", "nixl", "zmq"]
-PATHS: tuple[Path_, ...] = ("kvxferd", "nixl", "zmq")
+Path_ = Literal["kvxferd", "engine", "nixl", "nixl-default", "zmq"]
+# Library workloads: kvxferd's Sender/Receiver in the bench children. Engine workloads: real
+# daemons driven through kvxferd.client. Both against the two raw-NIXL baselines (nixl_path.py).
+LIBRARY_PATHS: tuple[Path_, ...] = ("kvxferd", "nixl", "nixl-default", "zmq")
+ENGINE_PATHS: tuple[Path_, ...] = ("engine", "nixl", "nixl-default")
+PATHS: tuple[Path_, ...] = ("kvxferd", "engine", "nixl", "nixl-default", "zmq")
+SPINNING_PATHS: tuple[Path_, ...] = ("nixl-default",)  # a progress thread that spins a core
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 # Bounds. Every wait of the bench has one of these deadlines, every loop a count or a deadline.
@@ -36,6 +41,16 @@ class Workload:
     inflight: int = 4  # requests in flight per receiver
     rate: float = 0.0  # requests/s per receiver (open loop, paced); 0 = closed loop
     target: str = ""  # the target this workload is evidence for, if any
+    engine: bool = False  # the engine path (daemons + kvxferd.client) instead of the library
+
+    @property
+    def paths(self) -> tuple[Path_, ...]:
+        return ENGINE_PATHS if self.engine else LIBRARY_PATHS
+
+    @property
+    def kvxferd_path(self) -> Path_:
+        """The path that is kvxferd in this workload (ratios divide it by the others)."""
+        return "engine" if self.engine else "kvxferd"
 
     @property
     def block_bytes(self) -> int:
@@ -47,6 +62,8 @@ class Workload:
 
     def label(self) -> str:
         ids = "scattered" if self.scattered else "contiguous"
+        if self.engine:
+            ids += ", engine path"
         pace = f", paced {self.rate:g}/s" if self.rate else ""
         layers = f" x {self.layers} layers" if self.layers > 1 else ""
         return (
@@ -65,6 +82,15 @@ def _size(n: int) -> str:
 
 
 W = Workload
+# The engine path (issue 12): 16 KiB blocks, 1 and 4 per request, 1 to 64 requests in flight.
+ENGINE_QUICK: tuple[Workload, ...] = tuple(
+    W(f"engine-16k-x1-w{n}", 16, 1, inflight=n, engine=True, target=f"engine-w{n}")
+    for n in (1, 4, 16, 64)
+)
+ENGINE_FULL: tuple[Workload, ...] = ENGINE_QUICK + tuple(
+    W(f"engine-16k-x4-w{n}", 16, 4, inflight=n, engine=True, target=f"engine-w{n}")
+    for n in (1, 4, 16, 64)
+)
 QUICK: tuple[Workload, ...] = (
     W("bulk-1m-contig", 1024, 64, scattered=False, target="bulk"),
     W("bulk-256k-scat", 256, 256, target="bulk"),
@@ -73,6 +99,7 @@ QUICK: tuple[Workload, ...] = (
     W("small-4k-w16", 4, 1, inflight=16, target="small4k-rate"),
     W("small-4k-w1", 4, 1, inflight=1, target="small4k-latency"),
     W("small-4k-paced", 4, 1, inflight=16, rate=5000, target="small4k-loaded"),
+    *ENGINE_QUICK,
 )
 FULL: tuple[Workload, ...] = (
     W("bulk-1m-contig", 1024, 64, scattered=False, target="bulk"),
@@ -94,6 +121,7 @@ FULL: tuple[Workload, ...] = (
     W("small-4k-w16-2rx", 4, 1, receivers=2, inflight=16),
     W("small-4k-w1", 4, 1, inflight=1, target="small4k-latency"),
     W("small-4k-paced", 4, 1, inflight=16, rate=5000, target="small4k-loaded"),
+    *ENGINE_FULL,
 )
 del W
 
