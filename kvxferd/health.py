@@ -51,7 +51,6 @@ workers are indices; never request ids.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import ipaddress
 import json
@@ -75,6 +74,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvxferd import __version__
 from kvxferd.config import ReceiverSettings, SenderSettings
+from kvxferd.journal import BUCKETS_S, Histogram
 from kvxferd.session import Fence, RxState, SliceState, TxState
 from kvxferd.stats import specs_for
 
@@ -87,24 +87,7 @@ DebugAccess = Literal["off", "loopback", "any"]
 DEBUG_LIST_LIMIT = 100  # entries per list in /debug/state (the oldest first)
 _T = TypeVar("_T")
 
-DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+DURATION_BUCKETS_S = BUCKETS_S  # one bucket set for every duration histogram (journal.py)
 
 # In-flight transfers by state, per role: every value exported, zero included (see Snapshot).
 IN_FLIGHT_STATES: dict[str, tuple[str, ...]] = {
@@ -451,8 +434,7 @@ class SnapshotCollector(Collector):
         self._probe = probe
         self._build_info = build_info
         self._lock = threading.Lock()  # guards the histogram accumulator
-        self._bucket_counts = [0] * (len(DURATION_BUCKETS_S) + 1)  # last one: +Inf
-        self._sum = 0.0
+        self._durations = Histogram()
 
     def describe(self) -> Iterable[Metric]:
         return ()
@@ -509,15 +491,9 @@ class SnapshotCollector(Collector):
     def _histogram(self, samples: Sequence[float]) -> HistogramMetricFamily:
         with self._lock:
             for v in samples:
-                self._bucket_counts[bisect.bisect_left(DURATION_BUCKETS_S, v)] += 1
-                self._sum += v
-            cumulative, buckets = 0, []
-            for bound, n in zip(
-                (*DURATION_BUCKETS_S, float("inf")), self._bucket_counts, strict=True
-            ):
-                cumulative += n
-                buckets.append((floatToGoString(bound), cumulative))
-            total = self._sum
+                self._durations.observe(v)
+            cumulative, total = self._durations.cumulative()
+        buckets = [(floatToGoString(bound), n) for bound, n in cumulative]
         return HistogramMetricFamily(
             "kvxferd_transfer_duration_seconds",
             "Slice (sender: queued to reported) or fetch (receiver: the engine's fetch call"

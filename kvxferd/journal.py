@@ -121,7 +121,7 @@ class Ending:
 
 
 class Histogram:
-    """A cumulative histogram over :data:`BUCKETS_S` (the caller holds the journal's lock)."""
+    """A cumulative histogram over :data:`BUCKETS_S` (not thread-safe: its owner's lock guards it)."""
 
     __slots__ = ("counts", "total")
 
