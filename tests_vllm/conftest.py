@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_daemon import DaemonProcess
+from tests_vllm.engine import MAX_MODEL_LEN
 from tests_vllm.rig import (
     DAEMON_DEADLINES,
     EngineProcess,
@@ -47,9 +48,12 @@ class Rig:
         pool_blocks: int = POOL_BLOCKS,
         threads: int = 1,
         listen: str = "",
+        zero_copy: bool = False,
     ) -> DaemonProcess:
+        """A daemon whose [pool] pool-config printed; with ``zero_copy``, ``pool_blocks`` is vLLM's."""
         cfg = Path(self.sock_dir) / f"{name}.toml"
-        cfg.write_text(pool_config(self.model, pool_blocks) + DAEMON_DEADLINES)
+        extra = ("--zero-copy", "--max-model-len", str(MAX_MODEL_LEN)) if zero_copy else ()
+        cfg.write_text(pool_config(self.model, pool_blocks, *extra) + DAEMON_DEADLINES)
         d = spawn_daemon(role, name, self.sock_dir, cfg, threads, listen)
         self.daemons.append(d)
         return d

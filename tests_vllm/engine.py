@@ -60,8 +60,11 @@ def build_llm(args: argparse.Namespace) -> Any:
                 "engine_socket": args.engine_socket,
                 "transfer_timeout_s": args.transfer_timeout_s,
                 "call_timeout_s": 3.0,
+                "zero_copy": args.zero_copy,
             },
         )
+    if args.num_blocks:
+        kw["num_gpu_blocks_override"] = args.num_blocks
     return LLM(
         model=args.model,
         skip_tokenizer_init=True,
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=["fail", "recompute"], default="fail")
     p.add_argument("--transfer-timeout-s", type=float, default=20.0)
     p.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES)
+    p.add_argument("--zero-copy", action="store_true", help="the connector's zero_copy")
+    p.add_argument("--num-blocks", type=int, default=0, help="num_gpu_blocks_override")
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

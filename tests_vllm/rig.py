@@ -56,7 +56,7 @@ def build_model(path: Path) -> Path:
     return path
 
 
-def pool_config(model: Path, num_blocks: int) -> str:
+def pool_config(model: Path, num_blocks: int, *extra: str) -> str:
     """The ``[pool]`` section printed by ``python -m kvxferd.integrations.vllm pool-config``."""
     out = subprocess.run(
         [
@@ -70,6 +70,7 @@ def pool_config(model: Path, num_blocks: int) -> str:
             "32",
             "--num-blocks",
             str(num_blocks),
+            *extra,
         ],
         cwd=ROOT,
         capture_output=True,

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from tests.conditions import wait_until
 from tests_vllm.conftest import PD, POOL_BLOCKS
@@ -98,7 +99,10 @@ def test_corrupted_block_changes_tokens(pd: PD) -> None:
         params = prefill_all(pd, "c", ps)
         used = [b for b in range(pool.shape[1]) if bool(pool[:, b].any())]
         assert len(used) == 4, used  # 100 tokens: 4 blocks
-        pool[0, used[0]] = pool[0, used[0]].flip(0)  # layer 0 of the first block, bytes reversed
+        # Finite garbage: a byte-reversed float can be NaN, and a NaN left in a freed block
+        # poisons whichever request vLLM gives that block next (attention reads whole blocks).
+        first = pool[0, used[0]].view(torch.float32)
+        first.copy_(torch.randn(first.shape, generator=torch.Generator().manual_seed(0)) * 4)
     disagg = tokens(decode_all(pd, "cd", ps, params), "cd", 1)
     assert disagg != mono
 

@@ -2,7 +2,11 @@
 
 ``pool-config --model DIR --block-size N --num-blocks M`` prints the ``[pool]`` TOML
 section for the sender and receiver daemons that serve this model; the connector
-refuses to start against a pool that differs. ``proxy --prefill URL --decode URL``
+refuses to start against a pool that differs (and its error names the values).
+With ``--zero-copy`` (kv_connector_extra_config ``zero_copy``), ``--num-blocks`` is
+vLLM's block count (pin it with ``num_gpu_blocks_override``) and the pool gets
+that many plus one longest request of scratch; ``--planes 2`` for CUDA backends
+that put K and V first (FlashAttention's ``[2, blocks, ...]``); ``--device cuda``. ``proxy --prefill URL --decode URL``
 runs the example P/D proxy (proxy.py).
 """
 
@@ -12,7 +16,7 @@ import argparse
 import sys
 
 from kvxferd.errors import ConfigError
-from kvxferd.integrations.vllm.geometry import model_pool_shape
+from kvxferd.integrations.vllm.geometry import PoolShape, blocks_for, model_pool_shape
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,6 +34,16 @@ def _parser() -> argparse.ArgumentParser:
     pc.add_argument(
         "--dtype", default="auto", help="vLLM's KV cache dtype (auto: the model's dtype)"
     )
+    pc.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="vLLM's KV cache lives in the pool: --num-blocks is vLLM's block count",
+    )
+    pc.add_argument("--max-model-len", type=int, default=0, help="zero copy: scratch per request")
+    pc.add_argument(
+        "--planes", type=int, default=1, help="zero copy: planes per layer (2: K/V-first layouts)"
+    )
+    pc.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     px = sub.add_parser("proxy", help="the example P/D proxy (docs/vllm.md)")
     px.add_argument("--prefill", action="append", required=True, help="a prefill server URL")
     px.add_argument("--decode", action="append", required=True, help="a decode server URL")
@@ -45,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
 
         serve(args.prefill, args.decode, args.host, args.port)
         return 0
-    if args.block_size < 1 or args.num_blocks < 1:
-        print("kvxferd: --block-size and --num-blocks must be at least 1", file=sys.stderr)
+    if args.block_size < 1 or args.num_blocks < 1 or args.planes not in (1, 2):
+        print(
+            "kvxferd: --block-size and --num-blocks must be at least 1, --planes 1 or 2",
+            file=sys.stderr,
+        )
         return 2
     try:
         shape = model_pool_shape(args.model, args.block_size, args.dtype)
@@ -57,7 +74,21 @@ def main(argv: list[str] | None = None) -> int:
         f"kvxferd [pool] for {args.model}, vLLM block size {args.block_size} "
         "(the same on the sender and the receiver)"
     )
-    sys.stdout.write(shape.toml(args.num_blocks, comment))
+    num_blocks = args.num_blocks
+    if args.zero_copy:
+        shape = PoolShape(
+            shape.num_layers * args.planes, shape.block_elems // args.planes, shape.dtype
+        )
+        scratch = blocks_for(args.max_model_len, args.block_size) if args.max_model_len else 0
+        num_blocks += scratch
+        comment += (
+            f"; zero copy: vLLM's {args.num_blocks} blocks (num_gpu_blocks_override) "
+            f"+ {scratch} scratch"
+        )
+    text = shape.toml(num_blocks, comment)
+    if args.device == "cuda":
+        text += 'device = "cuda"\ncuda_device = 0\n'
+    sys.stdout.write(text)
     return 0
 
 

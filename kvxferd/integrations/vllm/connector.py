@@ -8,7 +8,8 @@ and checks at start that the deployment is one it serves:
 * ``kv_role`` ``kv_producer`` (a sender daemon) or ``kv_consumer`` (a receiver daemon);
 * one KV cache group of full attention, tensor and pipeline parallel size 1;
 * the daemon's ``[pool]`` fits the KV tensors vLLM allocated (else ConfigError naming
-  the values; ``python -m kvxferd.integrations.vllm pool-config`` prints them).
+  the values; ``python -m kvxferd.integrations.vllm pool-config`` prints them);
+  with ``zero_copy`` it holds them: vLLM's KV cache is seated on the pool.
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             sender = self._sender_endpoint() if producer else None
             self._sched = SchedulerSide(
-                producer=producer, consumer=consumer, block_size=self.block_size, sender=sender
+                producer=producer,
+                consumer=consumer,
+                block_size=self.block_size,
+                sender=sender,
+                zero_copy=self.settings.zero_copy,
             )
         else:
             self._worker = WorkerSide(self.settings, producer=producer, consumer=consumer)
@@ -132,12 +137,14 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        done, failed = self._worker.results()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        sending, done, failed = self._worker.results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=done, failed_recving=failed
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
-        return None, r.finished_recving or None
+        return r.finished_sending or None, r.finished_recving or None
 
     def build_connector_worker_meta(self) -> Any:
         moved = self._worker.take_moved_endpoint() if self._worker is not None else None

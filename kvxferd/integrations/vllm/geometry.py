@@ -13,6 +13,21 @@ element order, into one pool block of that layer, so the pool must be::
 
 Both sides of a transfer run the same model on the same vLLM, so the bytes a
 prefill instance copies out are the bytes its decode instance copies back in.
+
+**Zero copy** (``zero_copy = true``, required on CUDA): vLLM's KV tensors are
+re-seated onto the daemon's pool (``Tensor.set_`` on the very tensor objects
+vLLM's attention layers hold, contents copied once), so vLLM computes into and
+reads from memory the daemon registered with NIXL, and a transfer moves vLLM's
+own blocks. Each layer's tensor, in its physical (stride) order, must be
+``[planes..., blocks, inner...]`` and dense: the dimensions with a larger stride
+than the block dimension are *planes* (K and V on CUDA backends), those with a
+smaller one make up a block. Plane ``p`` of layer ``l`` becomes pool layer
+``l * planes + p``, and vLLM block ``b`` is pool block ``b``::
+
+    num_layers  = layers x planes        (CPU backend: planes = 1, the same pool as above)
+    block_elems = the elements of one block of one plane
+    num_blocks  >= vLLM's blocks; the pool's blocks past vLLM's are the connector's
+                   scratch (prefix-cache hits of a load, releases of unused remote KV)
 """
 
 from __future__ import annotations
@@ -109,6 +124,72 @@ class KvGeometry:
         self.block_bytes = self.block_elems * self.torch_dtype.itemsize
         self.shape = PoolShape(len(layers), self.block_elems, _POOL_DTYPES[self.torch_dtype])
 
+    # -- zero copy ----------------------------------------------------------------------
+    def resident_shape(self) -> PoolShape:
+        """The ``[pool]`` shape that holds vLLM's tensors as they are (zero copy)."""
+        planes, inner = _planes(self.layers[0])
+        for lay in self.layers[1:]:
+            if _planes(lay) != (planes, inner):
+                raise ConfigError(
+                    f"KV layers {self.layers[0].name} and {lay.name} differ in layout"
+                )
+        return PoolShape(len(self.layers) * planes, inner, _POOL_DTYPES[self.torch_dtype])
+
+    def check_resident(self, info: PoolInfo, role: str) -> None:
+        """ConfigError naming the ``[pool]`` values needed unless vLLM's tensors can live in the pool."""
+        lay = info.layout
+        need = self.resident_shape()
+        dev = self.layers[0].kv.device.type
+        problems = []
+        if info.device != dev:
+            problems.append(f'device = "{info.device}", needs "{dev}" (where vLLM\'s KV cache is)')
+        if lay.num_layers != need.num_layers:
+            problems.append(f"num_layers = {lay.num_layers}, needs {need.num_layers}")
+        if (
+            lay.block_bytes != need.block_elems * self.torch_dtype.itemsize
+            or lay.dtype != need.dtype
+        ):
+            have = lay.block_bytes // max(1, _itemsize(lay.dtype))
+            problems.append(
+                f'block_elems = {have} dtype = "{lay.dtype}", needs {need.block_elems} "{need.dtype}"'
+            )
+        if lay.num_blocks < self.num_blocks:
+            problems.append(
+                f"num_blocks = {lay.num_blocks}, needs at least vLLM's {self.num_blocks} "
+                "(plus scratch blocks: one longest request)"
+            )
+        if problems:
+            raise ConfigError(
+                f"zero_copy: the {role} daemon's [pool] cannot hold vLLM's KV cache "
+                f"({'; '.join(problems)}). Set in its configuration:\n"
+                f"{need.toml(max(lay.num_blocks, self.num_blocks))}"
+                "(and pin vLLM's block count with num_gpu_blocks_override)"
+            )
+
+    def seat(self, pool: torch.Tensor, pool_blocks: int) -> None:
+        """Move every vLLM KV tensor onto the pool (``[layers, blocks, bytes]``), contents included.
+
+        ``set_`` keeps each tensor object (vLLM's attention layers hold them), so
+        from now on vLLM reads and writes the pool. Call between forwards only.
+        """
+        storage = pool.untyped_storage()
+        base = pool.storage_offset() * pool.element_size()
+        item = self.torch_dtype.itemsize
+        planes, inner = _planes(self.layers[0])
+        layer_bytes = pool_blocks * inner * item  # one pool layer
+        for i, lay in enumerate(self.layers):
+            t = lay.kv
+            unit = self.num_blocks * inner  # elements of one vLLM plane
+            stride = [
+                s if s <= t.stride(lay.block_dim) else s // unit * pool_blocks * inner
+                for s in t.stride()
+            ]
+            offset = base + i * planes * layer_bytes
+            seated = torch.empty((0,), dtype=t.dtype, device=t.device)
+            seated.set_(storage, offset // item, tuple(t.shape), tuple(stride))
+            seated.copy_(t)
+            t.set_(storage, offset // item, tuple(t.shape), tuple(stride))
+
     def describe(self) -> str:
         lay = self.layers[0]
         return (
@@ -124,7 +205,8 @@ class KvGeometry:
         if info.device != "cpu":
             raise ConfigError(
                 f"the {role} daemon's pool is on {info.device}; the vLLM connector copies through "
-                'a CPU pool: set [pool] device = "cpu"'
+                'a CPU pool: set [pool] device = "cpu", or zero_copy = true in '
+                "kv_connector_extra_config to seat vLLM's KV cache on it"
             )
         problems = []
         if lay.num_layers != need.num_layers:
@@ -173,6 +255,25 @@ def _without(shape: torch.Size, dim: int) -> tuple[int, ...]:
 
 def _itemsize(dtype: str) -> int:
     return {"uint8": 1, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4}.get(dtype, 1)
+
+
+def _planes(lay: _Layer) -> tuple[int, int]:
+    """(planes, elements per block of a plane) of a layer laid out ``[planes..., blocks, inner...]``."""
+    t = lay.kv
+    bs = t.stride(lay.block_dim)
+    dims = sorted(range(t.dim()), key=lambda d: t.stride(d))
+    expect = 1
+    for d in dims:  # dense: each stride is the product of the sizes below it
+        if t.shape[d] == 1:
+            continue
+        if t.stride(d) != expect:
+            raise ConfigError(
+                f"zero_copy: KV tensor {lay.name} {tuple(t.shape)} strides {t.stride()} is not dense"
+            )
+        expect *= t.shape[d]
+    inner = bs
+    planes = math.prod(t.shape[d] for d in range(t.dim()) if t.stride(d) > bs)
+    return planes, inner
 
 
 def _block_dim(name: str, t: torch.Tensor, num_blocks: int) -> int:

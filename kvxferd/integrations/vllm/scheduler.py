@@ -10,7 +10,9 @@ Prefill (producer) request, ``{"do_remote_decode": true}``::
                                -> _published (the worker copies and publishes after the forward)
     request_finished           length-capped or stopped -> kv_transfer_params (RemoteKv), blocks
                                freed at once (the KV is in the daemon's pool by then);
-                               aborted after its save -> unpublish (the sender's blocks are freed)
+                               aborted after its save -> unpublish (the sender's blocks are freed).
+                               Zero copy: the published blocks are vLLM's own, freed late
+                               (True) once the worker reports them in finished_sending
 
 Decode (consumer) request, kv_transfer_params from a prefill output::
 
@@ -53,7 +55,13 @@ class SchedulerSide:
     """Plans saves and loads; ``sender`` is the local sender daemon's endpoint (producers)."""
 
     def __init__(
-        self, *, producer: bool, consumer: bool, block_size: int, sender: str | None
+        self,
+        *,
+        producer: bool,
+        consumer: bool,
+        block_size: int,
+        sender: str | None,
+        zero_copy: bool = False,
     ) -> None:
         if producer and sender is None:
             raise ValueError("a producer needs its sender daemon's endpoint")
@@ -61,6 +69,7 @@ class SchedulerSide:
         self.consumer = consumer
         self.block_size = block_size
         self.sender = sender
+        self.zero_copy = zero_copy
         self._kv_cache_manager: Any = None
         self._to_save: dict[str, Any] = {}  # req id -> vLLM Request, prompt not yet complete
         self._published: dict[str, RemoteKv] = {}  # req id -> what its Save published
@@ -153,9 +162,9 @@ class SchedulerSide:
         if published is None:
             return False, None
         if request.status.name in _COMPLETED:
-            return False, published.to_params()
+            return self.zero_copy, published.to_params()
         self._plan.unpublish.append(published.transfer_id)
-        return False, None
+        return self.zero_copy, None
 
     def update_connector_output(self, finished_recving: set[str] | None) -> None:
         for rid in finished_recving or ():

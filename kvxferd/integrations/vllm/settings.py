@@ -7,6 +7,8 @@ suit one prefill and one decode instance on a LAN::
     transfer_timeout_s decode side: a fetch not done by then is a load failure
     call_timeout_s     any one call to the local daemon (a dead daemon costs this long)
     close_timeout_s    how long a close waits for writes still in flight
+    zero_copy          vLLM's KV cache lives in the daemon's pool: no copies (required on
+                       CUDA; the pool's shape is ``pool-config --zero-copy``), see docs/gpu.md
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ConnectorSettings(BaseModel):
     transfer_timeout_s: float = Field(30.0, gt=0, le=3600)
     call_timeout_s: float = Field(5.0, gt=0, le=600)
     close_timeout_s: float = Field(5.0, gt=0, le=600)
+    zero_copy: bool = False
 
 
 def load_settings(extra: dict[str, Any] | None) -> ConnectorSettings:

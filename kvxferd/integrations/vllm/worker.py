@@ -1,8 +1,23 @@
 """The worker side of the connector: copies between vLLM's blocks and the pool, publishes, fetches.
 
-The daemon's pool is the connector's staging area: vLLM's own KV memory is
-never registered with NIXL nor written by a daemon, so a failed, late or
-cancelled transfer can only ever touch pool blocks, never a vLLM block.
+Two modes (``zero_copy`` in kv_connector_extra_config):
+
+* **copy** (default, CPU only): the daemon's pool is the connector's staging
+  area. vLLM's own KV memory is never registered with NIXL nor written by a
+  daemon, so a failed, late or cancelled transfer can only ever touch pool
+  blocks, never a vLLM block.
+* **zero copy** (CPU and CUDA): vLLM's KV tensors are seated on the pool
+  (geometry.KvGeometry.seat), vLLM block ``b`` is pool block ``b``, and the
+  daemons move vLLM's blocks themselves. vLLM then must not free or reuse a
+  block a daemon may still touch, so the connector holds them: a prefill
+  request's blocks are freed late (``request_finished`` returns True) and
+  reported in ``finished_sending`` once its publish ended and a close said no
+  read of them is in flight; a failed or cancelled load is reported only once a
+  close said no write can land in its blocks. A daemon that does not answer a
+  close for ``transfer_timeout_s + close_timeout_s`` is given up on (logged):
+  no write starts after a fetch's deadline, so by then only a write already
+  stalled inside the data plane could still land. The pool blocks past vLLM's
+  are the connector's scratch (prefix-cache hits, releases).
 
 Threads and what they own::
 
@@ -34,7 +49,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,12 +71,16 @@ CONFIRM_S = 0.5  # a new transfer trusts a describe() this recent (a daemon star
 
 
 class PoolBlocks:
-    """The daemon pool's blocks, all this connector's: a free list shared by both threads."""
+    """The connector's pool blocks ``[first, num_blocks)``: a free list shared by both threads.
 
-    def __init__(self, num_blocks: int) -> None:
+    With zero copy, ids below ``first`` are vLLM's own blocks: ``give`` ignores them.
+    """
+
+    def __init__(self, num_blocks: int, first: int = 0) -> None:
         self._lock = threading.Lock()
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, first - 1, -1))
+        self.first = first
+        self.num_blocks = num_blocks - first
 
     def take(self, n: int) -> list[int] | None:
         with self._lock:
@@ -72,8 +91,9 @@ class PoolBlocks:
         return taken[::-1]
 
     def give(self, ids: list[int]) -> None:
+        first = self.first
         with self._lock:
-            self._free.extend(reversed(ids))
+            self._free.extend(i for i in reversed(ids) if i >= first)
 
     def free(self) -> int:
         with self._lock:
@@ -115,7 +135,7 @@ class _Daemon:
 
 @dataclass(slots=True)
 class _Loaded:
-    """A fetch that ended (io -> engine)."""
+    """A fetch that ended (io -> engine); ``closed``: a close said no write can touch its blocks."""
 
     load: Load
     daemon: _Daemon
@@ -123,6 +143,14 @@ class _Loaded:
     handle: int | None
     outcome: Outcome | None
     why: str
+    closed: bool = False
+
+
+@dataclass(slots=True)
+class _Sent:
+    """Zero copy: a prefill request whose publish ended and whose blocks no read can touch."""
+
+    req_id: str
 
 
 class WorkerSide:
@@ -135,8 +163,15 @@ class WorkerSide:
         self.role = "sender" if producer else "receiver"
         self.stats = Stats()
         self.geometry: KvGeometry | None = None
+        self.zero_copy = settings.zero_copy
+        # Zero copy: how long a close nobody answers is retried before it is given up on.
+        self._give_up_s = (
+            settings.transfer_timeout_s + settings.close_timeout_s if settings.zero_copy else None
+        )
         self._daemon: _Daemon | None = None
-        self._done: queue.SimpleQueue[_Loaded | _Daemon] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[_Loaded | _Daemon | _Sent] = queue.SimpleQueue()
+        self._sent: set[str] = set()  # zero copy: publishes ended, not yet reported
+        self._finished: set[str] = set()  # zero copy: req ids vLLM said finished, not yet sent
         self._waiting: deque[tuple[Load, float]] = deque()  # loads waiting for pool room
         self._aborted: set[str] = set()  # req ids whose load was cancelled by an abort
         self._in_flight: set[str] = set()  # req ids handed to the io thread, not yet finished
@@ -162,13 +197,19 @@ class WorkerSide:
         """Read vLLM's KV layout, check the daemon's pool against it, map the pool, start the io thread."""
         self.geometry = KvGeometry(kv_caches, num_blocks)
         info = self._describe_once()
-        self.geometry.check_pool(info, blocks_per_request, self.role)
+        if self.zero_copy:
+            self.geometry.check_resident(info, self.role)
+        else:
+            self.geometry.check_pool(info, blocks_per_request, self.role)
         self._daemon = self._attach(info)
+        if self.zero_copy:
+            self.geometry.seat(self._daemon.pool, info.layout.num_blocks)
         self._blocks_per_request = blocks_per_request
         self._io.start()
         log.info(
-            "kvxferd connector (%s) on %s: %s; pool of %d blocks",
+            "kvxferd connector (%s, %s) on %s: %s; pool of %d blocks",
             "producer" if self.producer else "consumer",
+            "zero copy" if self.zero_copy else "copy",
             self.settings.engine_socket,
             self.geometry.describe(),
             info.layout.num_blocks,
@@ -192,9 +233,11 @@ class WorkerSide:
             )
         return info
 
-    @staticmethod
-    def _attach(info: PoolInfo) -> _Daemon:
-        return _Daemon(info, attach_pool(info), PoolBlocks(info.layout.num_blocks))
+    def _attach(self, info: PoolInfo) -> _Daemon:
+        geo = self.geometry
+        assert geo is not None
+        first = geo.num_blocks if self.zero_copy else 0  # zero copy: vLLM's blocks come first
+        return _Daemon(info, attach_pool(info), PoolBlocks(info.layout.num_blocks, first))
 
     def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
         asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -227,6 +270,9 @@ class WorkerSide:
         assert d is not None and geo is not None
         batch: list[tuple[Save, list[int]]] = []
         for s in plan.saves:
+            if self.zero_copy:  # the daemon reads vLLM's blocks themselves
+                batch.append((s, list(s.block_ids)))
+                continue
             ids = d.blocks.take(len(s.block_ids))
             if ids is None:
                 self.stats.add(save_failures=1)
@@ -244,13 +290,23 @@ class WorkerSide:
         if batch:
             self._submit(self._publish_all(d, batch))
 
-    def results(self) -> tuple[set[str], set[str]]:
-        """get_transfer_results: (finished_recving, failed_recving) since the last call."""
+    def results(
+        self, finished_req_ids: Collection[str] = ()
+    ) -> tuple[set[str], set[str], set[str]]:
+        """get_transfer_results: (finished_sending, finished_recving, failed_recving) since the last call.
+
+        vLLM accepts a request in finished_sending only once it passed that request
+        in ``finished_req_ids`` (this call or an earlier one).
+        """
+        self._finished.update(finished_req_ids)
         self._take_done()
         self._start_waiting()
+        sending = self._sent & self._finished
+        self._sent -= sending
+        self._finished -= sending
         done, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
-        return done, failed
+        return sending, done, failed
 
     def _start_waiting(self) -> None:
         d = self._daemon
@@ -259,7 +315,11 @@ class WorkerSide:
         batch: list[tuple[Load, list[int]]] = []
         while self._waiting:
             ld, deadline = self._waiting[0]
-            ids = d.blocks.take(ld.remote.num_blocks)
+            if self.zero_copy:  # into vLLM's blocks; scratch for those computed here
+                scratch = d.blocks.take(ld.skip)
+                ids = None if scratch is None else scratch + list(ld.block_ids[ld.skip :])
+            else:
+                ids = d.blocks.take(ld.remote.num_blocks)
             if ids is None:
                 if now < deadline:
                     break  # in order: a later, smaller load must not starve this one
@@ -280,24 +340,46 @@ class WorkerSide:
             except queue.Empty:
                 return
             if isinstance(item, _Daemon):
+                if self.zero_copy:
+                    self._reseat(item)
                 old, self._daemon = self._daemon, item
                 if old is not None and item.info.endpoint != old.info.endpoint:
                     self._moved = item.info.endpoint
+            elif isinstance(item, _Sent):
+                self._sent.add(item.req_id)
             else:
                 self._finish_load(item)
 
+    def _reseat(self, d: _Daemon) -> None:
+        """Zero copy, a restarted daemon: move vLLM's KV cache onto its new pool (between forwards)."""
+        geo = self.geometry
+        assert geo is not None
+        if d.pool.device.type != "cpu":  # pragma: no cover - needs a GPU; see docs/gpu.md
+            raise RuntimeError(
+                f"the {self.role} daemon holding this engine's KV cache restarted; its CUDA memory "
+                "went with it: restart this engine with its daemon"
+            )
+        geo.seat(d.pool, d.info.layout.num_blocks)  # the old pages stay mapped until now
+
     def _finish_load(self, r: _Loaded) -> None:
         rid = r.load.req_id
+        ok = r.outcome is not None and r.outcome.ok and r.daemon is self._daemon
+        landed = r.outcome is not None and r.outcome.ok  # done: every write landed, none in flight
+        if self.zero_copy and r.handle is not None and not r.closed and not landed:
+            # vLLM frees or recomputes these blocks once told: not before a write can no longer land.
+            self._submit(self._close_then_report(r))
+            return
         self._in_flight.discard(rid)
         self._finished_recving.add(rid)
         if rid in self._aborted:
             self._aborted.discard(rid)
             self.stats.add(loads_cancelled=1)
-        elif r.outcome is not None and r.outcome.ok and r.daemon is self._daemon:
+        elif ok:
             geo = self.geometry
             assert geo is not None
             skip = r.load.skip
-            geo.load(r.daemon.pool, r.pool_ids[skip:], list(r.load.block_ids[skip:]))
+            if not self.zero_copy:
+                geo.load(r.daemon.pool, r.pool_ids[skip:], list(r.load.block_ids[skip:]))
             n = len(r.load.block_ids) - skip
             self.stats.add(
                 loads=1, loaded_blocks=n, loaded_bytes=n * len(geo.layers) * geo.block_bytes
@@ -306,6 +388,8 @@ class WorkerSide:
             self._failed_recving.add(rid)
             self.stats.add(load_failures=1)
             log.warning("request %s: KV load from %s failed: %s", rid, r.load.remote.sender, r.why)
+        if r.closed:
+            return  # its blocks went back with the close
         if r.handle is not None:
             self._submit(self._close(r.handle, r.daemon, r.pool_ids))
         else:
@@ -381,6 +465,7 @@ class WorkerSide:
                 self.stats.add(save_failures=1)
                 log.error("request %s: not published: the sender daemon restarted", s.req_id)
                 d.blocks.give(ids)
+                self._sent_one(s)
             return
         for s, ids in batch:
             self._loop.create_task(self._publish(s, d, ids))
@@ -393,7 +478,18 @@ class WorkerSide:
         for ld, ids in batch:
             self._loop.create_task(self._fetch(ld, d, ids))
 
+    def _sent_one(self, s: Save) -> None:
+        """Zero copy: ``s``'s blocks are vLLM's to free (engine thread reports them)."""
+        if self.zero_copy:
+            self._done.put(_Sent(s.req_id))
+
     async def _publish(self, s: Save, d: _Daemon, ids: list[int]) -> None:
+        try:
+            await self._publish_until_closed(s, d, ids)
+        finally:
+            self._sent_one(s)
+
+    async def _publish_until_closed(self, s: Save, d: _Daemon, ids: list[int]) -> None:
         cancel = self._cancel_event(s.transfer_id)
         try:
             try:
@@ -430,7 +526,12 @@ class WorkerSide:
                 self._done.put(_Loaded(ld, d, ids, None, None, f"fetch refused: {e}"))
                 return
             except EngineError as e:
-                self._done.put(_Loaded(ld, d, [], None, None, f"fetch not answered: {e}"))
+                why = f"fetch not answered: {e}"
+                if self.zero_copy:  # it may run: report once no write can land in vLLM's blocks
+                    await self._close_key(r.transfer_id, r.sender, d, ids)
+                    self._done.put(_Loaded(ld, d, [], None, None, why, closed=True))
+                    return
+                self._done.put(_Loaded(ld, d, [], None, None, why))
                 await self._close_key(r.transfer_id, r.sender, d, ids)
                 return
             budget = self.settings.transfer_timeout_s + self.settings.call_timeout_s
@@ -490,8 +591,29 @@ class WorkerSide:
             pass
         return None
 
+    async def _close_then_report(self, r: _Loaded) -> None:
+        """Zero copy: close a failed or cancelled fetch, then hand it to the engine thread to report."""
+        assert r.handle is not None
+        await self._close(r.handle, r.daemon, r.pool_ids)
+        r.closed = True
+        self._done.put(r)
+
+    def _gave_up(self, since: float, what: str) -> bool:
+        """Zero copy: whether a close nobody answered has been retried long enough (logged once)."""
+        if self._give_up_s is None or time.monotonic() - since < self._give_up_s:
+            return False
+        log.warning(
+            "%s: the %s daemon did not answer for %.0fs; releasing its blocks (no write starts "
+            "after a fetch's deadline)",
+            what,
+            self.role,
+            self._give_up_s,
+        )
+        return True
+
     async def _close(self, h: int, d: _Daemon, ids: list[int]) -> None:
         """Close until the daemon says no write can touch ``ids``; then give them back."""
+        since = time.monotonic()
         while True:
             try:
                 if await self._client.close(h, self.settings.close_timeout_s):
@@ -502,11 +624,14 @@ class WorkerSide:
                 log.warning("close of handle %d: %s", h, e)
             except EngineError:
                 self._recheck()
+                if self._gave_up(since, f"close of handle {h}"):
+                    break
             await asyncio.sleep(RETRY_S)
         d.blocks.give(ids)
 
     async def _close_key(self, tid: str, sender: str | None, d: _Daemon, ids: list[int]) -> None:
         """After a call nobody answered: close whatever runs under its key, then give ``ids`` back."""
+        since = time.monotonic()
         while True:
             try:
                 if await self._client.close_request(
@@ -515,6 +640,8 @@ class WorkerSide:
                     break
             except EngineError:
                 self._recheck()
+                if self._gave_up(since, f"close of transfer {tid}"):
+                    break
             await asyncio.sleep(RETRY_S)
         d.blocks.give(ids)
 
@@ -536,7 +663,10 @@ class WorkerSide:
         geo = self.geometry
         assert geo is not None
         try:
-            geo.check_pool(info, self._blocks_per_request, self.role)
+            if self.zero_copy:
+                geo.check_resident(info, self.role)
+            else:
+                geo.check_pool(info, self._blocks_per_request, self.role)
         except ConfigError as e:
             log.error("the restarted %s daemon's pool does not fit: %s", self.role, e)
             return
