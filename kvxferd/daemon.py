@@ -130,7 +130,8 @@ class Daemon:
     async def _startup(self) -> None:
         from kvxferd import preflight
         from kvxferd.gateway import Gateway
-        from kvxferd.health import ProbeServer, ReceiverProbe, SenderProbe
+        from kvxferd.health import ProbeServer
+        from kvxferd.probes import ReceiverProbe, SenderProbe
 
         preflight.check(self.settings)  # one-line ConfigError (exit 2) before the slow set-up
         # A name stable across restarts: the next daemon on this socket can remove what a
