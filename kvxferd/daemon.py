@@ -130,7 +130,8 @@ class Daemon:
     async def _startup(self) -> None:
         from kvxferd import preflight
         from kvxferd.gateway import Gateway
-        from kvxferd.health import ProbeServer, ReceiverProbe, SenderProbe
+        from kvxferd.health import ProbeServer
+        from kvxferd.probes import ReceiverProbe, SenderProbe
 
         preflight.check(self.settings)  # one-line ConfigError (exit 2) before the slow set-up
         # A name stable across restarts: the next daemon on this socket can remove what a
@@ -264,12 +265,12 @@ class Daemon:
 
     def _counts_now(self) -> str:
         """What an exit now would drop, in the words of the last log line (a forced exit)."""
-        if self.role == "sender":
-            from kvxferd.sender import drain_counts
+        from kvxferd.drain import DROPPED_CUT, drain_counts, rx_drain_counts
 
+        if self.role == "sender":
             return drain_counts(*self.service.drain_counts_now())
-        cut = self.service.stats.get("drain_dropped_cut") + self.service.fetches_in_flight()
-        return f"{cut} fetch{'' if cut == 1 else 'es'} cut, {self.service.in_doubt()} in doubt"
+        cut = self.service.stats.get(DROPPED_CUT) + self.service.fetches_in_flight()
+        return rx_drain_counts(cut, self.service.in_doubt())
 
     async def _teardown(self) -> None:
         await self.gateway.stop(timeout=0.3)

@@ -72,6 +72,7 @@ from kvxferd import protocol as wire
 from kvxferd.config import ReceiverSettings
 from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, NixlDataPlane
+from kvxferd.drain import DROPPED_CUT, RxShutdownReport
 from kvxferd.endpoints import connect_problem
 from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
@@ -85,33 +86,6 @@ from kvxferd.waiters import Once
 log = logging.getLogger("kvxferd.receiver")
 
 _fetch_ids = itertools.count(1)
-
-# Counters (Stats) of what a drain dropped; /metrics shows them while the drain runs.
-DROPPED_CUT = "drain_dropped_cut"  # a fetch the drain ended before its Result came
-DROPPED_IN_DOUBT = "drain_dropped_in_doubt"  # a fetch whose blocks were in doubt at the end
-
-
-@dataclass(frozen=True, slots=True)
-class RxShutdownReport:
-    """What a receiver's shutdown achieved within its bound, and what its drain dropped."""
-
-    fetches_cut: int  # open fetches the drain ended (at its deadline, or an engine's cancel)
-    in_doubt: int  # fetches whose blocks a write may still reach (memory kept registered)
-    blocks_safe: bool  # no outcome in doubt: memory deregistered
-    threads_joined: bool
-    elapsed_s: float
-
-    @property
-    def complete(self) -> bool:
-        """Nothing dropped, nothing in doubt, the io thread joined: the daemon exits 0."""
-        return self.fetches_cut == 0 and self.blocks_safe and self.threads_joined
-
-    def counts(self) -> str:
-        """The drain's counts as the daemon's last log line says them."""
-        cut = self.fetches_cut
-        return f"{cut} fetch{'' if cut == 1 else 'es'} cut, {self.in_doubt} in doubt"
-
-
 _monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05

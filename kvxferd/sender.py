@@ -46,7 +46,7 @@ open then ends ``failed``/``shutting_down``, and so does a request its engine cl
 cancels while the drain runs (the engine lets go because it is stopping too). Each one is
 counted (``drain_dropped_never_fetched`` / ``drain_dropped_cut``, and at the end
 ``drain_dropped_in_doubt``: requests with a write still in flight) in ``stats`` and in
-the :class:`ShutdownReport`.
+the :class:`~kvxferd.drain.ShutdownReport`.
 
 All work of one (request, receiver) goes to one worker, so its results (and a
 CancelAck after them) reach the receiver in order. The workers live in worker.py and
@@ -73,6 +73,7 @@ from kvxferd import protocol as wire
 from kvxferd.config import SenderSettings
 from kvxferd.control import SharedDealerPool, SocketLimits, bind_router, router_reply
 from kvxferd.dataplane import DataPlane, NixlDataPlane
+from kvxferd.drain import DROPPED_CUT, DROPPED_NEVER_FETCHED, ShutdownReport
 from kvxferd.endpoints import connect_problem
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
@@ -88,11 +89,6 @@ log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 
-# Counters (Stats) of what a drain dropped; /metrics shows them while the drain runs.
-DROPPED_NEVER_FETCHED = "drain_dropped_never_fetched"  # published, ended with no fetch
-DROPPED_CUT = "drain_dropped_cut"  # ended with a fetch attached and not finished
-DROPPED_IN_DOUBT = "drain_dropped_in_doubt"  # a write still in flight at the end
-
 
 @dataclass(slots=True)
 class _Pending:
@@ -104,43 +100,6 @@ class _Pending:
     deadline: float  # parked until then
     fetch_deadline: float  # no write starts after it (see Sender._fetch_deadline)
     parked_at: float = field(default_factory=time.monotonic)  # for /debug/state
-
-
-@dataclass(frozen=True, slots=True)
-class ShutdownReport:
-    """What a shutdown achieved within its bound, and what its drain dropped.
-
-    ``never_fetched`` and ``transfers_cut`` count the requests the drain ended
-    (``failed``/``shutting_down``): still open at ``drain_timeout_ms``, or closed or
-    cancelled by their engine while the drain ran. ``requests_in_doubt`` counts the
-    requests with a write still in flight at the end (a cut request may be one too).
-    """
-
-    drain_complete: bool  # the drain ended no request: each was fetched (or ended) in time
-    drained: bool  # every admitted write returned before the deadline
-    writes_in_doubt: int  # writes still in flight (their memory was kept registered)
-    threads_joined: bool
-    elapsed_s: float
-    never_fetched: int = 0  # published, no fetch attached when the drain ended it
-    transfers_cut: int = 0  # a fetch attached, not finished when the drain ended it
-    requests_in_doubt: int = 0  # requests with a write still in flight at the end
-
-    @property
-    def complete(self) -> bool:
-        """Nothing dropped, nothing in doubt, every thread joined: the daemon exits 0."""
-        return self.drain_complete and self.drained and self.threads_joined
-
-    def counts(self) -> str:
-        """The drain's counts as the daemon's last log line says them."""
-        return drain_counts(self.never_fetched, self.transfers_cut, self.requests_in_doubt)
-
-
-def drain_counts(never_fetched: int, cut: int, in_doubt: int) -> str:
-    """``"3 published requests never fetched, 1 transfer cut, 0 in doubt"``."""
-    return (
-        f"{never_fetched} published request{'' if never_fetched == 1 else 's'} never fetched, "
-        f"{cut} transfer{'' if cut == 1 else 's'} cut, {in_doubt} in doubt"
-    )
 
 
 class TxHandle:

@@ -344,13 +344,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-liveness-service-broken",
         "liveness ignores an error the service's threads caught (Guard.broken)",
-        (Edit("kvxferd/health.py", "why = service.broken()", "why = None"),),
+        (Edit("kvxferd/probes.py", "why = service.broken()", "why = None"),),
         ("tests/test_health.py::test_sender_liveness_fails_naming_an_error_its_threads_caught",),
     ),
     Mutant(
         "issue9-liveness-gateway-broken",
         "liveness ignores a broken engine gateway",
-        (Edit("kvxferd/health.py", 'why = f"gateway: {gw}" if gw else None', "why = None"),),
+        (Edit("kvxferd/probes.py", 'why = f"gateway: {gw}" if gw else None', "why = None"),),
         ("tests/test_health.py::test_liveness_fails_naming_a_broken_gateway",),
     ),
     # -- item 2: nothing is reused while a write may land ----------------------------------
@@ -455,7 +455,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "readiness stays green with no free aux slot",
         (
             Edit(
-                "kvxferd/health.py",
+                "kvxferd/probes.py",
                 "if free == 0:  # every fetch with aux",
                 "if False:  # every fetch with aux",
             ),
@@ -853,7 +853,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "stuck is judged from the last ending alone: an idle daemon's first request is stuck at once",
         (
             Edit(
-                "kvxferd/health.py",
+                "kvxferd/probes.py",
                 "quiet = now - max(journal.last_ending, oldest)",
                 "quiet = now - journal.last_ending",
             ),
@@ -866,7 +866,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue10-stuck-never-reported",
         "readiness stays 200 while pending work sees nothing end",
-        (Edit("kvxferd/health.py", "if quiet * 1000 >= health.stuck_after_ms:", "if False:"),),
+        (Edit("kvxferd/probes.py", "if quiet * 1000 >= health.stuck_after_ms:", "if False:"),),
         (
             READINESS
             + "test_a_write_that_never_ends_makes_both_sides_stuck_after_stuck_after_ms_only",
@@ -877,7 +877,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a peer whose failures reach the ratio leaves readiness at 200",
         (
             Edit(
-                "kvxferd/health.py",
+                "kvxferd/probes.py",
                 "if rate.total >= health.peer_failure_min and rate.ratio >= health.peer_failure_ratio:",
                 "if False:",
             ),
@@ -901,7 +901,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sender with no free aux slot stays ready",
         (
             Edit(
-                "kvxferd/health.py",
+                "kvxferd/probes.py",
                 "if snd.aux_slots.free == 0:  # every publish with aux would be refused busy",
                 "if False:",
             ),

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from kvxferd.config import HealthSettings, load_receiver_settings, load_sender_settings
-from kvxferd.health import Probe, ProbeServer, ReceiverProbe, SenderProbe
+from kvxferd.health import Probe, ProbeServer
+from kvxferd.probes import ReceiverProbe, SenderProbe
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from kvxferd.testing import ControlledDataPlane

@@ -16,14 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import Reason
-from kvxferd.health import (
-    DURATION_BUCKETS_S,
-    Probe,
-    ProbeServer,
-    ReceiverProbe,
-    SenderProbe,
-    Snapshot,
-)
+from kvxferd.health import Probe, ProbeServer
+from kvxferd.metrics import DURATION_BUCKETS_S, Snapshot
+from kvxferd.probes import ReceiverProbe, SenderProbe
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from kvxferd.testing import ControlledDataPlane

@@ -23,10 +23,11 @@ import zmq
 
 from kvxferd import protocol as wire
 from kvxferd.config import load_receiver_settings, load_sender_settings
+from kvxferd.drain import ShutdownReport
 from kvxferd.errors import Reason
 from kvxferd.pool import IdAllocator
 from kvxferd.receiver import Receiver, RxHandle
-from kvxferd.sender import Sender, ShutdownReport
+from kvxferd.sender import Sender
 from kvxferd.session import RxState, TxState
 from tests.conditions import wait_until
 from tests.peers import PeerProcess, Publisher, check_request, request_content

@@ -160,7 +160,7 @@ def test_each_stats_name_has_one_spec_and_each_family_one_meaning_per_component(
 def _collect(snapshot: Any) -> str:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvxferd.health import SnapshotCollector
+    from kvxferd.metrics import SnapshotCollector
 
     class Fixed:
         def liveness(self) -> tuple[bool, str]:
@@ -180,7 +180,7 @@ def _collect(snapshot: Any) -> str:
 @pytest.mark.parametrize("role", ["sender", "receiver"])
 def test_every_catalogued_counter_is_exported_for_its_role(role: str) -> None:
     """A snapshot with no counts still exports every catalogued counter of the role and of its gateway, each label value once, zero included."""
-    from kvxferd.health import GatewayReading, Snapshot
+    from kvxferd.metrics import GatewayReading, Snapshot
     from kvxferd.stats import CATALOGUE
 
     snap = Snapshot(
@@ -251,7 +251,7 @@ def test_a_stalled_write_shows_as_writing_then_in_doubt_and_its_reclaim_is_count
     stalling_pair: Any,
 ) -> None:
     """A write is ``writing``, then after its stall ``in_doubt`` on both sides (aux slot quarantined, oldest age growing); when NIXL lets go, both count the reclaim and the gauges return to zero."""
-    from kvxferd.health import ReceiverProbe, SenderProbe
+    from kvxferd.probes import ReceiverProbe, SenderProbe
 
     sx, rx, dp = stalling_pair
     tx_probe, rx_probe = SenderProbe(sx, sx.settings), ReceiverProbe(rx, rx.settings)

@@ -29,8 +29,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
-from kvxferd.health import Probe, ProbeServer, ReceiverProbe, SenderProbe
+from kvxferd.health import Probe, ProbeServer
 from kvxferd.journal import Ending
+from kvxferd.probes import ReceiverProbe, SenderProbe
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from kvxferd.testing import ControlledDataPlane

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvxferd.daemon import EXIT_NOT_DRAINED
-from kvxferd.health import (
+from kvxferd.metrics import (
     READINESS_REASONS,
     GatewayReading,
     ReadinessCollector,

@@ -1,0 +1,308 @@
+"""``/debug/state``: a sender's or receiver's hang dump, read without the services' locks.
+
+The dump is JSON, built from copies of the services' tables taken without their
+locks (a copy that races a change is retried), so it answers during a deadlock:
+the probe port (health.py) serves it from a worker thread with a deadline, to
+the clients ``health.debug_state`` allows. Its shape is in :func:`sender_state`
+and :func:`receiver_state`; each list holds the ``limit`` oldest entries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvxferd import __version__
+from kvxferd.session import RxState, TxState
+
+if TYPE_CHECKING:
+    from kvxferd.config import ReceiverSettings, SenderSettings
+    from kvxferd.journal import Journal
+    from kvxferd.receiver import Receiver
+    from kvxferd.sender import Sender
+
+DEBUG_LIST_LIMIT = 100  # entries per list in /debug/state (the oldest first)
+_T = TypeVar("_T")
+
+
+def sender_state(
+    sender: Sender, settings: SenderSettings, limit: int = DEBUG_LIST_LIMIT
+) -> dict[str, Any]:
+    """The sender's hang dump (``/debug/state``), from copies taken without its locks.
+
+    Ages and times in seconds (ms precision); each list holds the ``limit`` oldest::
+
+        role "sender", id (sender_id: this incarnation), endpoint, version, uptime_s,
+        draining; ProbeServer adds ready, not_ready [reasons], live, liveness
+        sessions   {total, by_state {state: n}, oldest_age_s {state: age},
+                    open [{request_id, session_id, state, age_s, writes_in_flight,
+                           expected_fetches, ttl_in_s, aux_slot, outcome,
+                           slices [{receiver_id, endpoint, fetch_id, state, age_s,
+                                    writes_in_flight, posted_age_s, deadline_in_s,
+                                    nbytes, reason}]}]}
+                   open: sessions not ended, or ended with writes still in flight
+                   (in doubt); outcome {state, reason, detail, in_doubt} or null
+        peers      [{receiver_id, endpoint, nixl_name, idle_s, writes_in_flight, prepped}]
+                   receiver_id names the receiver's incarnation (name-uuid)
+        retiring_peers [{nixl_name, writes_in_flight}]  replaced or evicted peers whose
+                   NIXL agent is kept until their last write ends
+        parked     {count, oldest [{request_id, receiver_id, fetch_id, age_s,
+                    expires_in_s}]}  fetches waiting for their request to be published
+        workers    [{index, alive, queue_depth, lanes_busy, writes_in_flight,
+                     last_progress_age_s}]
+        aux_slots  {free, total}
+        journal    {endings, idle_s, last_done_age_s, window_s,
+                    peer_rates [{peer, failed, total, ratio}]}
+        stats      {counter: value}
+    """
+    snd, now = sender, time.monotonic()
+    sessions = sorted(copy_values(snd._sessions), key=lambda x: x.created)
+    by_state = dict.fromkeys((st.value for st in TxState), 0)
+    oldest: dict[str, float] = {}
+    per_worker = [0] * len(snd._workers)
+    listed: list[dict[str, Any]] = []
+    for session in sessions:
+        state = session.state.value
+        by_state[state] += 1
+        oldest.setdefault(state, _age(now, session.created))
+        slices = copy_values(session._slices)
+        for sl in slices:
+            if sl.writes_in_flight > 0:
+                worker = snd._worker_for(session.request_id, sl.peer_id)
+                per_worker[worker.index] += sl.writes_in_flight
+        if (not session.ended or session.writes_in_flight) and len(listed) < limit:
+            listed.append(_tx_session_view(session, slices, now))
+    seen: dict[bytes, float] = _copy(lambda: dict(snd._peer_seen), {})
+    peer_writes: dict[str, int] = _copy(lambda: dict(snd._peer_writes), {})
+    peers = [
+        {
+            "receiver_id": p.receiver_id,
+            "endpoint": p.result_endpoint,
+            "nixl_name": p.nixl_name,
+            "idle_s": _age(now, seen[p.routing_id]) if p.routing_id in seen else None,
+            "writes_in_flight": peer_writes.get(p.nixl_name, 0),
+            "prepped": p.prepped,
+        }
+        for p in copy_values(snd._peers)
+    ]
+    retiring: list[str] = _copy(lambda: sorted(snd._retiring), [])
+    parked: list[Any] = _copy(
+        lambda: [p for ps in list(snd._pending.values()) for p in list(ps)], []
+    )
+    parked.sort(key=lambda p: p.parked_at)
+    return {
+        "role": "sender",
+        "id": snd.sender_id,
+        "endpoint": snd.endpoint,
+        "version": __version__,
+        "uptime_s": _age(now, snd.journal.started),
+        "draining": snd.draining,
+        "sessions": {
+            "total": len(sessions),
+            "by_state": by_state,
+            "oldest_age_s": oldest,
+            "open": listed,
+        },
+        "peers": peers,
+        "retiring_peers": [
+            {"nixl_name": n, "writes_in_flight": peer_writes.get(n, 0)} for n in retiring
+        ],
+        "parked": {
+            "count": snd._pending_count,
+            "oldest": [
+                {
+                    "request_id": p.msg.request_id,
+                    "receiver_id": p.peer.receiver_id,
+                    "fetch_id": p.msg.fetch_id,
+                    "age_s": _age(now, p.parked_at),
+                    "expires_in_s": _age(p.deadline, now),
+                }
+                for p in parked[:limit]
+            ],
+        },
+        "workers": [
+            {
+                "index": i,
+                "alive": w.thread.is_alive(),
+                "queue_depth": w.queue.qsize(),
+                "lanes_busy": len(w._busy_lanes),
+                "writes_in_flight": per_worker[i],
+                "last_progress_age_s": _age(now, w.last_progress),
+            }
+            for i, w in enumerate(snd._workers)
+        ],
+        "aux_slots": {"free": snd.aux_slots.free, "total": settings.pool.aux_slots},
+        "journal": _journal_view(snd.journal, now),
+        "stats": snd.stats.snapshot(),
+    }
+
+
+def receiver_state(
+    receiver: Receiver, settings: ReceiverSettings, limit: int = DEBUG_LIST_LIMIT
+) -> dict[str, Any]:
+    """The receiver's hang dump (``/debug/state``), from copies taken without its locks.
+
+    Ages and times in seconds (ms precision); each list holds the ``limit`` oldest::
+
+        role "receiver", id (receiver_id: this incarnation), endpoint (result endpoint),
+        version, uptime_s, draining; ProbeServer adds ready, not_ready, live, liveness
+        fetches   {total, by_state {state: n}, oldest_age_s {state: age},
+                   oldest [{fetch_id, request_id, state, fence, age_s, sender_endpoint,
+                            sent, sent_to, deadline_in_s, fence_deadline_in_s,
+                            aux_slot, blocks, reason}]}
+                  every fetch in the table: open ones, and ended ones whose fence is up
+                  (sent_to: the sender incarnation it was last sent to)
+        in_doubt  {count, tracked, oldest [same fields + next_retry_in_s]}  ended with
+                  a write possibly still landing; blocks and aux slot kept
+        aux_slots {free, quarantined, total}
+        links     [{endpoint, ready, sender_id, waiting, ever_connected, disconnected,
+                    register_deadline_in_s}]  sender_id: the incarnation that answered;
+                  waiting: fetches queued until it registers
+        commands_queued, io_thread {alive, last_progress_age_s}
+        journal   {endings, idle_s, last_done_age_s, window_s, peer_rates [...]}
+        stats     {counter: value}
+    """
+    rx, now = receiver, time.monotonic()
+    fetches = sorted(copy_values(rx._fetches), key=lambda f: f.started)
+    doubtful = sorted(copy_values(rx._in_doubt), key=lambda f: f.started)
+    by_state = dict.fromkeys((st.value for st in RxState), 0)
+    oldest: dict[str, float] = {}
+    for f in fetches:
+        by_state[f.state.value] += 1
+        oldest.setdefault(f.state.value, _age(now, f.started))
+    free, quarantined = rx.aux_slot_counts()
+    return {
+        "role": "receiver",
+        "id": rx.receiver_id,
+        "endpoint": rx.result_endpoint,
+        "version": __version__,
+        "uptime_s": _age(now, rx.journal.started),
+        "draining": rx._draining.is_set(),
+        "fetches": {
+            "total": len(fetches),
+            "by_state": by_state,
+            "oldest_age_s": oldest,
+            "oldest": [_rx_fetch_view(f, now) for f in fetches[:limit]],
+        },
+        "in_doubt": {
+            "count": rx._forgotten_in_doubt,
+            "tracked": len(doubtful),
+            "oldest": [
+                {**_rx_fetch_view(f, now), "next_retry_in_s": _age(f.retry_at, now)}
+                for f in doubtful[:limit]
+            ],
+        },
+        "aux_slots": {
+            "free": free,
+            "quarantined": quarantined,
+            "total": settings.pool.aux_slots,
+        },
+        "links": [
+            {
+                "endpoint": link.endpoint,
+                "ready": link.ready,
+                "sender_id": link.sender_id,
+                "waiting": len(link.waiting),
+                "ever_connected": link.ever_connected,
+                "disconnected": link.disconnected,
+                "register_deadline_in_s": None if link.ready else _age(link.register_deadline, now),
+            }
+            for link in copy_values(rx._links)[:limit]
+        ],
+        "commands_queued": len(rx._commands),
+        "io_thread": {
+            "alive": rx._io.is_alive(),
+            "last_progress_age_s": _age(now, rx.io_progress),
+        },
+        "journal": _journal_view(rx.journal, now),
+        "stats": rx.stats.snapshot(),
+    }
+
+
+def _journal_view(journal: Journal, now: float) -> dict[str, Any]:
+    return {
+        "endings": journal.endings,
+        "idle_s": round(journal.idle_s(now), 3),
+        "last_done_age_s": _age(now, journal.last_done) if journal.last_done else None,
+        "window_s": journal.window_s,
+        "peer_rates": [
+            {"peer": r.peer, "failed": r.failed, "total": r.total, "ratio": round(r.ratio, 3)}
+            for r in journal.peer_rates(now)
+        ],
+    }
+
+
+def _tx_session_view(session: Any, slices: list[Any], now: float) -> dict[str, Any]:
+    outcome = session.outcome
+    return {
+        "request_id": session.request_id,
+        "session_id": session.session_id,
+        "state": session.state.value,
+        "age_s": _age(now, session.created),
+        "writes_in_flight": session.writes_in_flight,
+        "expected_fetches": session.expected_fetches,
+        "ttl_in_s": None if slices else _age(session.ttl_deadline, now),
+        "aux_slot": session.aux_slot,
+        "outcome": None
+        if outcome is None
+        else {
+            "state": outcome.state.value,
+            "reason": outcome.reason,
+            "detail": outcome.detail,
+            "in_doubt": outcome.in_doubt,
+        },
+        "slices": [
+            {
+                "receiver_id": sl.peer_id,
+                "endpoint": sl.result_endpoint,
+                "fetch_id": sl.fetch_id,
+                "state": sl.state.value,
+                "age_s": _age(now, sl.attached_at),
+                "writes_in_flight": sl.writes_in_flight,
+                "posted_age_s": _age(now, sl.posted_at) if sl.posted_at else None,
+                "deadline_in_s": _age(sl.deadline, now),
+                "nbytes": sl.nbytes,
+                "reason": sl.reason,
+            }
+            for sl in slices
+        ],
+    }
+
+
+def _rx_fetch_view(f: Any, now: float) -> dict[str, Any]:
+    return {
+        "fetch_id": f.fetch_id,
+        "request_id": f.request_id,
+        "state": f.state.value,
+        "fence": f.fence.value,
+        "age_s": _age(now, f.started),
+        "sender_endpoint": f.sender_endpoint,
+        "sent": f.sent,
+        "sent_to": f.sent_to,
+        "deadline_in_s": _age(f.deadline, now),
+        "fence_deadline_in_s": _age(f.fence_deadline, now) if f.fence_deadline else None,
+        "aux_slot": f.aux_slot,
+        "blocks": int(f.dst_blocks.size),
+        "reason": f.outcome.reason if f.outcome is not None else None,
+    }
+
+
+def _copy(make: Callable[[], _T], empty: _T) -> _T:
+    """A copy of a container another thread changes, taken without its lock (retried)."""
+    for _ in range(10):
+        try:
+            return make()
+        except RuntimeError:  # changed size while copying: try again
+            continue
+    return empty
+
+
+def copy_values(d: dict[Any, Any]) -> list[Any]:
+    """The values of a dict another thread owns (the receiver's io thread), without its lock."""
+    return _copy(lambda: list(d.values()), [])
+
+
+def _age(now: float, then: float) -> float:
+    """``now - then`` in seconds, rounded to the millisecond (JSON stays short)."""
+    return round(now - then, 3)

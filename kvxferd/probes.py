@@ -1,0 +1,342 @@
+"""The sender's and receiver's probes: liveness, readiness, metrics and debug state.
+
+:class:`SenderProbe` and :class:`ReceiverProbe` read a running service without
+waiting on its locks where they can (table sizes by ``len()``, copies retried
+as in debug_state.py): liveness from each thread's progress stamp and the
+errors its threads caught, readiness as the reasons listed in health.py, a
+:class:`~kvxferd.metrics.Snapshot` for ``/metrics``, and the ``/debug/state``
+dump (debug_state.py).
+
+Stuck counts from ``max(last ending, start of the oldest pending work)``: an idle
+daemon that just got one request is not stuck; one whose pending work sees
+nothing end for ``stuck_after_ms`` is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvxferd.config import ReceiverSettings, SenderSettings
+from kvxferd.debug_state import DEBUG_LIST_LIMIT, copy_values, receiver_state, sender_state
+from kvxferd.metrics import IN_FLIGHT_STATES, GatewayReading, Snapshot
+from kvxferd.session import Fence, RxState, SliceState, TxState
+
+if TYPE_CHECKING:
+    from kvxferd.journal import Journal
+    from kvxferd.receiver import Receiver
+    from kvxferd.sender import Sender
+
+
+def _broken(service: Any, gateway: Any) -> str | None:
+    """Why the service or the engine gateway is not live (a caught unexpected error), or None."""
+    why = service.broken()
+    if why is None and gateway is not None:
+        gw = gateway.broken()
+        why = f"gateway: {gw}" if gw else None
+    return why
+
+
+def _thread_stalls(
+    names_progress: Iterable[tuple[str, float, bool]], now: float, limit_s: float, stopping: bool
+) -> list[str]:
+    """``name: no progress for Xs`` for each thread past ``limit_s``.
+
+    A thread that exited while the process is stopping is not stalled: it was told to stop.
+    """
+    out = []
+    for name, last, alive in names_progress:
+        if stopping and not alive:
+            continue
+        age = now - last
+        if age > limit_s:
+            out.append(f"{name}: no progress for {age:.1f}s (> {limit_s:g}s)")
+    return out
+
+
+class SenderProbe:
+    """Liveness, readiness and metrics of a :class:`~kvxferd.sender.Sender`.
+
+    A worker's one task may legitimately take up to two NIXL waits (kv + aux,
+    each bounded by ``xfer_stall_timeout_ms``) plus a result send
+    (``worker_send_timeout_ms``) without stamping progress, so a worker is
+    judged against ``max(liveness_stall_ms, that bound + 1 s)``: a slow but
+    bounded write must not restart the pod.
+    """
+
+    def __init__(self, sender: Sender, settings: SenderSettings, gateway: Any = None) -> None:
+        self.sender = sender
+        self.settings = settings
+        self.gateway = gateway  # the daemon's engine gateway (its broken() fails liveness)
+        svc, d = settings.service, settings.deadlines
+        self.listener_stall_s = svc.liveness_stall_ms / 1000
+        task_bound_ms = 2 * d.xfer_stall_timeout_ms + d.worker_send_timeout_ms + 1000
+        self.worker_stall_s = max(svc.liveness_stall_ms, task_bound_ms) / 1000
+
+    def liveness(self) -> tuple[bool, str]:
+        snd, now = self.sender, time.monotonic()
+        stopping = snd.draining
+        listener = snd._listener
+        stalls = _thread_stalls(
+            [("listener", snd.listener_progress, listener.is_alive())],
+            now,
+            self.listener_stall_s,
+            stopping,
+        )
+        workers = snd._workers
+        stalls += _thread_stalls(
+            (
+                (f"worker {i}", last, w.thread.is_alive())
+                for i, (w, last) in enumerate(zip(workers, snd.worker_progress(), strict=True))
+            ),
+            now,
+            self.worker_stall_s,
+            stopping,
+        )
+        broken = _broken(snd, self.gateway)
+        if broken:
+            stalls.append(broken)
+        if stalls:
+            return False, "; ".join(stalls)
+        oldest = max((now - t for t in snd.worker_progress()), default=0.0)
+        return True, (
+            f"listener {now - snd.listener_progress:.2f}s ago, "
+            f"{len(workers)} workers, slowest {oldest:.2f}s ago"
+        )
+
+    def readiness(self, now: float | None = None) -> tuple[bool, list[str]]:
+        """Every reason new work should go elsewhere now (``now``: judge at that instant)."""
+        snd = self.sender
+        now = time.monotonic() if now is None else now
+        failing: list[str] = []
+        if snd.draining:
+            failing.append("draining")
+        if not snd._listener.is_alive():
+            failing.append("listener thread not alive")
+        failing += [
+            f"worker {i} thread not alive"
+            for i, w in enumerate(snd._workers)
+            if not w.thread.is_alive()
+        ]
+        # len() of the dict without the registry lock: a probe must never wait on that lock.
+        limit = self.settings.limits.max_live_sessions
+        if len(snd._sessions) >= limit:
+            failing.append(f"session table full (max_live_sessions={limit})")
+        if snd.aux_slots.free == 0:  # every publish with aux would be refused busy
+            failing.append(
+                f"no free aux slot (0 free, aux_slots={self.settings.pool.aux_slots}:"
+                " a publish with aux is refused busy)"
+            )
+        if _dataplane_closed(snd.dataplane):
+            failing.append("data plane closed (pool not registered)")
+        count, oldest = self.pending_work()
+        what = f"{count} slice{'' if count == 1 else 's'} queued or writing"
+        failing += _work_problems(snd.journal, self.settings, now, count, oldest, what)
+        return not failing, failing
+
+    def pending_work(self) -> tuple[int, float]:
+        """(slices queued or writing, when the oldest was attached), read without any lock."""
+        count, oldest = 0, float("inf")
+        for session in copy_values(self.sender._sessions):
+            for sl in copy_values(session._slices):
+                if sl.state in (SliceState.QUEUED, SliceState.WRITING):
+                    count += 1
+                    oldest = min(oldest, sl.attached_at)
+        return count, oldest
+
+    def debug_state(self, limit: int = DEBUG_LIST_LIMIT) -> dict[str, Any]:
+        """The sender's hang dump for ``/debug/state`` (its shape: debug_state.sender_state)."""
+        return sender_state(self.sender, self.settings, limit)
+
+    def snapshot(self) -> Snapshot:
+        snd, now = self.sender, time.monotonic()
+        with snd._lock:
+            sessions = list(snd._sessions.values())
+            peers = list(snd._peers.values())
+            parked = snd._pending_count
+        with snd._peer_lock:
+            retiring = set(snd._retiring)
+        by_state = dict.fromkeys((s.value for s in TxState), 0)
+        in_flight = dict.fromkeys(IN_FLIGHT_STATES["sender"], 0)
+        in_flight["parked"] = parked
+        oldest = 0.0
+        for s in sessions:
+            by_state[s.state.value] += 1
+            if not s.ended or s.writes_in_flight > 0:
+                oldest = max(oldest, now - s.created)
+            for sl in s.slices():
+                if sl.state is SliceState.QUEUED:
+                    in_flight["queued"] += 1
+                elif sl.state is SliceState.WRITING:
+                    in_flight["writing"] += 1
+                elif sl.state is SliceState.IN_DOUBT and sl.writes_in_flight > 0:
+                    in_flight["in_doubt"] += 1
+        aux_total, aux_free = self.settings.pool.aux_slots, snd.aux_slots.free
+        return Snapshot(
+            role="sender",
+            stats=snd.stats.snapshot(),
+            sessions_by_state=by_state,
+            queue_depths=snd.queue_depths(),
+            writes_in_flight=sum(s.writes_in_flight for s in sessions),
+            peers=len(peers),
+            durations_s=snd.stats.take_samples("slice_seconds"),
+            in_flight=in_flight,
+            oldest_in_flight_s=oldest,
+            peer_cache={
+                "peers": len(peers),
+                "nixl_agents": len({p.nixl_name for p in peers} | retiring),
+                "retiring_agents": len(retiring),
+                # len() of dicts other threads own: a count, never an iteration
+                "shared_dealers": len(snd._shared._dealers),
+                "worker_dealers": sum(len(w._dealers) for w in snd._workers),
+            },
+            aux_slots={"free": aux_free, "in_use": aux_total - aux_free},
+            histograms=snd.journal.histograms(),
+            gateway=_gateway_reading(self.gateway),
+        )
+
+
+class ReceiverProbe:
+    """Liveness, readiness and metrics of a :class:`~kvxferd.receiver.Receiver`.
+
+    The io thread's every wait is bounded by ``send_timeout_ms`` per send and a
+    50 ms poll, so it is judged against ``liveness_stall_ms`` as it is.
+    """
+
+    def __init__(self, receiver: Receiver, settings: ReceiverSettings, gateway: Any = None) -> None:
+        self.receiver = receiver
+        self.settings = settings
+        self.gateway = gateway  # the daemon's engine gateway (its broken() fails liveness)
+        self.io_stall_s = settings.service.liveness_stall_ms / 1000
+
+    @property
+    def draining(self) -> bool:
+        return self.receiver._draining.is_set()
+
+    def liveness(self) -> tuple[bool, str]:
+        rx, now = self.receiver, time.monotonic()
+        stalls = _thread_stalls(
+            [("io thread", rx.io_progress, rx._io.is_alive())], now, self.io_stall_s, self.draining
+        )
+        broken = _broken(rx, self.gateway)
+        if broken:
+            stalls.append(broken)
+        if stalls:
+            return False, "; ".join(stalls)
+        return True, f"io thread {now - rx.io_progress:.2f}s ago"
+
+    def readiness(self, now: float | None = None) -> tuple[bool, list[str]]:
+        """Every reason new work should go elsewhere now (``now``: judge at that instant)."""
+        rx = self.receiver
+        now = time.monotonic() if now is None else now
+        failing: list[str] = []
+        if self.draining:
+            failing.append("draining")
+        if not rx._io.is_alive():
+            failing.append("io thread not alive")
+        limit = self.settings.limits.max_fetches_in_flight
+        if len(rx._fetches) >= limit:  # without the lock, like SenderProbe
+            failing.append(f"fetch table full (max_fetches_in_flight={limit})")
+        free, quarantined = rx.aux_slot_counts()
+        if free == 0:  # every fetch with aux would be refused busy
+            failing.append(
+                f"no free aux slot ({free} free, {quarantined} quarantined by outcomes in doubt,"
+                f" aux_slots={self.settings.pool.aux_slots})"
+            )
+        if _dataplane_closed(rx.dataplane):
+            failing.append("data plane closed (pool not registered)")
+        count, oldest = self.pending_work()
+        what = f"{count} fetch{'' if count == 1 else 'es'} open"
+        failing += _work_problems(rx.journal, self.settings, now, count, oldest, what)
+        return not failing, failing
+
+    def pending_work(self) -> tuple[int, float]:
+        """(fetches asked for and not ended, when the oldest started), read without any lock."""
+        open_ = [f for f in copy_values(self.receiver._fetches) if not f.ended]
+        return len(open_), min((f.started for f in open_), default=float("inf"))
+
+    def debug_state(self, limit: int = DEBUG_LIST_LIMIT) -> dict[str, Any]:
+        """The receiver's hang dump for ``/debug/state`` (its shape: debug_state.receiver_state)."""
+        return receiver_state(self.receiver, self.settings, limit)
+
+    def snapshot(self) -> Snapshot:
+        rx, now = self.receiver, time.monotonic()
+        with rx._lock:
+            fetches = list(rx._fetches.values())
+            in_doubt = len(rx._in_doubt)
+            unresolved = rx._forgotten_in_doubt  # in doubt, asked about or not any more
+            queued = len(rx._commands)
+        by_state = dict.fromkeys((s.value for s in RxState), 0)
+        requested = fenced = 0
+        oldest = 0.0
+        for f in fetches:
+            by_state[f.state.value] += 1
+            if not f.ended:
+                requested += 1
+            elif f.fence is Fence.FENCED:
+                fenced += 1
+            else:
+                continue
+            oldest = max(oldest, now - f.started)
+        links = copy_values(rx._links)
+        ready = sum(1 for link in links if link.ready)
+        free, quarantined = rx.aux_slot_counts()
+        total = self.settings.pool.aux_slots
+        return Snapshot(
+            role="receiver",
+            stats=rx.stats.snapshot(),
+            sessions_by_state=by_state,
+            queue_depths=[queued],
+            # A fetch in our table, or one in doubt, may still receive a write into its blocks.
+            writes_in_flight=len(fetches) + in_doubt,
+            peers=ready,
+            durations_s=rx.stats.take_samples("fetch_seconds"),
+            in_flight={"requested": requested, "fenced": fenced, "in_doubt": unresolved},
+            oldest_in_flight_s=oldest,
+            peer_cache={"links": len(links), "ready_links": ready},
+            aux_slots={
+                "free": free,
+                "in_use": max(0, total - free - quarantined),
+                "quarantined": quarantined,
+            },
+            histograms=rx.journal.histograms(),
+            gateway=_gateway_reading(self.gateway),
+        )
+
+
+def _gateway_reading(gateway: Any) -> GatewayReading | None:
+    """The engine gateway's counters and table sizes, when the daemon runs one."""
+    if gateway is None:
+        return None
+    return GatewayReading(gateway.stats.snapshot(), gateway.handle_count, gateway.calls_in_flight)
+
+
+def _work_problems(
+    journal: Journal, settings: Any, now: float, count: int, oldest: float, what: str
+) -> list[str]:
+    """The stuck and failing-peer readiness reasons of one side (see the module docstring)."""
+    health = settings.health
+    out: list[str] = []
+    if count:
+        # Pending since the later of the last ending and the oldest pending start: an idle
+        # daemon's first request is judged from when it started, not from the last ending.
+        quiet = now - max(journal.last_ending, oldest)
+        if quiet * 1000 >= health.stuck_after_ms:
+            out.append(
+                f"stuck: {what} and nothing ended for {quiet:.1f}s"
+                f" (stuck_after_ms={health.stuck_after_ms})"
+            )
+    for rate in sorted(journal.peer_rates(now), key=lambda r: r.peer):
+        if rate.total >= health.peer_failure_min and rate.ratio >= health.peer_failure_ratio:
+            out.append(
+                f"peer failing: {rate.peer} {rate.failed}/{rate.total} ended failed in the last"
+                f" {journal.window_s:g}s (peer_failure_ratio={health.peer_failure_ratio:g},"
+                f" peer_failure_min={health.peer_failure_min})"
+            )
+    return out
+
+
+def _dataplane_closed(dataplane: Any) -> bool:
+    # NixlDataPlane keeps ``_closed``; the test double ``closed``. Neither is in the protocol.
+    return bool(getattr(dataplane, "_closed", False) or getattr(dataplane, "closed", False))
