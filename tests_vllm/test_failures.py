@@ -19,6 +19,7 @@ import pytest
 from tests.conditions import wait_until
 from tests.test_daemon import DaemonProcess
 from tests_vllm.conftest import POOL_BLOCKS, Rig, _rig
+from tests_vllm.engine import MAX_MODEL_LEN
 from tests_vllm.rig import EngineProcess, sessions
 from tests_vllm.test_pd import DECODE_TOKENS, prompts
 
@@ -75,6 +76,23 @@ def decode(
         for i, (x, kv) in enumerate(zip(ps, params, strict=True))
     ]
     return e.run(reqs, **kw)
+
+
+ZC_BLOCKS = 256  # zero copy: vLLM's blocks (num_gpu_blocks_override), the pool has scratch after
+ZC_SCRATCH = MAX_MODEL_LEN // 32  # pool-config --zero-copy: one longest request of scratch
+# Zero copy gives up on a daemon that answers no close after transfer_timeout_s + close_timeout_s.
+ZC_FAIL_BOUND_S = FAIL_BOUND_S + TRANSFER_TIMEOUT_S + 5.0
+
+
+def modes(zero_copy: bool, vllm_blocks: int = ZC_BLOCKS) -> tuple[dict[str, Any], list[str]]:
+    """Daemon keyword arguments and engine arguments for copy mode or zero copy."""
+    if not zero_copy:
+        return {}, []
+    return {"pool_blocks": vllm_blocks, "zero_copy": True}, [
+        "--zero-copy",
+        "--num-blocks",
+        str(vllm_blocks),
+    ]
 
 
 def idle(*daemons: DaemonProcess) -> None:
@@ -175,13 +193,16 @@ def test_killed_sender_fails_loads_in_bounded_time(pair: Pair) -> None:
     idle(pair.rx_fail, pair.rx_recompute)
 
 
-def test_killed_receiver_recomputes_then_a_restarted_one_serves(rig: Rig) -> None:
-    """With the receiver killed, loads recompute within a bound; once it restarts, the connector maps its new pool and loads again."""
-    sender, rx = rig.daemon("sender", "tx"), rig.daemon("receiver", "rx")
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
+def test_killed_receiver_recomputes_then_a_restarted_one_serves(rig: Rig, zero_copy: bool) -> None:
+    """With the receiver killed, loads recompute within a bound; once it restarts, the connector maps its new pool (zero copy: moves vLLM's KV cache onto it) and loads again."""
+    dk, ek = modes(zero_copy)
+    sender, rx = rig.daemon("sender", "tx", **dk), rig.daemon("receiver", "rx", **dk)
     sender.wait_ready()
     rx.wait_ready()
-    pre = rig.engine("prefill", "producer", sender)
-    dec = rig.engine("decode", "consumer", rx, "--policy", "recompute", "--transfer-timeout-s", "5")
+    pre = rig.engine("prefill", "producer", sender, *ek)
+    timeout = ["--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)]
+    dec = rig.engine("decode", "consumer", rx, "--policy", "recompute", *timeout, *ek)
     pre.wait_ready()
     dec.wait_ready()
     p = Pair(rig, sender, rx, rx, pre, dec, dec)
@@ -194,12 +215,12 @@ def test_killed_receiver_recomputes_then_a_restarted_one_serves(rig: Rig) -> Non
     out = decode(dec, "x", ps, prefill(p, "x", ps))["outputs"]
     took = time.monotonic() - t0
     print(f"\nloads through a dead receiver ended after {took:.1f}s")
-    assert took < FAIL_BOUND_S
+    assert took < (ZC_FAIL_BOUND_S if zero_copy else FAIL_BOUND_S)
     assert [out[f"x{i}"]["tokens"] for i in range(2)] == mono
     before = dec.call({"op": "stats"}, 30)["stats"]
     assert before["load_failures"] == 2, before
 
-    rx2 = rig.daemon("receiver", "rx")  # the same engine socket, a new pool
+    rx2 = rig.daemon("receiver", "rx", **dk)  # the same engine socket, a new pool
     rx2.wait_ready()
     wait_until(
         lambda: (
@@ -218,12 +239,14 @@ def test_killed_receiver_recomputes_then_a_restarted_one_serves(rig: Rig) -> Non
     idle(sender, rx2)
 
 
-def test_preempted_requests_decode_right_and_release(rig: Rig) -> None:
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
+def test_preempted_requests_decode_right_and_release(rig: Rig, zero_copy: bool) -> None:
     """With too little KV memory for the batch to grow, vLLM preempts loaded decode requests; tokens still equal monolithic ones and nothing leaks."""
-    sender, rx = rig.daemon("sender", "tx"), rig.daemon("receiver", "rx")
+    dk, ek = modes(zero_copy, vllm_blocks=48)
+    sender, rx = rig.daemon("sender", "tx", **dk), rig.daemon("receiver", "rx", **dk)
     sender.wait_ready()
     rx.wait_ready()
-    small = ["--kv-cache-bytes", str(48 * 2 * 16384)]  # 48 blocks of 32 tokens in all
+    small = ["--kv-cache-bytes", str(48 * 2 * 16384), *ek]  # 48 blocks of 32 tokens in all
     pre = rig.engine("prefill", "producer", sender, *small)
     dec = rig.engine("decode", "consumer", rx, *small)
     pre.wait_ready()
@@ -244,7 +267,8 @@ def test_preempted_requests_decode_right_and_release(rig: Rig) -> None:
     dec.drain()
     idle(sender, rx)
     for e in (pre, dec):
-        assert e.call({"op": "stats"}, 30)["stats"]["pool_free"] == POOL_BLOCKS
+        free = e.call({"op": "stats"}, 30)["stats"]["pool_free"]
+        assert free == (ZC_SCRATCH if zero_copy else POOL_BLOCKS)
 
 
 @pytest.mark.parametrize("address", ["same", "new"])

@@ -134,3 +134,21 @@ def test_failed_load_recomputes_and_frees(zc: ZC) -> None:
     zc.decode.drain()
     wait_until(lambda: sessions(zc.sender.probe_port) == 0, 30, "sender sessions at zero")
     wait_until(lambda: sessions(zc.receiver.probe_port) == 0, 30, "receiver sessions at zero")
+
+
+def test_abort_while_loading_holds_blocks_until_safe(zc: ZC) -> None:
+    """A decode request aborted while loading into vLLM's own blocks ends, its blocks are freed, and no session stays."""
+    ps = prompts([64, 90], seed=14)
+    params = _prefill(zc, "za", ps)
+    params[1] = unknown(params[1])  # parked on the sender: still loading when the abort comes
+    reqs = [
+        {"id": f"zaa{i}", "prompt": p, "max_tokens": DECODE_TOKENS, "params": kv}
+        for i, (p, kv) in enumerate(zip(ps, params, strict=True))
+    ]
+    out = zc.decode.run(reqs, abort=["zaa1"], abort_after_steps=3)
+    assert set(out["outputs"]) == {"zaa0"}
+    assert out["outputs"]["zaa0"]["tokens"] == _decode(zc, "zam", ps[:1], [None])[0]
+    zc.decode.drain()  # returns only once vLLM got the aborted request's blocks back
+    zc.prefill.drain()
+    wait_until(lambda: sessions(zc.sender.probe_port) == 0, 30, "sender sessions at zero")
+    wait_until(lambda: sessions(zc.receiver.probe_port) == 0, 30, "receiver sessions at zero")
