@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint types unit setup clean mutants mutants-after-unit faults faults-quick test-vllm vllm-if-present
+.PHONY: run test lint types unit setup clean mutants mutants-after-unit faults faults-quick test-vllm vllm-if-present zero-copy-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,8 @@ run: $(STAMP)
 	$(VENV)/bin/kvxferd demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvxferd tests tests_vllm
-	$(VENV)/bin/ruff format --check kvxferd tests tests_vllm
+	$(VENV)/bin/ruff check kvxferd tests tests_vllm scripts
+	$(VENV)/bin/ruff format --check kvxferd tests tests_vllm scripts
 
 types: $(STAMP)
 	$(VENV)/bin/mypy
@@ -71,6 +71,10 @@ test-vllm: $(VLLM_STAMP)
 vllm-if-present:
 	@if [ -x $(VLLM_PY) ]; then $(MAKE) --no-print-directory test-vllm; \
 	else echo "make test: vLLM tests skipped (no $(VLLM_VENV); 'make test-vllm' creates it and runs them)"; fi
+
+# The GPU zero-copy path on a host with CUDA (docs/gpu.md); exit 77 where there is none.
+zero-copy-check: $(STAMP)
+	$(PY) scripts/zero_copy_check.py --device cuda
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
