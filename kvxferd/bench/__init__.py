@@ -43,7 +43,7 @@ from kvxferd.bench.child import run_child
 from kvxferd.bench.command import add_arguments, main_bench
 from kvxferd.bench.content import fill_source, poison, verify
 from kvxferd.bench.plan import Plan
-from kvxferd.bench.plot import plot_available, write_plot
+from kvxferd.bench.plot import plot_available, write_curves_plot, write_plot
 from kvxferd.bench.report import format_report
 from kvxferd.bench.runner import run_bench
 from kvxferd.bench.workload import FULL, QUICK, BenchError, Options, Workload
@@ -64,5 +64,6 @@ __all__ = [
     "run_bench",
     "run_child",
     "verify",
+    "write_curves_plot",
     "write_plot",
 ]
