@@ -135,7 +135,11 @@ class _ChildServer:
             return {}
         rep, count = int(cmd["rep"]), int(cmd["count"])
         step = {"prepare": side.prepare, "run": side.run, "finish": side.finish}[what]
-        return step(rep, count)
+        cpu0 = time.process_time()
+        out = step(rep, count)
+        if what == "run":  # this whole process's CPU over the run (every receiver it hosts)
+            out["proc_cpu_s"] = time.process_time() - cpu0
+        return out
 
     def _make_sides(self, plan: Plan, paths: list[str], indices: list[int]) -> None:
         """The sides of ``paths``, into ``self.sides`` as each starts (a failed setup tears down).

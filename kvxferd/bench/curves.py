@@ -56,12 +56,12 @@ class CurveOptions:
     workers: tuple[int, ...] = (1, 2, 4, 8)
     blocks: tuple[int, ...] = (1, 4, 16, 256, 4096, 65536)
     peers: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    reps: int = 2
-    engine_requests: int = 200  # inflight axis: per point and repetition (at least 4 x inflight)
-    small_requests: int = 600  # workers axis, small requests
-    bulk_requests: int = 16  # workers axis, 4 MiB requests
-    blocks_bytes: int = 32 * MiB  # blocks axis: bytes per repetition, 3 to 300 requests
-    peer_requests: int = 400  # peers axis: all receivers together (at least 8 each)
+    reps: int = 5
+    engine_requests: int = 400  # inflight axis: per point and repetition (at least 4 x inflight)
+    small_requests: int = 2000  # workers axis, small requests
+    bulk_requests: int = 64  # workers axis, 4 MiB requests
+    blocks_bytes: int = 256 * MiB  # blocks axis: bytes per repetition, 3 to 300 requests
+    peer_requests: int = 800  # peers axis: all receivers together (at least 8 each)
     peer_procs: int = PEER_PROCS  # rx processes hosting the peers axis's receivers
     prep_reps: int = 3000
     prep_layers: tuple[int, ...] = (1, 8, 32)
@@ -205,15 +205,21 @@ def _point(x: int, w: Workload, r: dict[str, Any] | None) -> dict[str, Any]:
             "rps_min": p["rps"]["min"],
             "rps_max": p["rps"]["max"],
             "gbps": p["gbps"]["median"],
+            "gbps_min": p["gbps"]["min"],
+            "gbps_max": p["gbps"]["max"],
             "p50_ms": p["latency_ms"]["p50"],
             "p99_ms": p["latency_ms"]["p99"],
             # receivers x requests/s is what the rate counts; a request is `blocks` blocks
             "us_per_request": 1e6 / rps if rps > 0 else None,
             "us_per_block": 1e6 / (rps * w.blocks) if rps > 0 else None,
+            "p50_us": p["latency_ms"]["p50"] * 1000,
             "p50_us_per_block": p["latency_ms"]["p50"] * 1000 / w.blocks,
             "failures": p["failures"],
             "verified": p["verified"],
         }
+        for key in ("tx_cpu_us_per_request", "rx_cpu_us_per_request"):  # where the CPU went
+            if key in p:
+                paths[name][key] = p[key]
     mine = paths.get(w.kvxferd_path, {})
     base = paths.get("nixl", {})
     out: dict[str, Any] = {
@@ -362,7 +368,7 @@ def curve_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         xs = [float(p["x"]) for p in pts]
         fits: dict[str, dict[str, Any]] = {}
         for path in ("kvxferd", "nixl"):
-            ts = [p["paths"][path]["us_per_request"] for p in pts]
+            ts = [p["paths"][path]["p50_us"] for p in pts]  # one in flight: the request's time
             a, c = affine_fit(xs, ts)
             dev = [t / (a + c * x) - 1 for x, t in zip(xs, ts, strict=True)]
             fits[path] = {"fixed_us": a, "us_per_block": c, "deviation": dev}
@@ -383,8 +389,8 @@ def curve_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     out.append(
         {
             "target": "blocks-linear",
-            "text": "cost linear in blocks per request, 1 to 65 536 "
-            f"(every point within {LINEAR_TOLERANCE:.0%} of a + c x blocks)",
+            "text": "cost linear in blocks per request, 1 to 65 536 (p50 time of a request "
+            f"at 1 in flight within {LINEAR_TOLERANCE:.0%} of a + c x blocks at every point)",
             "met": met_lin,
             "detail": detail,
         }
@@ -446,6 +452,26 @@ def format_curves(doc: dict[str, Any]) -> str:
                 f"| {n['p50_ms']:.3f} / {n['p99_ms']:.3f} | {k['us_per_block']:.3f} "
                 f"| {n['us_per_block']:.3f} |"
             )
+        if mine == "kvxferd":
+            lines += [
+                "",
+                f"{axis}: CPU per request (us) of the sender process by thread; rx = the "
+                "receiving processes",
+                "",
+            ]
+            lines += [
+                f"- {p['x']}: rx {p['paths'][mine].get('rx_cpu_us_per_request', 0):.0f}; "
+                + ", ".join(
+                    f"{n} {v:.0f}"
+                    for n, v in sorted(
+                        p["paths"][mine].get("tx_cpu_us_per_request", {}).items(),
+                        key=lambda kv: -kv[1],
+                    )
+                    if v >= 1
+                )
+                for p in ax["points"]
+                if not p["skipped"]
+            ]
     lines += [
         "",
         f"preparing a {PREP_BLOCKS}-block request (check_blocks x2 + indices + make_prepped_xfer):",

@@ -67,13 +67,13 @@ def write_curves_plot(doc: dict[str, Any], path: str) -> None:
     axes = doc["axes"]
     fig, grid = plt.subplots(2, 4, figsize=(18, 8.5))
     panels = [
-        ("inflight", "rps", "requests/s", True),
+        ("inflight", "rps", "requests/s (band: min-max of repetitions)", True),
         ("inflight", "p50_ms", "p50 latency ms (p99 dotted)", True),
-        ("workers-small", "rps", "requests/s", False),
-        ("workers-bulk", "gbps", "GB/s", False),
-        ("blocks", "us_per_request", "us per request (fit dashed)", True),
-        ("blocks", "us_per_block", "us per block", True),
-        ("peers", "rps", "requests/s, all receivers", True),
+        ("workers-small", "rps", "requests/s (band: min-max of repetitions)", True),
+        ("workers-bulk", "gbps", "GB/s (band: min-max of repetitions)", True),
+        ("blocks", "p50_us", "p50 us per request (a + c x blocks dashed)", True),
+        ("blocks", "p50_us_per_block", "p50 us per block", True),
+        ("peers", "rps", "requests/s, all receivers (band: min-max)", True),
     ]
     for ax, (axis, key, ylabel, logy) in zip(grid.flat, panels, strict=False):
         a = axes[axis]
@@ -82,10 +82,14 @@ def write_curves_plot(doc: dict[str, Any], path: str) -> None:
             xs = [p["x"] for p in pts]
             ys = [p["paths"][name][key] for p in pts]
             (line,) = ax.plot(xs, ys, style, label=label, ms=4)
+            if key in ("rps", "gbps"):  # min-max over the repetitions
+                lo = [p["paths"][name][f"{key}_min"] for p in pts]
+                hi = [p["paths"][name][f"{key}_max"] for p in pts]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
             if key == "p50_ms":
                 ax.plot(xs, [p["paths"][name]["p99_ms"] for p in pts], ":", color=line.get_color())
             fit = doc.get("blocks_fit", {}).get(name)
-            if key == "us_per_request" and fit and xs:
+            if key == "p50_us" and fit and xs:
                 fx = np.geomspace(min(xs), max(xs), 50)
                 ax.plot(
                     fx,

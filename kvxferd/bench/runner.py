@@ -102,6 +102,8 @@ class Rep:
     sender_stats: dict[str, int] = field(default_factory=dict)  # kvxferd only: Sender counters
     daemon_cpu_s: float = 0.0  # engine path: CPU of every daemon over the repetition
     engine_cpu_s: float = 0.0  # engine path: CPU of the engine processes
+    tx_threads_cpu_s: dict[str, float] = field(default_factory=dict)  # kvxferd: tx CPU by thread
+    rx_cpu_s: float = 0.0  # kvxferd, engine: CPU of the rx processes over the run
 
     @property
     def gbps(self) -> float:
@@ -237,6 +239,8 @@ class _Runner:
             sender_stats=finals[0].get("stats", {}),
             daemon_cpu_s=sum(float(x.get("daemon_cpu_s", 0.0)) for x in [*runs, finals[0]]),
             engine_cpu_s=sum(float(x.get("engine_cpu_s", 0.0)) for x in [*runs, finals[0]]),
+            tx_threads_cpu_s=finals[0].get("threads_cpu_s", {}),
+            rx_cpu_s=sum(float(r.get("proc_cpu_s", 0.0)) for r in runs) if drivers is rxs else 0.0,
         )
 
 

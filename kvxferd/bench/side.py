@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 from typing import Any
 
@@ -24,6 +26,39 @@ def _result(
         "failures": failures,
         "lat_us": [round(x * 1e6, 1) for x in lat],
     }
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of every live thread of this process, by name (``/proc/self/task``).
+
+    Python threads by their ``threading`` name (a numbered family such as
+    ``kvxferd-worker-3`` summed as ``kvxferd-worker-*``), the others (UCX, ZMQ) by
+    their kernel name.
+    """
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        key = re.sub(r"-\d+$", "-*", name)
+        out[key] = out.get(key, 0.0) + ns / 1e9
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per-name CPU spent between two :func:`thread_cpu_s` snapshots (new threads count whole)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
 
 
 class _Side:
