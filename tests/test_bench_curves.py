@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvxferd import bench
+from kvxferd.bench import BenchError, Options, Plan, Workload
 from kvxferd.bench.curves import AXES, CurveOptions, affine_fit, format_curves, run_curves
+from kvxferd.bench.side import _Group, _Side
 
 TINY = CurveOptions(
     inflight=(1, 2),
@@ -99,3 +101,51 @@ def test_affine_fit_recovers_a_line() -> None:
     xs = [1.0, 4.0, 16.0, 256.0, 4096.0, 65536.0]
     a, c = affine_fit(xs, [50.0 + 0.5 * x for x in xs])
     assert a == pytest.approx(50.0) and c == pytest.approx(0.5)
+
+
+@pytest.mark.timeout(10)
+def test_receivers_spread_over_processes() -> None:
+    """Receiver k lives in rx process k mod procs, every receiver in exactly one process."""
+    w = Workload("p", 4, 1, receivers=10, rx_procs=4)
+    assert w.procs == 4
+    hosted = [w.hosted_by(j) for j in range(w.procs)]
+    assert hosted[0] == [0, 4, 8] and hosted[3] == [3, 7]
+    assert sorted(k for h in hosted for k in h) == list(range(10))
+    assert Workload("q", 4, 1, receivers=3).procs == 3  # default: one process per receiver
+
+
+class _FakeRx(_Side):
+    def __init__(self, t0: float, t1: float, n: int, fail: bool = False) -> None:
+        self.t0, self.t1, self.n, self.fail = t0, t1, n, fail
+
+    def run(self, rep: int, count: int) -> dict[str, object]:
+        if self.fail:
+            raise RuntimeError("boom")
+        return {
+            "t0": self.t0,
+            "t1": self.t1,
+            "requests": self.n,
+            "bytes": 10 * self.n,
+            "failures": 0,
+            "lat_us": [1.0] * self.n,
+        }
+
+    def finish(self, rep: int, count: int) -> dict[str, object]:
+        return {"verified": self.n != 3, "checked_blocks": self.n, "detail": f"rx{self.n}"}
+
+
+@pytest.mark.timeout(10)
+def test_receiver_group_merges_its_members() -> None:
+    """A group's run spans its members' first start to last end and sums their requests; its
+    check fails if one member's fails; a member that raises fails the whole run."""
+    plan = Plan.make(Workload("g", 4, 1), Options(max_requests=4), tag=0)
+    group = _Group(plan)
+    group.members = [_FakeRx(1.0, 3.0, 2), _FakeRx(0.5, 2.0, 3)]
+    out = group.run(0, 4)
+    assert (out["t0"], out["t1"], out["requests"], out["bytes"]) == (0.5, 3.0, 5, 50)
+    assert len(out["lat_us"]) == 5
+    fin = group.finish(0, 4)
+    assert not fin["verified"] and fin["checked_blocks"] == 5 and "rx3" in fin["detail"]
+    group.members.append(_FakeRx(0.0, 1.0, 1, fail=True))
+    with pytest.raises(BenchError, match="boom"):
+        group.run(0, 4)
