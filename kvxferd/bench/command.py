@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--curves",
         action="store_true",
         help="cost-growth curves instead of the preset: in flight, workers, blocks per request, "
-        "peers, each against raw NIXL; --json / --plot write their data and chart (~5 min)",
+        "peers, each against raw NIXL; --json / --plot write their data and chart (2-3 min)",
     )
 
 

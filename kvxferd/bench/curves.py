@@ -37,7 +37,7 @@ import numpy as np
 
 from kvxferd.bench.report import dataplane_description, machine_info
 from kvxferd.bench.runner import _Runner
-from kvxferd.bench.workload import KiB, MiB, Options, Workload
+from kvxferd.bench.workload import KiB, MiB, Options, Path_, Workload
 from kvxferd.config import DataPlaneSettings
 
 AXES = ("inflight", "workers-small", "workers-bulk", "blocks", "peers")
@@ -72,7 +72,7 @@ class CurveOptions:
     dataplane: DataPlaneSettings = field(default_factory=DataPlaneSettings)
 
 
-LIB: tuple[Any, ...] = ("kvxferd", "nixl")
+LIB: tuple[Path_, ...] = ("kvxferd", "nixl")  # the library axes: kvxferd and tuned raw NIXL
 
 
 def curve_points(c: CurveOptions) -> list[tuple[str, int, Workload]]:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.bench.workload import RUN_TIMEOUT_FLOOR_S, MiB, Options, Workload
+from kvxferd.bench.workload import RUN_TIMEOUT_FLOOR_S, BenchError, MiB, Options, Workload
 from kvxferd.config import PoolSettings
 from kvxferd.layout import Layout, write_descriptors
 
@@ -40,7 +40,7 @@ class Plan:
         requests = max(2 * w.inflight, w.requests or min(opts.max_requests, requests))
         if w.pool_blocks:
             if w.pool_blocks < w.inflight * w.blocks:
-                raise ValueError(f"{w.name}: pool_blocks must hold inflight x blocks")
+                raise BenchError(f"{w.name}: pool_blocks must hold inflight x blocks")
             return Plan(w, requests, w.pool_blocks, opts.seed, tag)
         min_blocks = math.ceil(MIN_POOL_BYTES / (w.layers * w.block_bytes))
         return Plan(w, requests, max(2 * w.inflight * w.blocks, min_blocks), opts.seed, tag)
