@@ -93,7 +93,9 @@ def _start(etcd: EtcdServer, events: Events) -> EtcdWatcher:
     return w.start()
 
 
-def _registrar(etcd: EtcdServer, rec: PeerRecord, changes: list[bool] | None = None) -> EtcdRegistrar:
+def _registrar(
+    etcd: EtcdServer, rec: PeerRecord, changes: list[bool] | None = None
+) -> EtcdRegistrar:
     r = make_registrar(_settings(etcd), rec, None if changes is None else changes.append)
     assert isinstance(r, EtcdRegistrar)
     return r
@@ -125,9 +127,7 @@ def test_a_watcher_sees_only_its_role(etcd: EtcdServer) -> None:
     """A receiver's record is not reported to a watcher of senders, and the reverse."""
     events = Events()
     watcher = _start(etcd, events)
-    rx = PeerRecord(
-        role="receiver", name="decode-0", endpoints={"result": "tcp://127.0.0.1:6000"}
-    )
+    rx = PeerRecord(role="receiver", name="decode-0", endpoints={"result": "tcp://127.0.0.1:6000"})
     reg_rx = _registrar(etcd, rx).start()
     reg_tx = _registrar(etcd, _sender()).start()
     try:
@@ -141,7 +141,9 @@ def test_a_watcher_sees_only_its_role(etcd: EtcdServer) -> None:
         watcher.stop()
 
 
-def test_a_revoked_lease_removes_the_peer_and_the_registrar_registers_again(etcd: EtcdServer) -> None:
+def test_a_revoked_lease_removes_the_peer_and_the_registrar_registers_again(
+    etcd: EtcdServer,
+) -> None:
     """Lease revoked behind the daemon's back: the key goes, watchers remove it, the registrar reports not registered, then registers on a new lease."""
     events = Events()
     watcher = _start(etcd, events)
