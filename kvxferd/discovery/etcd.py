@@ -130,8 +130,11 @@ class EtcdClient:
         self._urls = [urlsplit(u) for u in endpoints]
         self._good = 0  # the endpoint that answered last; tried first
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()  # guards _stream (interrupt() comes from another thread)
+        self._lock = (
+            threading.Lock()
+        )  # guards _stream, _interrupted (interrupt() is another thread's)
         self._stream: http.client.HTTPConnection | None = None
+        self._interrupted = False  # sticky: a watch opened after interrupt() ends at once
 
     def _connection(self, i: int, timeout: float) -> http.client.HTTPConnection:
         url = self._urls[i]
@@ -229,6 +232,8 @@ class EtcdClient:
         i = self._order()[0]
         conn = self._connection(i, idle_s)
         with self._lock:
+            if self._interrupted:
+                return
             self._stream = conn
         try:
             try:
@@ -274,6 +279,7 @@ class EtcdClient:
     def interrupt(self) -> None:
         """End a watch blocked in a read (from another thread)."""
         with self._lock:
+            self._interrupted = True
             sock = self._stream.sock if self._stream is not None else None
         if sock is not None:
             try:

@@ -52,7 +52,7 @@ class Registrar:
 
     def stop(self, timeout: float = 5.0) -> bool:
         """Withdraw the record; True when everything stopped within ``timeout`` seconds."""
-        self._set_registered(False)
+        self._set_registered(False, "stopped")
         return True
 
     def update(self, record: PeerRecord) -> None:
@@ -84,7 +84,8 @@ class Registrar:
             if self._registered == value:
                 return
             self._registered = value
-            self.counts["registrations" if value else "losses"] += 1
+            if value or why != "stopped":
+                self.counts["registrations" if value else "losses"] += 1
             self._cond.notify_all()
         if value:
             log.info("discovery %s: registered %s", self.backend, self._record.name)
