@@ -179,3 +179,16 @@ class TestDns:
             assert isinstance(ev, PeerRemoved) and "DNS answer" in ev.reason
         finally:
             assert w.stop()
+
+
+def test_own_record_fills_the_host_and_refuses_a_bind_address() -> None:
+    """A daemon's own record names its host and its role's endpoint, and a wildcard is refused."""
+    import socket
+
+    from kvxferd.discovery import own_record
+
+    rec = own_record("sender", "prefill-0", "abc", "tcp://10.0.0.1:5555", {"tp_rank": 3})
+    assert rec.endpoints == {"listen": "tcp://10.0.0.1:5555"}
+    assert rec.topology == {"host": socket.gethostname(), "tp_rank": 3}
+    with pytest.raises(RecordError):
+        own_record("receiver", "decode-0", "abc", "tcp://0.0.0.0:6000")

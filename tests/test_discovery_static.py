@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import queue
+import subprocess
+import sys
 from pathlib import Path
 
 from kvxferd.config import DiscoverySettings
@@ -129,3 +131,17 @@ def test_a_failing_callback_does_not_stop_the_watcher(tmp_path: Path) -> None:
         assert "p1" in w.snapshot().peers and w.alive
     finally:
         assert w.stop()
+
+
+def test_the_listing_command_prints_what_a_daemon_would_see(tmp_path: Path) -> None:
+    """``python -m kvxferd.discovery --once`` with a daemon's config prints the peers it would know."""
+    peers = tmp_path / "peers.toml"
+    _write(peers, _entry("p0", 5000) + _entry("d0", 6000, role="receiver"))
+    conf = tmp_path / "receiver.toml"
+    conf.write_text(f'[discovery]\nbackend = "static"\nstatic_file = "{peers}"\n')
+    cmd = [sys.executable, "-m", "kvxferd.discovery", "--config", str(conf), "--once"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    state = json.loads(out)
+    assert state["peers"] == {"p0": "tcp://127.0.0.1:5000"} and state["connected"]
+    none = subprocess.run(cmd[:3], capture_output=True, text=True, timeout=60)
+    assert none.returncode == 2 and "backend is 'none'" in none.stderr

@@ -27,6 +27,7 @@ from kvxferd.discovery.record import (
     Role,
     decode_record,
     encode_record,
+    own_record,
 )
 from kvxferd.discovery.registrar import ChangeCallback, NullRegistrar, Registrar
 from kvxferd.discovery.watcher import (
@@ -58,6 +59,7 @@ __all__ = [
     "encode_record",
     "make_registrar",
     "make_watcher",
+    "own_record",
 ]
 
 

@@ -20,6 +20,7 @@ a newer daemon's record still reads in an older one.
 
 from __future__ import annotations
 
+import socket
 from typing import Annotated, Literal
 
 import msgspec
@@ -108,4 +109,28 @@ def record_from_dict(obj: object) -> PeerRecord:
         rec = msgspec.convert(obj, PeerRecord)
     except msgspec.ValidationError as e:
         raise RecordError(str(e)) from None
+    return check_record(rec)
+
+
+def own_record(
+    role: Role,
+    name: str,
+    incarnation: str,
+    endpoint: str,
+    topology: dict[str, TopologyValue] | None = None,
+) -> PeerRecord:
+    """This daemon's record: ``endpoint`` as its role's main endpoint, ``host`` filled in.
+
+    ``endpoint`` must be the advertised address (never the bind address: a wildcard
+    is refused here, as peers would refuse it).
+    """
+    topo: dict[str, TopologyValue] = {"host": socket.gethostname()[:256]}
+    topo.update(topology or {})
+    rec = PeerRecord(
+        role=role,
+        name=name,
+        incarnation=incarnation,
+        endpoints={MAIN_ENDPOINT[role]: endpoint},
+        topology=topo,
+    )
     return check_record(rec)
