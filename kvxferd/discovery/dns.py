@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 
-from kvxferd.discovery.record import PeerRecord, Role
+from kvxferd.discovery.record import MAIN_ENDPOINT, PeerRecord, Role
 from kvxferd.discovery.watcher import EventCallback, Watcher
 
 RESOLVE_TIMEOUT_S = 15.0  # past the resolver's own retries: give up this round
@@ -64,9 +64,7 @@ class DnsWatcher(Watcher):
                 rec = PeerRecord(
                     role=self.role,
                     name=addr,
-                    endpoints={
-                        "listen" if self.role == "sender" else "result": _endpoint(addr, self.port)
-                    },
+                    endpoints={MAIN_ENDPOINT[self.role]: _endpoint(addr, self.port)},
                     topology={"dns_name": self.name},
                 )
                 peers[addr] = rec
