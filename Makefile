@@ -18,6 +18,7 @@ setup: $(STAMP) etcd
 
 # The etcd discovery tests run a real etcd (Debian's etcd-server). Installed here only as root
 # with apt and no etcd yet; never fails the build: without it those tests skip and say how.
+.PHONY: etcd
 etcd:
 	@if command -v etcd >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
