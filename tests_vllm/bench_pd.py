@@ -126,8 +126,18 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     pre, dec = paths[name]
                     singles[name].append(_single(pre, dec, f"s{rep}.{i}{name}", single_prompt))
+        phases = {}
+        for name, (_, dec) in paths.items():  # where the decode side's load time went
+            st = dec.call({"op": "stats"}, 30)["stats"]
+            n = max(1, st.get("loads", 0))
+            phases[name] = {
+                k: st[k] / n / 1000
+                for k in ("load_fetch_call_us", "load_transfer_us", "load_handoff_us")
+                if k in st
+            }
         result = {
             name: {
+                "load_phases_ms": phases[name],
                 "run16_s": runs[name],
                 "run16_median_s": statistics.median(runs[name]),
                 "single_decode_ms_median": 1000 * statistics.median(singles[name]),
@@ -145,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {name} | {r['run16_median_s']:.3f} | "
                 f"{r['single_decode_ms_median']:.1f} / {r['single_decode_ms_p90']:.1f} |"
             )
+        print(
+            "\nper load on the decode side, mean ms: fetch call / transfer (wait) / hand-off to vLLM"
+        )
+        for name, ph in phases.items():
+            if ph:
+                print(
+                    f"  {name}: {ph['load_fetch_call_us']:.2f} / {ph['load_transfer_us']:.2f}"
+                    f" / {ph['load_handoff_us']:.2f}"
+                )
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
         return 0 if ok else 1

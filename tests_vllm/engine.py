@@ -89,7 +89,8 @@ class Engine:
 
         if not has_kv_transfer_group():
             return {}
-        return dict(get_kv_transfer_group().stats())
+        stats = getattr(get_kv_transfer_group(), "stats", None)  # vLLM's own connectors have none
+        return dict(stats()) if stats is not None else {}
 
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams

@@ -112,6 +112,12 @@ class Stats:
     load_failures: int = 0
     loads_cancelled: int = 0
     releases: int = 0  # remote KV freed without loading it (abort, local hit)
+    # Where a successful load's time went, summed over ``loads`` (microseconds): the fetch
+    # call to the receiver daemon, the transfer until the outcome came back (wait), and
+    # the hand-off until vLLM's engine thread took the result (the next step's results()).
+    load_fetch_call_us: int = 0
+    load_transfer_us: int = 0
+    load_handoff_us: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -144,6 +150,7 @@ class _Loaded:
     outcome: Outcome | None
     why: str
     closed: bool = False
+    times: tuple[float, float, float] = (0.0, 0.0, 0.0)  # fetch asked, handle, outcome (monotonic)
 
 
 @dataclass(slots=True)
@@ -381,8 +388,14 @@ class WorkerSide:
             if not self.zero_copy:
                 geo.load(r.daemon.pool, r.pool_ids[skip:], list(r.load.block_ids[skip:]))
             n = len(r.load.block_ids) - skip
+            asked, handle, ended = r.times
             self.stats.add(
-                loads=1, loaded_blocks=n, loaded_bytes=n * len(geo.layers) * geo.block_bytes
+                loads=1,
+                loaded_blocks=n,
+                loaded_bytes=n * len(geo.layers) * geo.block_bytes,
+                load_fetch_call_us=int((handle - asked) * 1e6),
+                load_transfer_us=int((ended - handle) * 1e6),
+                load_handoff_us=int((time.monotonic() - ended) * 1e6),
             )
         else:
             self._failed_recving.add(rid)
@@ -516,6 +529,7 @@ class WorkerSide:
     async def _fetch(self, ld: Load, d: _Daemon, ids: list[int]) -> None:
         cancel = self._cancel_event(ld.req_id)
         r = ld.remote
+        asked = time.monotonic()
         try:
             try:
                 h = await self._client.fetch(
@@ -538,6 +552,7 @@ class WorkerSide:
                 await self._close_key(r.transfer_id, r.sender, d, ids)
                 return
             budget = self.settings.transfer_timeout_s + self.settings.call_timeout_s
+            handled = time.monotonic()
             out = await self._until_end(h, cancel, budget)
             if out is None:
                 why = "cancelled" if cancel.is_set() else f"not done within {budget:.0f}s"
@@ -545,7 +560,8 @@ class WorkerSide:
                 why = f"{out.state}: {out.reason} {out.detail}".strip()
             # A wait that closed the handle leaves nothing to close: no write can touch ids.
             open_h = None if out is not None and out.closed else h
-            self._done.put(_Loaded(ld, d, ids, open_h, out, why))
+            times = (asked, handled, time.monotonic())
+            self._done.put(_Loaded(ld, d, ids, open_h, out, why, times=times))
         finally:
             self._cancels.pop(ld.req_id, None)
 
