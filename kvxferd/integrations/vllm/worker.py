@@ -177,8 +177,12 @@ class WorkerSide:
         )
         self._daemon: _Daemon | None = None
         self._done: queue.SimpleQueue[_Loaded | _Daemon | _Sent] = queue.SimpleQueue()
-        self._sent: set[str] = set()  # zero copy: publishes ended, not yet reported
-        self._finished: set[str] = set()  # zero copy: req ids vLLM said finished, not yet sent
+        # Zero copy, engine thread only: req ids whose blocks a publish holds (saved, not yet
+        # reported), those whose publish ended, and those vLLM said finished; a request is
+        # reported in finished_sending once it is in both of the last two.
+        self._holding: set[str] = set()
+        self._sent: set[str] = set()
+        self._finished: set[str] = set()
         self._waiting: deque[tuple[Load, float]] = deque()  # loads waiting for pool room
         self._aborted: set[str] = set()  # req ids whose load was cancelled by an abort
         self._in_flight: set[str] = set()  # req ids handed to the io thread, not yet finished
@@ -279,6 +283,7 @@ class WorkerSide:
         for s in plan.saves:
             if self.zero_copy:  # the daemon reads vLLM's blocks themselves
                 batch.append((s, list(s.block_ids)))
+                self._holding.add(s.req_id)
                 continue
             ids = d.blocks.take(len(s.block_ids))
             if ids is None:
@@ -305,12 +310,14 @@ class WorkerSide:
         vLLM accepts a request in finished_sending only once it passed that request
         in ``finished_req_ids`` (this call or an earlier one).
         """
-        self._finished.update(finished_req_ids)
         self._take_done()
         self._start_waiting()
+        holding = self._holding
+        self._finished.update(r for r in finished_req_ids if r in holding)
         sending = self._sent & self._finished
         self._sent -= sending
         self._finished -= sending
+        holding -= sending
         done, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return sending, done, failed
