@@ -73,8 +73,8 @@ from kvxferd.config import ReceiverSettings
 from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, RxShutdownReport
-from kvxferd.endpoints import connect_problem
-from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError, SendTimeout
+from kvxferd.endpoints import advertise_host, advertised, connect_problem
+from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
 from kvxferd.layout import check_blocks, check_layers
@@ -156,12 +156,11 @@ class Receiver:
         pool: KvPool | None = None,
         dataplane: DataPlane | None = None,
     ) -> None:
-        if re.match(r"^tcp://(0\.0\.0\.0|\*|\[::\]):", settings.result_endpoint):
-            # This address is sent to senders as is; a wildcard would point them at themselves.
-            raise ConfigError(
-                f"result_endpoint {settings.result_endpoint!r} is a wildcard; "
-                "give the routable address senders should connect to"
-            )
+        # What senders are told (Register.result_endpoint): never a wildcard, which would
+        # point them at themselves. Checked before anything is set up.
+        svc = settings.service
+        adv_host = advertise_host(svc.advertise_host, svc.advertise_interface)
+        advertised(settings.result_endpoint, adv_host, "result_endpoint")
         self.settings = settings
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
@@ -179,9 +178,11 @@ class Receiver:
         )
         self.socket_limits = SocketLimits(settings.limits.max_frame_bytes, settings.limits.sndhwm)
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
-        self._router, self.result_endpoint = bind_router(
+        self._router, self.bound_result_endpoint = bind_router(
             settings.result_endpoint, self.socket_limits
         )
+        # the advertised form: sent in every Register, in PoolInfo and the ready line
+        self.result_endpoint = advertised(self.bound_result_endpoint, adv_host, "result_endpoint")
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # notified when an in-doubt fetch resolves
         self._fetches: dict[int, RxSession] = {}

@@ -74,7 +74,7 @@ from kvxferd.config import SenderSettings
 from kvxferd.control import SharedDealerPool, SocketLimits, bind_router, router_reply
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, DROPPED_NEVER_FETCHED, ShutdownReport
-from kvxferd.endpoints import connect_problem
+from kvxferd.endpoints import advertise_host, advertised, connect_problem
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
@@ -140,6 +140,10 @@ class Sender:
         pool: KvPool | None = None,
         dataplane: DataPlane | None = None,
     ) -> None:
+        # What receivers and engines are told (PoolInfo, the ready line): never a wildcard.
+        svc = settings.service
+        adv_host = advertise_host(svc.advertise_host, svc.advertise_interface)
+        advertised(settings.listen, adv_host, "listen")  # refuses before anything is set up
         self.settings = settings
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
@@ -180,7 +184,8 @@ class Sender:
         self._draining = threading.Event()
         self._shutdown_once: Once[ShutdownReport] = Once()
         self._stopping = threading.Event()
-        self._router, self.endpoint = bind_router(settings.listen, self.socket_limits)
+        self._router, self.bound_endpoint = bind_router(settings.listen, self.socket_limits)
+        self.endpoint = advertised(self.bound_endpoint, adv_host, "listen")  # its real port
         self.listener_progress = time.monotonic()
         self._listener = threading.Thread(target=self._listen, name="kvxferd-listener", daemon=True)
         self._workers = [Worker(self, i) for i in range(settings.num_threads)]
