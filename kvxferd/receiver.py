@@ -17,8 +17,9 @@ Threads and what each owns::
 ``_lock`` guards ``_fetches`` (fetch id -> open RxSession, or ended with its fence
 up), ``_in_doubt`` (ended in doubt, still asked about), ``_forgotten_in_doubt``,
 ``_aux_quarantined`` and ``_commands``; each RxSession has its own lock
-(session.py). Fetch ids are a process-wide counter, never reused, so a late
-result can never land on a newer fetch. The io thread's loop body is guarded
+(session.py). Fetch ids are a process-wide counter from a random start, never
+reused (nor, in practice, reused by the next incarnation), so a late result can
+never land on a newer fetch. The io thread's loop body is guarded
 (guard.py): an unexpected exception is logged and counted, the thread goes on,
 and ``broken()`` makes liveness fail.
 
@@ -85,7 +86,9 @@ from kvxferd.waiters import Once
 
 log = logging.getLogger("kvxferd.receiver")
 
-_fetch_ids = itertools.count(1)
+# From a random point: a restarted receiver never reuses its last incarnation's fetch ids,
+# so a Result a sender still had queued for the old process can never match a new fetch.
+_fetch_ids = itertools.count((int.from_bytes(os.urandom(6), "little") << 8) + 1)
 _monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05

@@ -63,6 +63,7 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -88,6 +89,7 @@ from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, ReplyTask, W
 log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+_GONE_MAX = 4096  # replaced incarnations remembered (see Sender._gone)
 
 
 @dataclass(slots=True)
@@ -173,9 +175,16 @@ class Sender:
         self._peer_seen: dict[bytes, float] = {}  # routing id -> last message (listener only)
         # NIXL peer name -> writes posted toward it and not yet ended; a peer retired while
         # some are in flight is removed from the data plane when the last one ends.
-        self._peer_lock = threading.Lock()  # guards _peer_writes and _retiring
+        self._peer_lock = threading.Lock()  # guards _peer_writes, _retiring and _gone
         self._peer_writes: dict[str, int] = {}
         self._retiring: set[str] = set()
+        # NIXL names of receiver incarnations replaced by a new one (that process is gone):
+        # no write starts toward them and no message is sent for them. Bounded: a name is
+        # unique per incarnation, and a task for one can live only until its fetch deadline.
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        # result endpoint -> the last incarnation registered there (registry lock), kept when
+        # that peer is invalidated, so its restart is still recognised at the next Register.
+        self._last_at: dict[str, Peer] = {}
         # (ttl deadline, session id) of every published session, earliest first. Lazy
         # deletion: an entry whose session is gone or fetched is dropped when it comes due,
         # so housekeeping costs what expires, not what is live.
@@ -444,6 +453,7 @@ class Sender:
         why = wire.check_compatible(self.pool.layout, msg.layout)
         if why:
             return refuse(Reason.INCOMPATIBLE, why)
+        unregistered: list[Peer] = []  # an earlier incarnation there, invalidated meanwhile
         with self._lock:
             known = self._peers.get(routing_id)
             if known is not None and known.receiver_id == msg.receiver_id:
@@ -459,6 +469,10 @@ class Sender:
                 for p in replaced:
                     del self._peers[p.routing_id]
                     self._peer_seen.pop(p.routing_id, None)
+                last = self._last_at.get(msg.result_endpoint)
+                if last is not None and last.receiver_id != msg.receiver_id:
+                    if all(p is not last for p in replaced):  # invalidated, not registered
+                        unregistered.append(last)
             full = (
                 known is None
                 and not replaced
@@ -473,9 +487,9 @@ class Sender:
         for old in replaced:
             if old.receiver_id == msg.receiver_id:
                 continue  # the same process on a new route: its NIXL agent is the one it sends
-            self._retire_peer(old)
-            self.stats.add("peers_replaced")
-            log.info("receiver %s replaced by %s", old.receiver_id, msg.receiver_id)
+            self._end_incarnation(old, msg.receiver_id)
+        for old in unregistered:
+            self._end_incarnation(old, msg.receiver_id, registered=False)
         if evicted is not None:
             self._forget_peer(evicted)
         elif full:
@@ -484,6 +498,13 @@ class Sender:
             nixl_name = self.dataplane.add_peer(msg.agent_metadata)
         except Exception as e:
             return refuse(Reason.INCOMPATIBLE, f"NIXL metadata not accepted: {e}"[:1024])
+        with self._peer_lock:
+            # Registered again (after an invalidation) while writes of its last registration
+            # are in flight: the agent just loaded stays; its deferred removal must not run.
+            if nixl_name in self._retiring:
+                self._retiring.discard(nixl_name)
+                self.stats.add("peer_removals_cancelled")
+            self._gone.pop(nixl_name, None)
         layout = msg.layout.to_layout()
         try:
             prepped = self.dataplane.prepare_peer(
@@ -506,6 +527,10 @@ class Sender:
         )
         with self._lock:
             self._peers[routing_id] = peer
+            self._last_at.pop(msg.result_endpoint, None)
+            self._last_at[msg.result_endpoint] = peer  # newest last: the oldest go first
+            while len(self._last_at) > 4 * self.settings.limits.max_peers:
+                del self._last_at[next(iter(self._last_at))]
         self._peer_seen[routing_id] = time.monotonic()
         self.stats.add("peers_registered")
         self.stats.add("registers_accepted")
@@ -539,10 +564,83 @@ class Sender:
         self._peer_seen.pop(victim, None)
         return self._peers.pop(victim)
 
+    def _end_incarnation(self, old: Peer, new_id: str, registered: bool = True) -> None:
+        """A new receiver process replaced ``old``: drop what the old one held, end its fetches.
+
+        Its parked fetches are dropped; its open fetches end ``peer_restarted`` (a write in
+        flight toward it still holds the session undrained until NIXL returns); no write
+        starts toward it and no Result is sent for it (``peer_gone``); its NIXL agent and
+        prepared list go once no write toward it is in flight; the workers' DEALERs to its
+        endpoint are closed without linger (what they queued was for the dead process).
+        ``registered``: False for an incarnation invalidated earlier (already retired).
+        """
+        with self._lock:
+            for rid in list(self._pending):
+                keep = [p for p in self._pending[rid] if p.peer.receiver_id != old.receiver_id]
+                dropped = len(self._pending[rid]) - len(keep)
+                if dropped:
+                    self._pending_count -= dropped
+                    if keep:
+                        self._pending[rid] = keep
+                    else:
+                        del self._pending[rid]
+            self._parked_keys = {k for k in self._parked_keys if k[0] != old.receiver_id}
+            open_fetches = [(k, s) for k, s in self._fetches.items() if k[0] == old.receiver_id]
+        if registered:
+            self._retire_peer(old, gone=True)
+        else:
+            with self._peer_lock:
+                self._gone[old.nixl_name] = None
+        detail = f"receiver {old.receiver_id} restarted (now {new_id})"
+        ended = 0
+        for key, session in open_fetches:
+            sl = session.slice(key)
+            if sl is not None and sl.state in (SliceState.QUEUED, SliceState.WRITING):
+                session.fail_slice(sl, Reason.PEER_RESTARTED, detail)
+                session.fail(Reason.PEER_RESTARTED, detail)
+                ended += 1
+        for i, w in enumerate(self._workers):
+            w.queue.put(ForgetTask(old.result_endpoint, shared=i == 0, drop=True))
+        self.stats.add("peers_replaced")
+        if ended:
+            self.stats.add("fetches_ended_peer_restarted", ended)
+        log.info(
+            "receiver %s replaced by %s: %d open fetch%s ended peer_restarted",
+            old.receiver_id,
+            new_id,
+            ended,
+            "" if ended == 1 else "es",
+        )
+
+    def peer_failed(self, peer: Peer, detail: str) -> None:
+        """A transport error toward ``peer`` (a NIXL write error): forget its registration.
+
+        Its next RequestData meets ``unknown_peer`` and kvxferd's receiver registers again:
+        a fresh NIXL agent load (the old one is removed once no write toward it is in
+        flight). Other fetches of that peer already queued go on as before.
+        """
+        with self._lock:
+            if self._peers.get(peer.routing_id) is not peer:
+                return  # already replaced, evicted or invalidated
+            del self._peers[peer.routing_id]
+            self._peer_seen.pop(peer.routing_id, None)
+        self.stats.add("peers_invalidated")
+        log.warning("receiver %s invalidated after a transport error: %s", peer.receiver_id, detail)
+        self._retire_peer(peer)
+
     # -- peers' NIXL state: never removed under a write ---------------------------------
-    def peer_write_started(self, peer: Peer) -> None:
+    def peer_write_started(self, peer: Peer) -> bool:
+        """Count a write toward ``peer``; False (nothing counted) when that incarnation is gone."""
         with self._peer_lock:
+            if peer.nixl_name in self._gone:
+                return False
             self._peer_writes[peer.nixl_name] = self._peer_writes.get(peer.nixl_name, 0) + 1
+            return True
+
+    def peer_gone(self, peer: Peer) -> bool:
+        """True when a newer incarnation replaced ``peer`` (nothing is sent or written to it)."""
+        with self._peer_lock:
+            return peer.nixl_name in self._gone
 
     def peer_write_ended(self, peer: Peer) -> None:
         name = peer.nixl_name
@@ -557,9 +655,16 @@ class Sender:
             self._retiring.discard(name)
         self._remove_from_dataplane(peer)
 
-    def _retire_peer(self, peer: Peer) -> None:
-        """Release the peer's NIXL remote agent and prepared list once no write uses them."""
+    def _retire_peer(self, peer: Peer, gone: bool = False) -> None:
+        """Release the peer's NIXL remote agent and prepared list once no write uses them.
+
+        ``gone``: a newer incarnation replaced it; from now on no write toward it starts.
+        """
         with self._peer_lock:
+            if gone:
+                self._gone[peer.nixl_name] = None
+                while len(self._gone) > _GONE_MAX:
+                    self._gone.popitem(last=False)
             if self._peer_writes.get(peer.nixl_name, 0) > 0:
                 self._retiring.add(peer.nixl_name)
                 self.stats.add("peer_removals_deferred")
@@ -580,6 +685,8 @@ class Sender:
         """Release what an evicted peer held: its NIXL remote agent and the DEALERs to it."""
         self._retire_peer(peer)
         with self._lock:
+            if self._last_at.get(peer.result_endpoint) is peer:
+                del self._last_at[peer.result_endpoint]
             still_used = any(
                 p.result_endpoint == peer.result_endpoint for p in self._peers.values()
             )

@@ -211,8 +211,8 @@ MUTANTS: tuple[Mutant, ...] = (
                 "kvxferd/session.py",
                 "            self._writes_in_flight -= 1\n"
                 "            sl.writes_in_flight -= 1\n"
-                "            self._fail_slice_locked(sl, Reason.BUILD_FAILED, detail)",
-                "            self._fail_slice_locked(sl, Reason.BUILD_FAILED, detail)",
+                "            self._fail_slice_locked(sl, reason, detail)",
+                "            self._fail_slice_locked(sl, reason, detail)",
             ),
         ),
         (RACES + "test_build_failure_releases_its_admission_before_reporting",),
@@ -682,7 +682,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/sender.py",
-                "            self._retire_peer(old)\n",
+                "        self._retire_peer(old, gone=True)\n",
                 "",
             ),
         ),
