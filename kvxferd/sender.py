@@ -27,11 +27,28 @@ Threads and what each owns::
                                                             SharedDealerPool, bounded by its deadline
 
 ``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
-``_pending``, ``_peers`` and ``_ttl_heap``. Session state has its own lock (see session.py);
-the registry lock is never taken while a session lock is held. ``_peer_lock`` guards the
-count of writes in flight per NIXL peer and the peers waiting to be removed: a peer that
-is evicted or replaced loses its NIXL remote agent (and prepared list) only once no
-write toward it is in flight (the worker that ends the last one removes it).
+``_pending``, ``_peers``, ``_last_at`` and ``_ttl_heap``. Session state has its own lock
+(see session.py); the registry lock is never taken while a session lock is held.
+``_peer_lock`` guards the count of writes in flight per NIXL peer, the peers waiting to
+be removed and the incarnations gone: a peer that is evicted, replaced or invalidated
+loses its NIXL remote agent (and prepared list) only once no write toward it is in
+flight (the worker that ends the last one removes it).
+
+Receivers are keyed by incarnation (``receiver_id`` = name-uuid, also their NIXL agent's
+name), never by address. Which peer state changes how::
+
+    event                                   what the sender does
+    --------------------------------------  ------------------------------------------------
+    Register, new receiver_id at the        the old incarnation is gone: its parked fetches
+    result endpoint of a registered (or     dropped, its open fetches end peer_restarted, no
+    invalidated) incarnation                write starts and no message is sent for it, its
+                                            DEALERs closed, NIXL agent removed when no write
+                                            is in flight (``_end_incarnation``)
+    a NIXL write ends ERR / is not posted   invalidated: out of ``_peers`` (next RequestData
+    by NIXL                                 gets unknown_peer, the receiver registers again
+                                            and its agent is loaded afresh), NIXL agent
+                                            removed when no write is in flight
+    peer table full                         the longest-idle peer is evicted
 
 A session leaves ``_sessions`` once it is drained and closed, whichever comes last:
 ``close()`` re-reads ``drained`` after taking the session out of ``_live``, and a worker
