@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint types unit setup clean mutants mutants-after-unit faults faults-quick test-vllm vllm-if-present
+.PHONY: run test lint types unit setup clean mutants mutants-after-unit faults faults-quick test-vllm vllm-if-present zero-copy-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,19 +14,30 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) etcd
+
+# The etcd discovery tests run a real etcd (Debian's etcd-server). Installed here only as root
+# with apt and no etcd yet; never fails the build: without it those tests skip and say how.
+.PHONY: etcd
+etcd:
+	@if command -v etcd >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing etcd-server for the etcd discovery tests (apt-get)"; \
+	  (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null) \
+	  || echo "etcd-server could not be installed; the etcd discovery tests will skip"; \
+	else echo "no etcd (needs root and apt to install etcd-server): the etcd discovery tests will skip"; fi
 
 run: $(STAMP)
 	$(VENV)/bin/kvxferd demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvxferd tests tests_vllm
-	$(VENV)/bin/ruff format --check kvxferd tests tests_vllm
+	$(VENV)/bin/ruff check kvxferd tests tests_vllm scripts
+	$(VENV)/bin/ruff format --check kvxferd tests tests_vllm scripts
 
 types: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) etcd
 	$(PY) -m pytest -q
 
 # mutants are part of every check: a guarded fix whose revert no test catches fails the build.
@@ -71,6 +82,10 @@ test-vllm: $(VLLM_STAMP)
 vllm-if-present:
 	@if [ -x $(VLLM_PY) ]; then $(MAKE) --no-print-directory test-vllm; \
 	else echo "make test: vLLM tests skipped (no $(VLLM_VENV); 'make test-vllm' creates it and runs them)"; fi
+
+# The GPU zero-copy path on a host with CUDA (docs/gpu.md); exit 77 where there is none.
+zero-copy-check: $(STAMP)
+	$(PY) scripts/zero_copy_check.py --device cuda
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -38,6 +38,7 @@ Deadlines (milliseconds)::
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
@@ -219,6 +220,59 @@ class HealthSettings(_Frozen):
     )
 
 
+class DiscoverySettings(_Frozen):
+    """How a daemon finds its peers and advertises itself (docs/discovery.md); "none": as before."""
+
+    backend: Literal["none", "static", "dns", "etcd"] = Field(
+        "none", description="none: peers come only from each fetch's sender_endpoint"
+    )
+    static_file: str | None = Field(
+        None, description="static: a TOML or JSON file listing peers ([[peers]] tables)"
+    )
+    static_poll_ms: int = Field(
+        1_000, ge=50, le=60_000, description="static: how often the file's mtime is checked"
+    )
+    dns_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,253}$",
+        description="dns: a headless Service name; each A/AAAA address is one peer",
+    )
+    dns_port: int = Field(0, ge=0, le=65535, description="dns: the peers' port (required for dns)")
+    dns_interval_ms: int = Field(
+        5_000, ge=100, le=600_000, description="dns: how often the name is resolved again"
+    )
+    etcd_endpoints: tuple[str, ...] = Field(
+        ("http://127.0.0.1:2379",),
+        min_length=1,
+        max_length=16,
+        description="etcd: the v3 JSON gateway URLs, tried in turn",
+    )
+    etcd_prefix: str = Field(
+        "/kvxferd", pattern=r"^/[A-Za-z0-9_./-]{0,200}$", description="etcd: keys live under it"
+    )
+    etcd_ttl_s: int = Field(
+        10, ge=2, le=3_600, description="etcd: the lease's TTL; keep-alive every TTL/3"
+    )
+    etcd_timeout_ms: int = Field(2_000, ge=50, description="etcd: every HTTP call's deadline")
+    etcd_backoff_max_ms: int = Field(
+        5_000, ge=100, le=300_000, description="etcd: cap of the reconnect backoff (doubles)"
+    )
+
+    @model_validator(mode="after")
+    def _backend_fields(self) -> DiscoverySettings:
+        if self.backend == "static" and not self.static_file:
+            raise ValueError("backend 'static' needs static_file")
+        if self.backend == "dns" and (not self.dns_name or not self.dns_port):
+            raise ValueError("backend 'dns' needs dns_name and dns_port")
+        if self.backend == "etcd":
+            for url in self.etcd_endpoints:
+                if not re.match(r"^https?://[A-Za-z0-9_.\[\]:-]+(:\d+)?/?$", url):
+                    raise ValueError(f"etcd endpoint {url!r} is not http(s)://host:port")
+            if self.etcd_timeout_ms * 3 > self.etcd_ttl_s * 1000:
+                raise ValueError("etcd_timeout_ms must be at most a third of etcd_ttl_s")
+        return self
+
+
 def _toml_source_for(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource | None:
     path = _TOML_PATH.get()
     if path is None:
@@ -244,6 +298,7 @@ class _RoleSettings(BaseSettings):
     limits: Limits = Limits()
     service: ServiceSettings = ServiceSettings()
     health: HealthSettings = HealthSettings()
+    discovery: DiscoverySettings = DiscoverySettings()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @classmethod

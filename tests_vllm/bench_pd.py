@@ -1,8 +1,10 @@
 """The connector's cost next to vLLM's own NixlConnector: same model, same machine, same run.
 
-``python -m tests_vllm.bench_pd [--reps 3] [--singles 10] [--json out.json]`` starts both
-1P1D pairs side by side (kvxferd: prefill + sender daemon, receiver daemon + decode;
-NIXL: prefill and decode engines reading each other's KV directly) and alternates them:
+``python -m tests_vllm.bench_pd [--reps 3] [--singles 10] [--json out.json]`` starts three
+1P1D pairs side by side (kvxferd copying through the daemons' pools: prefill + sender
+daemon, receiver daemon + decode; kvxferd with ``zero_copy``, vLLM's KV cache seated on
+its own pair of daemons' pools; NIXL: prefill and decode engines reading each other's KV
+directly) and alternates them:
 
 * **16-prompt run**: the 16 prompts of tests_vllm/test_pd.py (1 to 504 tokens) prefilled
   together (max_tokens 1), then decoded together (8 tokens) with the prefill's params;
@@ -30,6 +32,8 @@ from typing import Any
 from tests_vllm.conftest import Rig
 from tests_vllm.rig import build_model
 from tests_vllm.test_pd import DECODE_TOKENS, LENGTHS, prompts
+
+ZC_BLOCKS = 512  # zero copy: vLLM's blocks (num_gpu_blocks_override), as the copy pool has
 
 
 def _pd_run(pre: Any, dec: Any, tag: str, ps: list[list[int]]) -> tuple[float, list[list[int]]]:
@@ -74,12 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tx = rig.daemon("sender", "tx", threads=args.sender_threads)
         rx = rig.daemon("receiver", "rx")
-        tx.wait_ready()
-        rx.wait_ready()
+        ztx = rig.daemon("sender", "ztx", ZC_BLOCKS, threads=args.sender_threads, zero_copy=True)
+        zrx = rig.daemon("receiver", "zrx", ZC_BLOCKS, zero_copy=True)
+        for d in (tx, rx, ztx, zrx):
+            d.wait_ready()
+        zc = ["--zero-copy", "--num-blocks", str(ZC_BLOCKS)]
         paths = {
             "kvxferd": (
                 rig.engine("kx-prefill", "producer", tx),
                 rig.engine("kx-decode", "consumer", rx),
+            ),
+            "kvxferd zero copy": (
+                rig.engine("kz-prefill", "producer", ztx, *zc),
+                rig.engine("kz-decode", "consumer", zrx, *zc),
             ),
             "nixl": (
                 rig.engine("nx-prefill", "nixl-producer", None, "--nixl-port", "5611"),

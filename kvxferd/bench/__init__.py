@@ -37,13 +37,18 @@ machine falls on all three alike. One repetition of one path is::
 Every source block of layer ``l``, block ``b`` holds a random tile with an 8-byte
 stamp ``f(l, b)`` at its head and ``~f(l, b)`` at its tail, so a block written
 to the wrong place, half written or not written at all fails the check.
+
+``kvxferd bench --curves`` (:mod:`kvxferd.bench.curves`) runs the same machinery
+over four axes instead of a preset (in flight, sender workers, blocks per request,
+receivers per sender), each point against prepared raw NIXL, and times the
+preparation of a 1000-block request.
 """
 
 from kvxferd.bench.child import run_child
 from kvxferd.bench.command import add_arguments, main_bench
 from kvxferd.bench.content import fill_source, poison, verify
 from kvxferd.bench.plan import Plan
-from kvxferd.bench.plot import plot_available, write_plot
+from kvxferd.bench.plot import plot_available, write_curves_plot, write_plot
 from kvxferd.bench.report import format_report
 from kvxferd.bench.runner import run_bench
 from kvxferd.bench.workload import FULL, QUICK, BenchError, Options, Workload
@@ -64,5 +69,6 @@ __all__ = [
     "run_bench",
     "run_child",
     "verify",
+    "write_curves_plot",
     "write_plot",
 ]

@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from kvxferd.bench.engine_path import EngineRx, EngineTx
+from kvxferd.bench.engine_path import EngineRx, EngineTx, _Engine, engine_key
 from kvxferd.bench.kvxferd_path import KvxRx, KvxTx
 from kvxferd.bench.nixl_path import RawRx, RawTx
 from kvxferd.bench.plan import Plan
-from kvxferd.bench.side import _Side
+from kvxferd.bench.side import _Group, _Side
 from kvxferd.bench.zmq_path import ZmqRx, ZmqTx
 from kvxferd.config import DataPlaneSettings
 
@@ -55,6 +55,9 @@ class _ChildServer:
         self.dataplane = DataPlaneSettings(**spec["dataplane"])
         self.sides: dict[str, _Side] = {}
         self.parent = os.getppid()
+        # Engine-path daemons kept across workloads that ask for it (keep_daemons), by
+        # engine_key; stopped when a workload needs another one, and at exit.
+        self.engines: dict[str, _Engine] = {}
 
     def emit(self, event: str, **fields: Any) -> None:
         self.out.write(json.dumps({"event": event, **fields}) + "\n")
@@ -81,15 +84,48 @@ class _ChildServer:
             except Exception as e:
                 self.emit("error", detail=f"{self.role}[{self.index}] {cmd['cmd']}: {e!r}"[:2000])
         self.teardown()
+        self._stop_engines(keep=())
         return 0
+
+    def _stop_engines(self, keep: tuple[str, ...]) -> None:
+        for key in [k for k in self.engines if k not in keep]:
+            try:
+                self.engines.pop(key).stop()
+            except Exception as e:
+                sys.stderr.write(f"bench {self.role}: stopping a kept daemon failed: {e!r}\n")
+
+    def _engine_side(self, plan: Plan, k: int) -> _Side:
+        """An engine-path side; with ``keep_daemons``, on the daemon kept for this pool."""
+        dp, tx = self.dataplane, self.role == "tx"
+        if not plan.workload.keep_daemons:
+            self._stop_engines(keep=())
+            return EngineTx(plan, dp) if tx else EngineRx(plan, dp, k)
+        key = engine_key(f"{'tx' if tx else 'rx'}{k}", plan, dp)
+        self._stop_engines(keep=(key,))
+        if key not in self.engines:
+            role = "sender" if tx else "receiver"
+            self.engines[key] = _Engine(role, f"bench-e{role[0]}x{k}-{plan.tag}", plan, dp)
+        engine = self.engines[key]
+        return EngineTx(plan, dp, engine) if tx else EngineRx(plan, dp, k, engine)
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         what = cmd["cmd"]
         if what == "setup":
             self.teardown()
             plan = Plan.from_json(cmd["plan"])
-            self._make_sides(plan, cmd.get("paths") or list(plan.workload.paths))
-            return {"info": {p: s.info() for p, s in self.sides.items()}}
+            paths = cmd.get("paths") or list(plan.workload.paths)
+            if "engine" not in paths or not plan.workload.keep_daemons:
+                self._stop_engines(keep=())  # a kept daemon must not idle beside other paths
+            if self.role == "tx":
+                self._make_sides(plan, paths, [0])
+                return {"info": {p: s.info() for p, s in self.sides.items()}}
+            indices = [int(k) for k in cmd.get("indices") or [self.index]]
+            self._make_sides(plan, paths, indices)
+            members = [
+                {p: _members(s)[j].info() for p, s in self.sides.items()}
+                for j in range(len(indices))
+            ]
+            return {"info": {"members": members}}
         if what == "teardown":
             self.teardown()
             return {}
@@ -99,20 +135,39 @@ class _ChildServer:
             return {}
         rep, count = int(cmd["rep"]), int(cmd["count"])
         step = {"prepare": side.prepare, "run": side.run, "finish": side.finish}[what]
-        return step(rep, count)
+        cpu0 = time.process_time()
+        out = step(rep, count)
+        if what == "run":  # this whole process's CPU over the run (every receiver it hosts)
+            out["proc_cpu_s"] = time.process_time() - cpu0
+        return out
 
-    def _make_sides(self, plan: Plan, paths: list[str]) -> None:
-        """The sides of ``paths``, into ``self.sides`` as each starts (a failed setup tears down)."""
-        dp, k, tx = self.dataplane, self.index, self.role == "tx"
-        make: dict[str, Callable[[], _Side]] = {
-            "kvxferd": (lambda: KvxTx(plan, dp)) if tx else (lambda: KvxRx(plan, dp, k)),
-            "engine": (lambda: EngineTx(plan, dp)) if tx else (lambda: EngineRx(plan, dp, k)),
-            "nixl": (lambda: RawTx(plan, True)) if tx else (lambda: RawRx(plan, k, True)),
-            "nixl-default": (lambda: RawTx(plan, False)) if tx else (lambda: RawRx(plan, k, False)),
-            "zmq": (lambda: ZmqTx(plan)) if tx else (lambda: ZmqRx(plan, k)),
-        }
+    def _make_sides(self, plan: Plan, paths: list[str], indices: list[int]) -> None:
+        """The sides of ``paths``, into ``self.sides`` as each starts (a failed setup tears down).
+
+        An rx child hosting several receivers (``indices``) gets a :class:`_Group` per path.
+        """
+        dp, tx = self.dataplane, self.role == "tx"
+
+        def make(path: str, k: int) -> _Side:
+            kinds: dict[str, Callable[[], _Side]] = {
+                "kvxferd": (lambda: KvxTx(plan, dp)) if tx else (lambda: KvxRx(plan, dp, k)),
+                "engine": lambda: self._engine_side(plan, k),
+                "nixl": (lambda: RawTx(plan, True)) if tx else (lambda: RawRx(plan, k, True)),
+                "nixl-default": (lambda: RawTx(plan, False))
+                if tx
+                else (lambda: RawRx(plan, k, False)),
+                "zmq": (lambda: ZmqTx(plan)) if tx else (lambda: ZmqRx(plan, k)),
+            }
+            return kinds[path]()
+
         for path in paths:
-            self.sides[path] = make[path]()
+            if len(indices) == 1:
+                self.sides[path] = make(path, indices[0])
+                continue
+            group = _Group(plan)
+            self.sides[path] = group  # closed by teardown even if a later member fails
+            for k in indices:
+                group.members.append(make(path, k))
 
     def teardown(self) -> None:
         for side in self.sides.values():
@@ -122,6 +177,10 @@ class _ChildServer:
                 sys.stderr.write(f"bench {self.role}: close failed: {e!r}\n")
         self.sides = {}
         gc.collect()  # drop NIXL agents and pool mappings before the next workload
+
+
+def _members(side: _Side) -> list[_Side]:
+    return side.members if isinstance(side, _Group) else [side]
 
 
 def run_child(role: str, spec_json: str) -> int:

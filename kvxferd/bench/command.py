@@ -9,7 +9,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvxferd.bench.plot import plot_available, write_plot
+from kvxferd.bench.curves import CurveOptions, format_curves, run_curves
+from kvxferd.bench.plot import plot_available, write_curves_plot, write_plot
 from kvxferd.bench.report import dataplane_description, format_report
 from kvxferd.bench.runner import run_bench
 from kvxferd.bench.workload import FULL, PRESETS, QUICK, BenchError, Options, Workload
@@ -42,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-mode", dest="sync_mode", choices=["strict", "rw", "none", "default"])
     p.add_argument(
         "--timeout", dest="timeout_s", type=float, default=3600.0, help="bound on the whole run (s)"
+    )
+    p.add_argument(
+        "--curves",
+        action="store_true",
+        help="cost-growth curves instead of the preset: in flight, workers, blocks per request, "
+        "peers, each against raw NIXL; --json / --plot write their data and chart (2-3 min)",
     )
 
 
@@ -86,6 +93,8 @@ def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
             file=sys.stderr,
         )
         return 2
+    if getattr(args, "curves", False):
+        return main_curves(args, child_module)
     try:
         opts = options_from_args(args, child_module)
         print(f"kvxferd bench: {dataplane_description(opts.dataplane)}", file=sys.stderr)
@@ -103,5 +112,48 @@ def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
         p["verified"] and not p["failures"]
         for w in report["workloads"]
         for p in w["paths"].values()
+    )
+    return 0 if ok else 1
+
+
+def main_curves(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
+    """``kvxferd bench --curves``: the sweep, its tables, --json and --plot. 0 ok, 1 failed."""
+    if args.quick or args.only:
+        print("kvxferd bench: --curves takes neither --quick nor --only", file=sys.stderr)
+        return 2
+    try:
+        dp_fields = ("ucx_tls", "ucx_error_handling_mode", "ucx_num_workers", "sync_mode")
+        dp = DataPlaneSettings(
+            **{f: getattr(args, f) for f in dp_fields if getattr(args, f, None) is not None}
+        )
+    except ValidationError as e:
+        print(f"kvxferd bench: invalid data-plane setting: {e.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    extra: dict[str, Any] = {} if args.reps is None else {"reps": max(1, args.reps)}
+    opts = CurveOptions(
+        dataplane=dp,
+        seed=args.seed,
+        child_module=child_module,
+        timeout_s=args.timeout_s,
+        **extra,
+    )
+    try:
+        print(f"kvxferd bench --curves: {dataplane_description(dp)}", file=sys.stderr)
+        doc = run_curves(opts)
+    except BenchError as e:
+        print(f"kvxferd bench: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_curves(doc))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot_path:
+        write_curves_plot(doc, args.plot_path)
+    ok = all(
+        p["verified"] and not p["failures"]
+        for ax in doc["axes"].values()
+        for pt in ax["points"]
+        if not pt["skipped"]
+        for p in pt["paths"].values()
     )
     return 0 if ok else 1

@@ -155,12 +155,30 @@ class _Engine:
         self.daemon.stop()
 
 
-class EngineTx(_Side):
-    """The sender engine: publish -> wait -> close per request, 2 x inflight tasks, one loop thread."""
+def engine_key(role: str, plan: Plan, dataplane: DataPlaneSettings) -> str:
+    """What a daemon kept across workloads must match: role, pool, workers, data plane."""
+    return "|".join(
+        (
+            role,
+            plan.pool_settings().model_dump_json(),
+            str(plan.workload.threads),
+            dataplane.model_dump_json(),
+        )
+    )
 
-    def __init__(self, plan: Plan, dataplane: DataPlaneSettings) -> None:
+
+class EngineTx(_Side):
+    """The sender engine: publish -> wait -> close per request, 2 x inflight tasks, one loop thread.
+
+    ``engine``: a daemon kept from an earlier workload (``keep_daemons``); its owner stops it.
+    """
+
+    def __init__(
+        self, plan: Plan, dataplane: DataPlaneSettings, engine: _Engine | None = None
+    ) -> None:
         self.plan = plan
-        self.engine = _Engine("sender", f"bench-etx{plan.tag}", plan, dataplane)
+        self.owned = engine is None
+        self.engine = engine or _Engine("sender", f"bench-etx{plan.tag}", plan, dataplane)
         fill_source(self.engine.kv(), plan)
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -238,15 +256,23 @@ class EngineTx(_Side):
         }
 
     def close(self) -> None:
-        self.engine.stop()
+        if self.owned:
+            self.engine.stop()
 
 
 class EngineRx(_Destination):
     """The receiver engine: fetch -> wait -> close per request, ``inflight`` tasks; timed."""
 
-    def __init__(self, plan: Plan, dataplane: DataPlaneSettings, index: int) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        dataplane: DataPlaneSettings,
+        index: int,
+        engine: _Engine | None = None,
+    ) -> None:
         super().__init__(plan, index)
-        self.engine = _Engine("receiver", f"bench-erx{index}-{plan.tag}", plan, dataplane)
+        self.owned = engine is None
+        self.engine = engine or _Engine("receiver", f"bench-erx{index}-{plan.tag}", plan, dataplane)
         self.endpoint = ""
 
     def kv(self) -> npt.NDArray[np.uint8]:
@@ -305,4 +331,5 @@ class EngineRx(_Destination):
         return _result(t0, last, lat, count, nbytes, failures)
 
     def close(self) -> None:
-        self.engine.stop()
+        if self.owned:
+            self.engine.stop()

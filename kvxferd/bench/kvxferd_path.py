@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from kvxferd.bench.content import _kv_array, fill_source
 from kvxferd.bench.plan import Plan
-from kvxferd.bench.side import _Destination, _result, _Side
+from kvxferd.bench.side import _Destination, _result, _Side, cpu_delta, thread_cpu_s
 from kvxferd.bench.workload import STEP_TIMEOUT_S, BenchError
 from kvxferd.config import DataPlaneSettings
 
@@ -42,6 +42,7 @@ class KvxTx(_Side):
         self._engine: threading.Thread | None = None
         self._failures = 0
         self._published = threading.Event()
+        self._cpu0: dict[str, float] = {}
 
     def info(self) -> dict[str, Any]:
         assert self.sender is not None
@@ -50,6 +51,7 @@ class KvxTx(_Side):
     def prepare(self, rep: int, count: int) -> dict[str, Any]:
         self._failures = 0
         self._published.clear()
+        self._cpu0 = thread_cpu_s()
         self._engine = threading.Thread(
             target=self._publish_and_close, args=(rep, count), name="bench-engine", daemon=True
         )
@@ -95,7 +97,11 @@ class KvxTx(_Side):
             if self._engine.is_alive():
                 raise BenchError("the engine thread did not finish")
         assert self.sender is not None
-        return {"failures": self._failures, "stats": self.sender.stats.snapshot()}
+        return {
+            "failures": self._failures,
+            "stats": self.sender.stats.snapshot(),
+            "threads_cpu_s": cpu_delta(self._cpu0, thread_cpu_s()),
+        }
 
     def close(self) -> None:
         if self.sender is not None:

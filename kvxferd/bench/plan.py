@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.bench.workload import RUN_TIMEOUT_FLOOR_S, MiB, Options, Workload
+from kvxferd.bench.workload import RUN_TIMEOUT_FLOOR_S, BenchError, MiB, Options, Workload
 from kvxferd.config import PoolSettings
 from kvxferd.layout import Layout, write_descriptors
 
@@ -37,7 +37,11 @@ class Plan:
             requests = int(w.rate * opts.rep_seconds)
         else:
             requests = math.ceil(opts.rep_bytes / (w.request_bytes * w.receivers))
-        requests = max(2 * w.inflight, min(opts.max_requests, requests))
+        requests = max(2 * w.inflight, w.requests or min(opts.max_requests, requests))
+        if w.pool_blocks:
+            if w.pool_blocks < w.inflight * w.blocks:
+                raise BenchError(f"{w.name}: pool_blocks must hold inflight x blocks")
+            return Plan(w, requests, w.pool_blocks, opts.seed, tag)
         min_blocks = math.ceil(MIN_POOL_BYTES / (w.layers * w.block_bytes))
         return Plan(w, requests, max(2 * w.inflight * w.blocks, min_blocks), opts.seed, tag)
 
@@ -93,4 +97,5 @@ class Plan:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
-        return Plan(**{**d, "workload": Workload(**d["workload"])})
+        w = d["workload"]
+        return Plan(**{**d, "workload": Workload(**{**w, "only": tuple(w.get("only", ()))})})

@@ -44,11 +44,23 @@ def summarize_workload(plan: Plan, reps: dict[str, list[Rep]]) -> dict[str, Any]
             "failures": sum(r.failures for r in rs),
             "verified": all(r.verified for r in rs),
             "reps": [
-                {k: v for k, v in asdict(r).items() if k not in ("lat_us", "sender_stats")}
+                {
+                    k: v
+                    for k, v in asdict(r).items()
+                    if k not in ("lat_us", "sender_stats", "tx_threads_cpu_s")
+                }
                 | {"gbps": r.gbps, "rps": r.rps}
                 for r in rs
             ],
         }
+        requests = sum(r.requests for r in rs)
+        if requests and any(r.tx_threads_cpu_s for r in rs):  # the sender process, by thread
+            names = sorted({n for r in rs for n in r.tx_threads_cpu_s})
+            paths[path]["tx_cpu_us_per_request"] = {
+                n: sum(r.tx_threads_cpu_s.get(n, 0.0) for r in rs) / requests * 1e6 for n in names
+            }
+        if requests and any(r.rx_cpu_s for r in rs):  # the receiving processes, all threads
+            paths[path]["rx_cpu_us_per_request"] = sum(r.rx_cpu_s for r in rs) / requests * 1e6
         if rs and rs[-1].sender_stats:  # cumulative over the workload's repetitions
             paths[path]["sender_stats"] = rs[-1].sender_stats
         if not paths[path]["verified"]:

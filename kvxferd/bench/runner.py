@@ -102,6 +102,8 @@ class Rep:
     sender_stats: dict[str, int] = field(default_factory=dict)  # kvxferd only: Sender counters
     daemon_cpu_s: float = 0.0  # engine path: CPU of every daemon over the repetition
     engine_cpu_s: float = 0.0  # engine path: CPU of the engine processes
+    tx_threads_cpu_s: dict[str, float] = field(default_factory=dict)  # kvxferd: tx CPU by thread
+    rx_cpu_s: float = 0.0  # kvxferd, engine: CPU of the rx processes over the run
 
     @property
     def gbps(self) -> float:
@@ -128,10 +130,17 @@ class _Runner:
         self.progress.flush()
 
     def run(self) -> dict[str, Any]:
-        opts = self.opts
         started = time.time()
-        deadline = time.monotonic() + opts.timeout_s
-        nrx = max(w.receivers for w in opts.workloads)
+        results = [r for r in self.run_workloads() if r is not None]  # nothing is skipped
+        return build_report(self.opts, results, started)
+
+    def run_workloads(self, skip_after_s: float | None = None) -> list[dict[str, Any] | None]:
+        """Each workload's summary, in order. Past ``skip_after_s`` (from the start) the
+        workloads not yet begun are skipped (None); past ``timeout_s`` the run fails."""
+        opts = self.opts
+        t_start = time.monotonic()
+        deadline = t_start + opts.timeout_s
+        nrx = max(w.procs for w in opts.workloads)
         spec = {"dataplane": opts.dataplane.model_dump(), "max_s": opts.timeout_s + 600}
         self.say(f"bench: starting 1 tx and {nrx} rx processes")
         try:
@@ -140,15 +149,19 @@ class _Runner:
             ]
             for c in self.children:
                 c.reply(CHILD_START_TIMEOUT_S)
-            results = []
+            results: list[dict[str, Any] | None] = []
             for n, w in enumerate(opts.workloads):
                 if time.monotonic() > deadline:
                     raise BenchError(f"the run passed its {opts.timeout_s:.0f} s bound")
+                if skip_after_s is not None and time.monotonic() - t_start > skip_after_s:
+                    self.say(f"bench: {w.name} skipped (the run passed {skip_after_s:.0f} s)")
+                    results.append(None)
+                    continue
                 results.append(self._workload(n, w))
         finally:
             for c in self.children:
                 c.stop()
-        return build_report(opts, results, started)
+        return results
 
     def _workload(self, n: int, w: Workload) -> dict[str, Any]:
         opts = self.opts
@@ -171,16 +184,21 @@ class _Runner:
     ) -> None:
         """Set up ``paths`` in every child, warm each up, run their repetitions alternated."""
         w, opts = plan.workload, self.opts
-        tx, rxs = self.children[0], self.children[1 : 1 + w.receivers]
-        infos = [
-            r["info"]
-            for r in _ask_all(
-                [tx, *rxs], SETUP_TIMEOUT_S, "setup", plan=plan.to_json(), paths=paths
-            )
-        ]
+        tx, rxs = self.children[0], self.children[1 : 1 + w.procs]
+        tx.send("setup", plan=plan.to_json(), paths=paths)
+        for j, rx in enumerate(rxs):
+            rx.send("setup", plan=plan.to_json(), paths=paths, indices=w.hosted_by(j))
+        infos = [c.reply(SETUP_TIMEOUT_S)["info"] for c in [tx, *rxs]]
         tx_info, rx_infos = infos[0], infos[1:]
+        # An rx child answers one info per receiver it hosts; the tx side wants them by index.
+        by_index = {
+            k: info
+            for j, i in enumerate(rx_infos)
+            for k, info in zip(w.hosted_by(j), i["members"], strict=True)
+        }
         for path in paths:
-            tx.ask(STEP_TIMEOUT_S, "connect", path=path, peers=[i[path] for i in rx_infos])
+            peers = [by_index[k][path] for k in range(w.receivers)]
+            tx.ask(STEP_TIMEOUT_S, "connect", path=path, peers=peers)
             _ask_all(rxs, STEP_TIMEOUT_S, "connect", path=path, peers=[tx_info[path]])
         warmup = min(plan.requests, 2 * w.inflight)
         for path in paths:
@@ -200,7 +218,7 @@ class _Runner:
 
     def _rep(self, plan: Plan, path: str, rep: int, count: int) -> Rep:
         w = plan.workload
-        tx, rxs = self.children[0], self.children[1 : 1 + w.receivers]
+        tx, rxs = self.children[0], self.children[1 : 1 + w.procs]
         everyone = [tx, *rxs]
         step = dict(path=path, rep=rep, count=count)
         _ask_all(everyone, STEP_TIMEOUT_S, "prepare", **step)
@@ -221,6 +239,8 @@ class _Runner:
             sender_stats=finals[0].get("stats", {}),
             daemon_cpu_s=sum(float(x.get("daemon_cpu_s", 0.0)) for x in [*runs, finals[0]]),
             engine_cpu_s=sum(float(x.get("engine_cpu_s", 0.0)) for x in [*runs, finals[0]]),
+            tx_threads_cpu_s=finals[0].get("threads_cpu_s", {}),
+            rx_cpu_s=sum(float(r.get("proc_cpu_s", 0.0)) for r in runs) if drivers is rxs else 0.0,
         )
 
 

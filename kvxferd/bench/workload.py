@@ -42,10 +42,24 @@ class Workload:
     rate: float = 0.0  # requests/s per receiver (open loop, paced); 0 = closed loop
     target: str = ""  # the target this workload is evidence for, if any
     engine: bool = False  # the engine path (daemons + kvxferd.client) instead of the library
+    only: tuple[Path_, ...] = ()  # measure just these paths (curves: kvxferd and tuned NIXL)
+    pool_blocks: int = 0  # blocks per pool; 0 = the plan's default (at least 64 MiB)
+    rx_procs: int = 0  # rx processes hosting the receivers; 0 = one process per receiver
+    requests: int = 0  # per receiver per repetition; 0 = from the preset's bytes and rate
+    keep_daemons: bool = False  # engine path: reuse the previous workload's daemons (same pool)
 
     @property
     def paths(self) -> tuple[Path_, ...]:
-        return ENGINE_PATHS if self.engine else LIBRARY_PATHS
+        return self.only or (ENGINE_PATHS if self.engine else LIBRARY_PATHS)
+
+    @property
+    def procs(self) -> int:
+        """Receiver processes: receiver ``k`` lives in process ``k % procs``."""
+        return min(self.receivers, self.rx_procs) if self.rx_procs else self.receivers
+
+    def hosted_by(self, proc: int) -> list[int]:
+        """The receivers that rx process ``proc`` hosts."""
+        return list(range(proc, self.receivers, self.procs))
 
     @property
     def kvxferd_path(self) -> Path_:

@@ -505,8 +505,11 @@ class WorkerSide:
                 await self._close_key(s.transfer_id, None, d, ids)
                 return
             self.stats.add(saves=1)
-            await self._until_end(h, cancel, None)
-            await self._close(h, d, ids)
+            out = await self._until_end(h, cancel, None)
+            if out is not None and out.closed:  # the wait closed it: no read can touch ids
+                d.blocks.give(ids)
+            else:
+                await self._close(h, d, ids)
         finally:
             self._cancels.pop(s.transfer_id, None)
 
@@ -540,7 +543,9 @@ class WorkerSide:
                 why = "cancelled" if cancel.is_set() else f"not done within {budget:.0f}s"
             else:
                 why = f"{out.state}: {out.reason} {out.detail}".strip()
-            self._done.put(_Loaded(ld, d, ids, h, out, why))
+            # A wait that closed the handle leaves nothing to close: no write can touch ids.
+            open_h = None if out is not None and out.closed else h
+            self._done.put(_Loaded(ld, d, ids, open_h, out, why))
         finally:
             self._cancels.pop(ld.req_id, None)
 
@@ -558,13 +563,17 @@ class WorkerSide:
     async def _until_end(
         self, h: int, cancel: asyncio.Event, budget: float | None
     ) -> Outcome | None:
-        """The handle's outcome; None when cancelled or past ``budget`` seconds (it is cancelled then)."""
+        """The handle's outcome; None when cancelled or past ``budget`` seconds (it is cancelled then).
+
+        The wait also closes the handle once it ended (``outcome.closed``), saving a close
+        call per transfer; when writes are still in flight the caller closes as before.
+        """
         deadline = None if budget is None else time.monotonic() + budget
         while not cancel.is_set():
             left = 3600.0 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 break
-            waiter = asyncio.ensure_future(self._client.wait(h, min(left, 60.0)))
+            waiter = asyncio.ensure_future(self._client.wait(h, min(left, 60.0), close=True))
             stop = asyncio.ensure_future(cancel.wait())
             await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
