@@ -59,7 +59,10 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sender", help="run the context-side sender until SIGTERM")
     s.add_argument("--config", help="TOML file (sections [pool], [deadlines], ...)")
-    s.add_argument("--listen", help="ROUTER endpoint, e.g. tcp://0.0.0.0:5555")
+    s.add_argument(
+        "--listen",
+        help="ROUTER endpoint, e.g. tcp://10.0.0.5:5555 (0.0.0.0 needs an advertise host)",
+    )
     s.add_argument("--num-threads", type=int, dest="num_threads", help="worker threads (>= 1)")
     s.add_argument("--name")
     s.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])

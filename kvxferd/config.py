@@ -52,6 +52,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kvxferd.endpoints import is_wildcard
 from kvxferd.errors import ConfigError
 
 THREADS_ENV = "TRTLLM_KV_TRANSFER_NUM_THREADS"
@@ -158,6 +159,17 @@ class ServiceSettings(_Frozen):
         pattern=r"^(ipc|tcp)://.{1,240}$",
         description="where local engines connect (ipc:// path, mode 0600); tcp:// for tests only",
     )
+    advertise_host: str | None = Field(
+        None,
+        pattern=r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+|[A-Za-z0-9_.-]+)$",
+        description="the host peers and engines are told (listen / result_endpoint);"
+        " None = the bound address, which then may not be a wildcard",
+    )
+    advertise_interface: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.:@-]{1,15}$",
+        description="a network interface whose IPv4 address is advertised, resolved at start",
+    )
     probe_host: str = Field("127.0.0.1", description="host of /healthz /readyz /metrics")
     probe_port: int = Field(9400, ge=0, le=65535, description="0 picks a free port")
     log_json: bool = Field(False, description="one JSON object per log line")
@@ -165,6 +177,16 @@ class ServiceSettings(_Frozen):
     liveness_stall_ms: int = Field(
         10_000, ge=100, description="/healthz fails when a worker or the loop made no progress"
     )
+
+    @model_validator(mode="after")
+    def _one_advertise(self) -> ServiceSettings:
+        if self.advertise_host is not None and self.advertise_interface is not None:
+            raise ValueError("set advertise_host or advertise_interface, not both")
+        if self.advertise_host is not None and is_wildcard(self.advertise_host):
+            raise ValueError(
+                f"advertise_host {self.advertise_host!r} is a wildcard; give an address peers reach"
+            )
+        return self
 
 
 class HealthSettings(_Frozen):

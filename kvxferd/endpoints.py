@@ -16,11 +16,24 @@ Refused, with the reason named:
 * a missing, non-numeric, zero or out-of-range port; an empty host;
 * an ``ipc://`` path longer than the socket address limit (107 bytes on Linux),
   or an empty one.
+
+The other direction: what a daemon *tells* peers and engines about itself (its
+sender ``listen`` endpoint, its receiver ``result_endpoint``) is
+:func:`advertised`, never the bound address when that is a wildcard: a daemon
+bound to ``tcp://0.0.0.0:5555`` advertises ``tcp://<service.advertise_host>:5555``
+(or the IPv4 address of ``service.advertise_interface``), and with neither set
+it refuses to start (:class:`~kvxferd.errors.ConfigError`). A specific bound
+address is advertised as is; port 0 advertises the port actually bound.
 """
 
 from __future__ import annotations
 
+import fcntl
 import re
+import socket
+import struct
+
+from kvxferd.errors import ConfigError
 
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
 IPC_PATH_MAX = 107
@@ -53,3 +66,61 @@ def connect_problem(endpoint: str) -> str | None:
     if not port.isdigit() or not 0 < int(port) < 65536:
         return f"{endpoint!r}: port must be 1-65535"
     return None
+
+
+def is_wildcard(host: str) -> bool:
+    """True for an address that means "every address of this host" (never dialable)."""
+    return host in _WILDCARDS or host == ""
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux); OSError when it has none."""
+    # SIOCGIFADDR: the interface's primary IPv4 address, without parsing `ip` output.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("256s", name.encode()[:15])
+        res = fcntl.ioctl(s.fileno(), 0x8915, req)
+    return socket.inet_ntoa(res[20:24])
+
+
+def advertise_host(host: str | None, interface: str | None) -> str | None:
+    """The host to advertise from ``service.advertise_host`` / ``advertise_interface``.
+
+    None when neither is set; ConfigError naming the setting when the interface has no
+    IPv4 address (or does not exist).
+    """
+    if host is not None:
+        return host
+    if interface is None:
+        return None
+    try:
+        return interface_address(interface)
+    except OSError as e:
+        raise ConfigError(
+            f"service.advertise_interface = {interface!r}: no IPv4 address"
+            f" ({e.strerror or e}); name an interface that has one (ip -4 addr)"
+        ) from None
+
+
+def advertised(bound: str, host: str | None, setting: str) -> str:
+    """What peers are told for an endpoint bound at ``bound`` (its real port, never ``:0``).
+
+    ``host`` (from :func:`advertise_host`) replaces the bound host; without one a
+    specific bound address is advertised as is and a wildcard one is a ConfigError
+    naming ``setting`` and the settings that fix it.
+    """
+    if not bound.startswith("tcp://"):
+        return bound  # ipc: a local path, the same for every process on this host
+    bound_host, _, port = bound[len("tcp://") :].rpartition(":")
+    if host is not None:
+        return f"tcp://{_bracket(host)}:{port}"
+    if is_wildcard(bound_host):
+        raise ConfigError(
+            f"{setting} = {bound!r} binds every address and would advertise a wildcard;"
+            " set service.advertise_host (KVXFERD_SERVICE__ADVERTISE_HOST, e.g. the pod IP)"
+            " or service.advertise_interface, or bind one address"
+        )
+    return bound
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -10,6 +10,9 @@ set-up would do later:
   a plain socket with ``SO_REUSEADDR`` (as libzmq and the probe server set) is
   bound and closed at once, so a host that does not resolve, an address not on
   this machine and a port in use are each named; port 0 only checks the host;
+* what the daemon advertises (:func:`~kvxferd.endpoints.advertised`): a wildcard
+  ``listen`` / ``result_endpoint`` needs ``service.advertise_host`` or
+  ``service.advertise_interface`` (which must have an IPv4 address);
 * every ``ipc://`` path: no longer than :data:`~kvxferd.endpoints.IPC_PATH_MAX`,
   its directory exists and is writable, or its nearest existing ancestor is
   (the gateway creates the directory); a socket file there that accepts a
@@ -35,7 +38,7 @@ import socket
 import stat
 
 from kvxferd.config import ReceiverSettings, SenderSettings
-from kvxferd.endpoints import IPC_PATH_MAX
+from kvxferd.endpoints import IPC_PATH_MAX, advertise_host, advertised
 from kvxferd.errors import ConfigError
 from kvxferd.pool import daemon_shm_name
 
@@ -47,11 +50,14 @@ _PROBE_CONNECT_S = 0.5
 
 def check(settings: SenderSettings | ReceiverSettings) -> None:
     """Raise ConfigError naming the first setting that cannot start this daemon."""
+    svc = settings.service
+    host = advertise_host(svc.advertise_host, svc.advertise_interface)
     if isinstance(settings, SenderSettings):
         _endpoint("listen", settings.listen)
+        advertised(settings.listen, host, "listen")
     else:
         _endpoint("result_endpoint", settings.result_endpoint)
-    svc = settings.service
+        advertised(settings.result_endpoint, host, "result_endpoint")
     _endpoint("service.engine_socket", svc.engine_socket)
     _tcp(
         "service.probe_host/probe_port",

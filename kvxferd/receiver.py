@@ -17,8 +17,9 @@ Threads and what each owns::
 ``_lock`` guards ``_fetches`` (fetch id -> open RxSession, or ended with its fence
 up), ``_in_doubt`` (ended in doubt, still asked about), ``_forgotten_in_doubt``,
 ``_aux_quarantined`` and ``_commands``; each RxSession has its own lock
-(session.py). Fetch ids are a process-wide counter, never reused, so a late
-result can never land on a newer fetch. The io thread's loop body is guarded
+(session.py). Fetch ids are a process-wide counter from a random start, never
+reused (nor, in practice, reused by the next incarnation), so a late result can
+never land on a newer fetch. The io thread's loop body is guarded
 (guard.py): an unexpected exception is logged and counted, the thread goes on,
 and ``broken()`` makes liveness fail.
 
@@ -73,8 +74,8 @@ from kvxferd.config import ReceiverSettings
 from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, RxShutdownReport
-from kvxferd.endpoints import connect_problem
-from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError, SendTimeout
+from kvxferd.endpoints import advertise_host, advertised, connect_problem
+from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
 from kvxferd.layout import check_blocks, check_layers
@@ -85,7 +86,9 @@ from kvxferd.waiters import Once
 
 log = logging.getLogger("kvxferd.receiver")
 
-_fetch_ids = itertools.count(1)
+# From a random point: a restarted receiver never reuses its last incarnation's fetch ids,
+# so a Result a sender still had queued for the old process can never match a new fetch.
+_fetch_ids = itertools.count((int.from_bytes(os.urandom(6), "little") << 8) + 1)
 _monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
@@ -156,12 +159,11 @@ class Receiver:
         pool: KvPool | None = None,
         dataplane: DataPlane | None = None,
     ) -> None:
-        if re.match(r"^tcp://(0\.0\.0\.0|\*|\[::\]):", settings.result_endpoint):
-            # This address is sent to senders as is; a wildcard would point them at themselves.
-            raise ConfigError(
-                f"result_endpoint {settings.result_endpoint!r} is a wildcard; "
-                "give the routable address senders should connect to"
-            )
+        # What senders are told (Register.result_endpoint): never a wildcard, which would
+        # point them at themselves. Checked before anything is set up.
+        svc = settings.service
+        adv_host = advertise_host(svc.advertise_host, svc.advertise_interface)
+        advertised(settings.result_endpoint, adv_host, "result_endpoint")
         self.settings = settings
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
@@ -179,9 +181,11 @@ class Receiver:
         )
         self.socket_limits = SocketLimits(settings.limits.max_frame_bytes, settings.limits.sndhwm)
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
-        self._router, self.result_endpoint = bind_router(
+        self._router, self.bound_result_endpoint = bind_router(
             settings.result_endpoint, self.socket_limits
         )
+        # the advertised form: sent in every Register, in PoolInfo and the ready line
+        self.result_endpoint = advertised(self.bound_result_endpoint, adv_host, "result_endpoint")
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # notified when an in-doubt fetch resolves
         self._fetches: dict[int, RxSession] = {}

@@ -27,11 +27,28 @@ Threads and what each owns::
                                                             SharedDealerPool, bounded by its deadline
 
 ``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
-``_pending``, ``_peers`` and ``_ttl_heap``. Session state has its own lock (see session.py);
-the registry lock is never taken while a session lock is held. ``_peer_lock`` guards the
-count of writes in flight per NIXL peer and the peers waiting to be removed: a peer that
-is evicted or replaced loses its NIXL remote agent (and prepared list) only once no
-write toward it is in flight (the worker that ends the last one removes it).
+``_pending``, ``_peers``, ``_last_at`` and ``_ttl_heap``. Session state has its own lock
+(see session.py); the registry lock is never taken while a session lock is held.
+``_peer_lock`` guards the count of writes in flight per NIXL peer, the peers waiting to
+be removed and the incarnations gone: a peer that is evicted, replaced or invalidated
+loses its NIXL remote agent (and prepared list) only once no write toward it is in
+flight (the worker that ends the last one removes it).
+
+Receivers are keyed by incarnation (``receiver_id`` = name-uuid, also their NIXL agent's
+name), never by address. Which peer state changes how::
+
+    event                                   what the sender does
+    --------------------------------------  ------------------------------------------------
+    Register, new receiver_id at the        the old incarnation is gone: its parked fetches
+    result endpoint of a registered (or     dropped, its open fetches end peer_restarted, no
+    invalidated) incarnation                write starts and no message is sent for it, its
+                                            DEALERs closed, NIXL agent removed when no write
+                                            is in flight (``_end_incarnation``)
+    a NIXL write ends ERR / is not posted   invalidated: out of ``_peers`` (next RequestData
+    by NIXL                                 gets unknown_peer, the receiver registers again
+                                            and its agent is loaded afresh), NIXL agent
+                                            removed when no write is in flight
+    peer table full                         the longest-idle peer is evicted
 
 A session leaves ``_sessions`` once it is drained and closed, whichever comes last:
 ``close()`` re-reads ``drained`` after taking the session out of ``_live``, and a worker
@@ -63,6 +80,7 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -74,7 +92,7 @@ from kvxferd.config import SenderSettings
 from kvxferd.control import SharedDealerPool, SocketLimits, bind_router, router_reply
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, DROPPED_NEVER_FETCHED, ShutdownReport
-from kvxferd.endpoints import connect_problem
+from kvxferd.endpoints import advertise_host, advertised, connect_problem
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
@@ -88,6 +106,7 @@ from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, ReplyTask, W
 log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+_GONE_MAX = 4096  # replaced incarnations remembered (see Sender._gone)
 
 
 @dataclass(slots=True)
@@ -140,6 +159,10 @@ class Sender:
         pool: KvPool | None = None,
         dataplane: DataPlane | None = None,
     ) -> None:
+        # What receivers and engines are told (PoolInfo, the ready line): never a wildcard.
+        svc = settings.service
+        adv_host = advertise_host(svc.advertise_host, svc.advertise_interface)
+        advertised(settings.listen, adv_host, "listen")  # refuses before anything is set up
         self.settings = settings
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
@@ -169,9 +192,16 @@ class Sender:
         self._peer_seen: dict[bytes, float] = {}  # routing id -> last message (listener only)
         # NIXL peer name -> writes posted toward it and not yet ended; a peer retired while
         # some are in flight is removed from the data plane when the last one ends.
-        self._peer_lock = threading.Lock()  # guards _peer_writes and _retiring
+        self._peer_lock = threading.Lock()  # guards _peer_writes, _retiring and _gone
         self._peer_writes: dict[str, int] = {}
         self._retiring: set[str] = set()
+        # NIXL names of receiver incarnations replaced by a new one (that process is gone):
+        # no write starts toward them and no message is sent for them. Bounded: a name is
+        # unique per incarnation, and a task for one can live only until its fetch deadline.
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        # result endpoint -> the last incarnation registered there (registry lock), kept when
+        # that peer is invalidated, so its restart is still recognised at the next Register.
+        self._last_at: dict[str, Peer] = {}
         # (ttl deadline, session id) of every published session, earliest first. Lazy
         # deletion: an entry whose session is gone or fetched is dropped when it comes due,
         # so housekeeping costs what expires, not what is live.
@@ -180,7 +210,8 @@ class Sender:
         self._draining = threading.Event()
         self._shutdown_once: Once[ShutdownReport] = Once()
         self._stopping = threading.Event()
-        self._router, self.endpoint = bind_router(settings.listen, self.socket_limits)
+        self._router, self.bound_endpoint = bind_router(settings.listen, self.socket_limits)
+        self.endpoint = advertised(self.bound_endpoint, adv_host, "listen")  # its real port
         self.listener_progress = time.monotonic()
         self._listener = threading.Thread(target=self._listen, name="kvxferd-listener", daemon=True)
         self._workers = [Worker(self, i) for i in range(settings.num_threads)]
@@ -439,6 +470,7 @@ class Sender:
         why = wire.check_compatible(self.pool.layout, msg.layout)
         if why:
             return refuse(Reason.INCOMPATIBLE, why)
+        unregistered: list[Peer] = []  # an earlier incarnation there, invalidated meanwhile
         with self._lock:
             known = self._peers.get(routing_id)
             if known is not None and known.receiver_id == msg.receiver_id:
@@ -454,6 +486,10 @@ class Sender:
                 for p in replaced:
                     del self._peers[p.routing_id]
                     self._peer_seen.pop(p.routing_id, None)
+                last = self._last_at.get(msg.result_endpoint)
+                if last is not None and last.receiver_id != msg.receiver_id:
+                    if all(p is not last for p in replaced):  # invalidated, not registered
+                        unregistered.append(last)
             full = (
                 known is None
                 and not replaced
@@ -468,9 +504,9 @@ class Sender:
         for old in replaced:
             if old.receiver_id == msg.receiver_id:
                 continue  # the same process on a new route: its NIXL agent is the one it sends
-            self._retire_peer(old)
-            self.stats.add("peers_replaced")
-            log.info("receiver %s replaced by %s", old.receiver_id, msg.receiver_id)
+            self._end_incarnation(old, msg.receiver_id)
+        for old in unregistered:
+            self._end_incarnation(old, msg.receiver_id, registered=False)
         if evicted is not None:
             self._forget_peer(evicted)
         elif full:
@@ -479,6 +515,13 @@ class Sender:
             nixl_name = self.dataplane.add_peer(msg.agent_metadata)
         except Exception as e:
             return refuse(Reason.INCOMPATIBLE, f"NIXL metadata not accepted: {e}"[:1024])
+        with self._peer_lock:
+            # Registered again (after an invalidation) while writes of its last registration
+            # are in flight: the agent just loaded stays; its deferred removal must not run.
+            if nixl_name in self._retiring:
+                self._retiring.discard(nixl_name)
+                self.stats.add("peer_removals_cancelled")
+            self._gone.pop(nixl_name, None)
         layout = msg.layout.to_layout()
         try:
             prepped = self.dataplane.prepare_peer(
@@ -501,6 +544,10 @@ class Sender:
         )
         with self._lock:
             self._peers[routing_id] = peer
+            self._last_at.pop(msg.result_endpoint, None)
+            self._last_at[msg.result_endpoint] = peer  # newest last: the oldest go first
+            while len(self._last_at) > 4 * self.settings.limits.max_peers:
+                del self._last_at[next(iter(self._last_at))]
         self._peer_seen[routing_id] = time.monotonic()
         self.stats.add("peers_registered")
         self.stats.add("registers_accepted")
@@ -534,10 +581,83 @@ class Sender:
         self._peer_seen.pop(victim, None)
         return self._peers.pop(victim)
 
+    def _end_incarnation(self, old: Peer, new_id: str, registered: bool = True) -> None:
+        """A new receiver process replaced ``old``: drop what the old one held, end its fetches.
+
+        Its parked fetches are dropped; its open fetches end ``peer_restarted`` (a write in
+        flight toward it still holds the session undrained until NIXL returns); no write
+        starts toward it and no Result is sent for it (``peer_gone``); its NIXL agent and
+        prepared list go once no write toward it is in flight; the workers' DEALERs to its
+        endpoint are closed without linger (what they queued was for the dead process).
+        ``registered``: False for an incarnation invalidated earlier (already retired).
+        """
+        with self._lock:
+            for rid in list(self._pending):
+                keep = [p for p in self._pending[rid] if p.peer.receiver_id != old.receiver_id]
+                dropped = len(self._pending[rid]) - len(keep)
+                if dropped:
+                    self._pending_count -= dropped
+                    if keep:
+                        self._pending[rid] = keep
+                    else:
+                        del self._pending[rid]
+            self._parked_keys = {k for k in self._parked_keys if k[0] != old.receiver_id}
+            open_fetches = [(k, s) for k, s in self._fetches.items() if k[0] == old.receiver_id]
+        if registered:
+            self._retire_peer(old, gone=True)
+        else:
+            with self._peer_lock:
+                self._gone[old.nixl_name] = None
+        detail = f"receiver {old.receiver_id} restarted (now {new_id})"
+        ended = 0
+        for key, session in open_fetches:
+            sl = session.slice(key)
+            if sl is not None and sl.state in (SliceState.QUEUED, SliceState.WRITING):
+                session.fail_slice(sl, Reason.PEER_RESTARTED, detail)
+                session.fail(Reason.PEER_RESTARTED, detail)
+                ended += 1
+        for i, w in enumerate(self._workers):
+            w.queue.put(ForgetTask(old.result_endpoint, shared=i == 0, drop=True))
+        self.stats.add("peers_replaced")
+        if ended:
+            self.stats.add("fetches_ended_peer_restarted", ended)
+        log.info(
+            "receiver %s replaced by %s: %d open fetch%s ended peer_restarted",
+            old.receiver_id,
+            new_id,
+            ended,
+            "" if ended == 1 else "es",
+        )
+
+    def peer_failed(self, peer: Peer, detail: str) -> None:
+        """A transport error toward ``peer`` (a NIXL write error): forget its registration.
+
+        Its next RequestData meets ``unknown_peer`` and kvxferd's receiver registers again:
+        a fresh NIXL agent load (the old one is removed once no write toward it is in
+        flight). Other fetches of that peer already queued go on as before.
+        """
+        with self._lock:
+            if self._peers.get(peer.routing_id) is not peer:
+                return  # already replaced, evicted or invalidated
+            del self._peers[peer.routing_id]
+            self._peer_seen.pop(peer.routing_id, None)
+        self.stats.add("peers_invalidated")
+        log.warning("receiver %s invalidated after a transport error: %s", peer.receiver_id, detail)
+        self._retire_peer(peer)
+
     # -- peers' NIXL state: never removed under a write ---------------------------------
-    def peer_write_started(self, peer: Peer) -> None:
+    def peer_write_started(self, peer: Peer) -> bool:
+        """Count a write toward ``peer``; False (nothing counted) when that incarnation is gone."""
         with self._peer_lock:
+            if peer.nixl_name in self._gone:
+                return False
             self._peer_writes[peer.nixl_name] = self._peer_writes.get(peer.nixl_name, 0) + 1
+            return True
+
+    def peer_gone(self, peer: Peer) -> bool:
+        """True when a newer incarnation replaced ``peer`` (nothing is sent or written to it)."""
+        with self._peer_lock:
+            return peer.nixl_name in self._gone
 
     def peer_write_ended(self, peer: Peer) -> None:
         name = peer.nixl_name
@@ -552,9 +672,16 @@ class Sender:
             self._retiring.discard(name)
         self._remove_from_dataplane(peer)
 
-    def _retire_peer(self, peer: Peer) -> None:
-        """Release the peer's NIXL remote agent and prepared list once no write uses them."""
+    def _retire_peer(self, peer: Peer, gone: bool = False) -> None:
+        """Release the peer's NIXL remote agent and prepared list once no write uses them.
+
+        ``gone``: a newer incarnation replaced it; from now on no write toward it starts.
+        """
         with self._peer_lock:
+            if gone:
+                self._gone[peer.nixl_name] = None
+                while len(self._gone) > _GONE_MAX:
+                    self._gone.popitem(last=False)
             if self._peer_writes.get(peer.nixl_name, 0) > 0:
                 self._retiring.add(peer.nixl_name)
                 self.stats.add("peer_removals_deferred")
@@ -575,6 +702,8 @@ class Sender:
         """Release what an evicted peer held: its NIXL remote agent and the DEALERs to it."""
         self._retire_peer(peer)
         with self._lock:
+            if self._last_at.get(peer.result_endpoint) is peer:
+                del self._last_at[peer.result_endpoint]
             still_used = any(
                 p.result_endpoint == peer.result_endpoint for p in self._peers.values()
             )

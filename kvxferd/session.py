@@ -273,13 +273,15 @@ class TxSession:
         self._after(committed)
         return reason
 
-    def release_admission(self, sl: Slice, detail: str) -> None:
+    def release_admission(
+        self, sl: Slice, detail: str, reason: Reason = Reason.BUILD_FAILED
+    ) -> None:
         """A write that was admitted but never posted gives its admission back, then fails."""
         with self._lock:
             self._writes_in_flight -= 1
             sl.writes_in_flight -= 1
-            self._fail_slice_locked(sl, Reason.BUILD_FAILED, detail)
-            committed = self._commit_locked(TxOutcome(TxState.FAILED, Reason.BUILD_FAILED, detail))
+            self._fail_slice_locked(sl, reason, detail)
+            committed = self._commit_locked(TxOutcome(TxState.FAILED, reason, detail))
         self._after(committed)
 
     def finish_write(self, sl: Slice, ok: bool, nbytes: int = 0, detail: str = "") -> None:

@@ -183,6 +183,31 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     _c("registers_refused", _S, "REGISTERs refused (reason in kvxferd_rejections_total)"),
     _c("peers_registered", _S, "New peers registered (a NIXL remote agent added)"),
     _c("peers_replaced", _S, "Peers replaced by a new receiver process at their result endpoint"),
+    _c(
+        "fetches_ended_peer_restarted",
+        _S,
+        "Open fetches of a receiver ended peer_restarted when a new incarnation replaced it",
+    ),
+    _c(
+        "writes_refused_peer_gone",
+        _S,
+        "Writes not started because their receiver incarnation was replaced",
+    ),
+    _c(
+        "messages_dropped_peer_gone",
+        _S,
+        "Results/CancelAcks not sent because their receiver incarnation was replaced",
+    ),
+    _c(
+        "peers_invalidated",
+        _S,
+        "Peers forgotten after a NIXL write error (their next fetch registers them again)",
+    ),
+    _c(
+        "peer_removals_cancelled",
+        _S,
+        "Deferred NIXL peer removals cancelled because the same receiver registered again",
+    ),
     _c("peers_evicted", _S, "Idle peers evicted because the peer table (max_peers) was full"),
     _c("peers_removed", _S, "NIXL remote agents removed (after a replacement or eviction)"),
     _c(

@@ -128,10 +128,15 @@ class ReplyTask:
 @dataclass(slots=True)
 class ForgetTask:
     """A peer was evicted: close this worker's DEALER to its result endpoint (and, for one
-    worker, the shared pool's: that close may wait for a bounded send, which a worker may)."""
+    worker, the shared pool's: that close may wait for a bounded send, which a worker may).
+
+    ``drop``: the peer's process is gone (a new incarnation took its endpoint): what is
+    queued for it is dropped (no linger), so none of it reaches the new process.
+    """
 
     endpoint: str
     shared: bool = False
+    drop: bool = False
 
 
 class WorkerHost(Protocol):
@@ -149,10 +154,20 @@ class WorkerHost(Protocol):
         """A session's last write ended (maybe forget it)."""
         ...
 
-    def peer_write_started(self, peer: Peer) -> None: ...
+    def peer_write_started(self, peer: Peer) -> bool:
+        """Count a write toward ``peer``; False when a newer incarnation replaced it."""
+        ...
 
     def peer_write_ended(self, peer: Peer) -> None:
         """A write toward ``peer`` ended; a removal deferred for it may run now."""
+        ...
+
+    def peer_gone(self, peer: Peer) -> bool:
+        """True when a newer incarnation replaced ``peer``: nothing is sent to it."""
+        ...
+
+    def peer_failed(self, peer: Peer, detail: str) -> None:
+        """A transport error toward ``peer``: its next fetch registers it afresh."""
         ...
 
     def forget_shared(self, endpoint: str) -> None: ...
@@ -277,7 +292,7 @@ class Worker:
         if task is STOP:
             self._stopping = True
         elif isinstance(task, ForgetTask):
-            self._forget(task.endpoint)
+            self._forget(task.endpoint, drop=task.drop)
             if task.shared:
                 self.host.forget_shared(task.endpoint)
         elif isinstance(task, WriteTask | AckTask | ReplyTask):
@@ -304,7 +319,7 @@ class Worker:
                 else:
                     assert isinstance(task, ReplyTask)
                     lane.popleft()
-                    self._enqueue(task.peer.result_endpoint, task.msg)
+                    self._enqueue(task.peer, task.msg)
                 started = True
             if not lane:
                 del self._lanes[rid]
@@ -334,10 +349,15 @@ class Worker:
             host.stats.add("writes_refused")
             return False
         # Counted before the post: a peer retired meanwhile waits for this write to end
-        # instead of losing its NIXL remote agent under it.
-        host.peer_write_started(peer)
+        # instead of losing its NIXL remote agent under it; a replaced one gets no write.
+        if not host.peer_write_started(peer):
+            s.release_admission(sl, f"receiver {peer.receiver_id} restarted", Reason.PEER_RESTARTED)
+            host.stats.add("writes_refused_peer_gone")
+            return False
+        nixl = False  # the exception (if any) came from NIXL, not from our descriptors
         try:
             if kind == "kv" and peer.prepped:  # prepared lists: block indices, no descriptors
+                nixl = True
                 xfer, state = host.dataplane.post_blocks(
                     peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
                 )
@@ -348,11 +368,14 @@ class Worker:
                 )
             else:
                 src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
+                nixl = True
                 xfer, state = host.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
         except Exception as e:  # nothing was posted: give the admission back first
             s.release_admission(sl, f"{kind} write not built: {e}")
             host.peer_write_ended(peer)
             host.stats.add("writes_build_failed")
+            if nixl:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: its next fetch registers afresh
+                host.peer_failed(peer, f"{kind} write not posted: {e}")
             return False
         now = time.monotonic()
         if not sl.posted_at:
@@ -492,11 +515,13 @@ class Worker:
         s.finish_write(sl, ok, w.nbytes if ok else 0, detail)
         host.stats.add("bytes_written" if ok else "writes_failed", w.nbytes if ok else 1)
         host.peer_write_ended(task.peer)
+        if not ok and w.state == "ERR":  # NIXL's answer: the transport toward it failed
+            host.peer_failed(task.peer, detail)
         if not w.lane_held:  # it had been reported in doubt: tell the receiver it is over
             if was_doubt and sl.writes_in_flight == 0:
                 host.stats.add("in_doubt_resolved")
                 self._enqueue(
-                    task.peer.result_endpoint,
+                    task.peer,
                     wire.CancelAck(request_id=s.request_id, fetch_id=sl.fetch_id, in_doubt=False),
                 )
             if s.drained:
@@ -526,13 +551,18 @@ class Worker:
             self._dealers[endpoint] = sock
         return sock
 
-    def _forget(self, endpoint: str) -> None:
+    def _forget(self, endpoint: str, drop: bool = False) -> None:
         self._outbox.pop(endpoint, None)
         sock = self._dealers.pop(endpoint, None)
         if sock is not None:  # a Result still queued gets the usual bounded linger
-            sock.close(linger=self.host.settings.deadlines.worker_send_timeout_ms)
+            sock.close(linger=0 if drop else self.host.settings.deadlines.worker_send_timeout_ms)
 
-    def _enqueue(self, endpoint: str, msg: wire.Result | wire.CancelAck) -> None:
+    def _enqueue(self, peer: Peer, msg: wire.Result | wire.CancelAck) -> None:
+        if self.host.peer_gone(peer):
+            # Its endpoint now belongs to a newer incarnation, which never sent this fetch.
+            self.host.stats.add("messages_dropped_peer_gone")
+            return
+        endpoint = peer.result_endpoint
         deadline = time.monotonic() + self.host.settings.deadlines.worker_send_timeout_ms / 1000
         tag = msg.__struct_config__.tag
         out = _Outgoing(wire.encode(msg), deadline, str(tag), msg.fetch_id)
@@ -566,6 +596,10 @@ class Worker:
                 box.popleft()
                 stats.add("send_errors")
                 log.warning("%s for fetch %d dropped: %s", out.tag, out.fetch_id, e)
+                # The next message gets a fresh DEALER (a new connection), not this one.
+                broken = self._dealers.pop(endpoint, None)
+                if broken is not None:
+                    broken.close(linger=0)
                 continue
             box.popleft()
             stats.add(f"sent_{out.tag}")
@@ -600,7 +634,7 @@ class Worker:
             )
         )
         self._enqueue(
-            rep.result_endpoint,
+            task.peer,
             wire.Result(
                 request_id=task.session.request_id,
                 fetch_id=rep.fetch_id,
@@ -618,7 +652,7 @@ class Worker:
         sl = task.session.slice((task.peer.receiver_id, task.fetch_id))
         in_doubt = sl is not None and sl.writes_in_flight > 0
         self._enqueue(
-            task.peer.result_endpoint,
+            task.peer,
             wire.CancelAck(
                 request_id=task.session.request_id, fetch_id=task.fetch_id, in_doubt=in_doubt
             ),

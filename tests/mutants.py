@@ -82,6 +82,7 @@ PREFLIGHT = "tests/test_preflight.py::"
 JOURNAL = "tests/test_journal.py::"
 READINESS = "tests/test_readiness.py::"
 DRAIN = "tests/test_drain.py::"
+INCARNATIONS = "tests/test_incarnations.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -211,8 +212,8 @@ MUTANTS: tuple[Mutant, ...] = (
                 "kvxferd/session.py",
                 "            self._writes_in_flight -= 1\n"
                 "            sl.writes_in_flight -= 1\n"
-                "            self._fail_slice_locked(sl, Reason.BUILD_FAILED, detail)",
-                "            self._fail_slice_locked(sl, Reason.BUILD_FAILED, detail)",
+                "            self._fail_slice_locked(sl, reason, detail)",
+                "            self._fail_slice_locked(sl, reason, detail)",
             ),
         ),
         (RACES + "test_build_failure_releases_its_admission_before_reporting",),
@@ -682,7 +683,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/sender.py",
-                "            self._retire_peer(old)\n",
+                "        self._retire_peer(old, gone=True)\n",
                 "",
             ),
         ),
@@ -913,6 +914,63 @@ MUTANTS: tuple[Mutant, ...] = (
         "a pool segment a killed daemon left stays in /dev/shm (each restart needs room for one more)",
         (Edit("kvxferd/preflight.py", "        os.unlink(path)\n", "        pass\n"),),
         (PREFLIGHT + "test_a_killed_daemons_pool_segment_is_removed_by_its_successor",),
+    ),
+    Mutant(
+        "issue13-write-to-gone-incarnation",
+        "a write toward a receiver incarnation replaced at its endpoint still starts",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "            if peer.nixl_name in self._gone:\n                return False\n",
+                "",
+            ),
+            Edit(
+                "kvxferd/sender.py",
+                "                session.fail_slice(sl, Reason.PEER_RESTARTED, detail)\n"
+                "                session.fail(Reason.PEER_RESTARTED, detail)\n",
+                "                pass\n",
+            ),
+        ),
+        (
+            INCARNATIONS
+            + "test_a_replaced_receivers_queued_fetch_is_never_written_and_ends_peer_restarted",
+        ),
+    ),
+    Mutant(
+        "issue13-parked-of-gone-incarnation-kept",
+        "a replaced receiver's parked fetches stay and attach when the request is published",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "                keep = [p for p in self._pending[rid] if p.peer.receiver_id != old.receiver_id]\n",
+                "                keep = list(self._pending[rid])\n",
+            ),
+        ),
+        (INCARNATIONS + "test_a_replaced_receivers_parked_fetch_is_dropped",),
+    ),
+    Mutant(
+        "issue13-no-invalidation",
+        "a NIXL write error toward a peer leaves its registration (no fresh handshake)",
+        (
+            Edit(
+                "kvxferd/worker.py",
+                "            host.peer_failed(task.peer, detail)\n",
+                "            pass\n",
+            ),
+        ),
+        (INCARNATIONS + "test_a_nixl_write_error_forces_a_fresh_registration",),
+    ),
+    Mutant(
+        "issue13-deferred-removal-not-cancelled",
+        "a deferred NIXL removal runs after the same receiver registered again",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                '                self._retiring.discard(nixl_name)\n                self.stats.add("peer_removals_cancelled")\n',
+                "                pass\n",
+            ),
+        ),
+        (INCARNATIONS + "test_registering_again_during_a_deferred_removal_keeps_the_new_agent",),
     ),
 )
 

@@ -41,6 +41,7 @@ from kvxferd.config import (
     load_receiver_settings,
     load_sender_settings,
 )
+from kvxferd.endpoints import advertise_host, advertised
 from tests.child import ChildProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -738,10 +739,14 @@ def test_configmap_loads_with_pod_env(role: str) -> None:
     ].keys()
     if isinstance(settings, SenderSettings):
         assert settings.num_threads == tomllib.loads(text)["num_threads"]
-        assert settings.listen.startswith("tcp://0.0.0.0:")
+        bound = settings.listen
     else:
-        # The receiver sends the address it bound to the senders: it must be routable.
-        assert settings.result_endpoint.startswith(f"tcp://{POD_IP}:")
+        bound = settings.result_endpoint
+    # Bound on every address, advertised as the pod IP (the downward API's status.podIP).
+    assert bound.startswith("tcp://0.0.0.0:")
+    svc = settings.service
+    host = advertise_host(svc.advertise_host, svc.advertise_interface)
+    assert advertised(bound, host, "endpoint") == f"tcp://{POD_IP}:{_endpoint_port(bound)}"
 
 
 def _kubernetes_validate() -> Any:
@@ -911,7 +916,7 @@ def test_daemons_connect_only_where_the_policy_admits(tmp_path: Path) -> None:
             if role == "sender":
                 env["KVXFERD_LISTEN"] = "tcp://0.0.0.0:0"
             else:
-                env["KVXFERD_RESULT_ENDPOINT"] = f"tcp://{ip}:0"
+                env["KVXFERD_RESULT_ENDPOINT"] = "tcp://0.0.0.0:0"
             toml = tmp_path / f"{role}.toml"
             toml.write_text(_toml(docs, sts, role))
             daemons[role] = _PodDaemon(role, toml, env, tmp_path)

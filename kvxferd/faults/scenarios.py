@@ -223,17 +223,26 @@ class Cluster:
         self.shm_killed: set[str] = set()
         self.shm_names: list[str] = []  # every segment a daemon of this cluster created
 
-    def _daemon(self, role: str, name: str, args: list[str], ns: str | None) -> Daemon:
-        d = Daemon(
-            role, name, self.workdir, args, fault_env(self.workdir, name, self.ucx_tls, {}), ns
-        )
+    def _daemon(
+        self,
+        role: str,
+        name: str,
+        args: list[str],
+        ns: str | None,
+        extra: dict[str, str] | None = None,
+    ) -> Daemon:
+        env = fault_env(self.workdir, name, self.ucx_tls, extra or {})
+        d = Daemon(role, name, self.workdir, args, env, ns)
         self.daemons.append(d)
         return d
 
     def start(self) -> tuple[Daemon, Daemon, Daemon]:
         n = self.netns
         listen = f"tcp://{'0.0.0.0' if n else '127.0.0.1'}:{self.port}"
-        tx = self._daemon("sender", "tx", ["--listen", listen], n.ns["tx"] if n else None)
+        # Bound on both links' addresses; it advertises the first (receivers here are told
+        # the address of their own link by the scenario, not by the sender).
+        adv = {"KVXFERD_SERVICE__ADVERTISE_HOST": n.addr["a"][0]} if n else None
+        tx = self._daemon("sender", "tx", ["--listen", listen], n.ns["tx"] if n else None, adv)
         rxs = []
         for k in ("a", "b"):
             args = ["--result-endpoint", f"tcp://{n.addr[k][1]}:0"] if n else []
