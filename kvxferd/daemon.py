@@ -84,6 +84,8 @@ class Daemon:
         self._signals = 0
         self.drain_started: float | None = None  # monotonic time of the first signal
         self._forced = threading.Event()
+        self.registrar: Any = None  # discovery (kvxferd/discovery): set at start-up
+        self.watcher: Any = None
 
     # -- run ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -162,6 +164,7 @@ class Daemon:
         )
         probe.gateway = self.gateway  # a broken gateway fails liveness (and the watchdog)
         engine_socket = await self.gateway.start()
+        await asyncio.to_thread(self._start_discovery, probe, endpoint)
         self.probe_server = ProbeServer(
             probe,
             svc.probe_host,
@@ -188,6 +191,31 @@ class Daemon:
             + "\n"
         )
         sys.stdout.flush()
+
+    def _start_discovery(self, probe: Any, endpoint: str) -> None:
+        """Advertise this daemon (its advertised endpoint, this incarnation); a receiver also watches senders.
+
+        The registrar's ``registered`` feeds readiness (``discovery: not registered``);
+        backend ``none`` changes nothing. The watcher's events reach the receiver's io
+        thread (Receiver.on_peer_event).
+        """
+        from kvxferd.discovery import make_registrar, make_watcher, own_record
+
+        disc = self.settings.discovery
+        self.watcher = None
+        if disc.backend == "none":
+            self.registrar = None
+            return
+        incarnation = (
+            self.service.sender_id if self.role == "sender" else self.service.receiver_id
+        )
+        record = own_record(self.role, self.settings.name, incarnation, endpoint)
+        self.registrar = make_registrar(disc, record).start()
+        probe.registrar = self.registrar
+        if self.role == "receiver":
+            self.watcher = make_watcher(disc, "sender", self.service.on_peer_event)
+            if self.watcher is not None:
+                self.watcher.start()
 
     # -- serve ---------------------------------------------------------------------------
     async def _watchdog(self) -> None:
@@ -227,6 +255,8 @@ class Daemon:
         hard_deadline = t0 + d.shutdown_timeout_ms / 1000 + 0.5
         self.notifier.stopping("draining: finishing published requests and transfers")
         self.gateway.refuse_new("draining")
+        if self.registrar is not None:  # peers stop choosing us now (etcd: the lease is revoked)
+            await asyncio.to_thread(self.registrar.stop, 2.0)
         # The service's shutdown is bounded by shutdown_timeout_ms; keep a little for teardown.
         budget = max(0.1, d.shutdown_timeout_ms / 1000 - 0.5)
         loop = asyncio.get_running_loop()
@@ -273,6 +303,8 @@ class Daemon:
         return rx_drain_counts(cut, self.service.in_doubt())
 
     async def _teardown(self) -> None:
+        if self.watcher is not None:
+            await asyncio.to_thread(self.watcher.stop, 1.0)
         await self.gateway.stop(timeout=0.3)
         await self.probe_server.stop()
 

@@ -33,6 +33,7 @@ probes.py judges them)::
     data plane closed (pool not registered)    (data_plane_closed)
     stuck: N slices queued or writing | N fetches open, and nothing ended for Xs  (stuck)
     peer failing: PEER F/T ended failed in the last Ws (...)                       (peer_failing)
+    discovery: not registered with BACKEND     (discovery: the etcd lease is lost)
     readiness check timed out                  (HTTP only: the check itself hung)
 
 The server runs inside the daemon's own event loop (aiohttp ``AppRunner``; no

@@ -83,6 +83,7 @@ READINESS_REASONS: tuple[str, ...] = (
     "data_plane_closed",
     "stuck",
     "peer_failing",
+    "discovery",
     "other",
 )
 
@@ -103,6 +104,8 @@ def readiness_key(why: str) -> str:
         return "stuck"
     if why.startswith("peer failing: "):
         return "peer_failing"
+    if why.startswith("discovery: "):
+        return "discovery"
     return "other"
 
 

@@ -29,6 +29,13 @@ if TYPE_CHECKING:
     from kvxferd.sender import Sender
 
 
+def _discovery_problems(registrar: Any) -> list[str]:
+    """Not ready while discovery does not advertise us (the etcd lease is lost): peers cannot find us."""
+    if registrar is None or registrar.registered:
+        return []
+    return [f"discovery: not registered with {registrar.backend}"]
+
+
 def _broken(service: Any, gateway: Any) -> str | None:
     """Why the service or the engine gateway is not live (a caught unexpected error), or None."""
     why = service.broken()
@@ -68,6 +75,7 @@ class SenderProbe:
     def __init__(self, sender: Sender, settings: SenderSettings, gateway: Any = None) -> None:
         self.sender = sender
         self.settings = settings
+        self.registrar: Any = None  # the daemon's discovery registrar (daemon.py sets it)
         self.gateway = gateway  # the daemon's engine gateway (its broken() fails liveness)
         svc, d = settings.service, settings.deadlines
         self.listener_stall_s = svc.liveness_stall_ms / 1000
@@ -133,6 +141,7 @@ class SenderProbe:
         count, oldest = self.pending_work()
         what = f"{count} slice{'' if count == 1 else 's'} queued or writing"
         failing += _work_problems(snd.journal, self.settings, now, count, oldest, what)
+        failing += _discovery_problems(self.registrar)
         return not failing, failing
 
     def pending_work(self) -> tuple[int, float]:
@@ -207,6 +216,7 @@ class ReceiverProbe:
     def __init__(self, receiver: Receiver, settings: ReceiverSettings, gateway: Any = None) -> None:
         self.receiver = receiver
         self.settings = settings
+        self.registrar: Any = None  # the daemon's discovery registrar (daemon.py sets it)
         self.gateway = gateway  # the daemon's engine gateway (its broken() fails liveness)
         self.io_stall_s = settings.service.liveness_stall_ms / 1000
 
@@ -249,6 +259,7 @@ class ReceiverProbe:
         count, oldest = self.pending_work()
         what = f"{count} fetch{'' if count == 1 else 'es'} open"
         failing += _work_problems(rx.journal, self.settings, now, count, oldest, what)
+        failing += _discovery_problems(self.registrar)
         return not failing, failing
 
     def pending_work(self) -> tuple[int, float]:

@@ -192,7 +192,7 @@ class Receiver:
         self._in_doubt: dict[int, RxSession] = {}  # ended in doubt, still asked about (bounded)
         self._forgotten_in_doubt = 0  # fetches ended in doubt and not resolved yet
         self._aux_quarantined = 0  # aux slots held by those fetches
-        self._commands: deque[tuple[str, RxSession | None]] = deque()
+        self._commands: deque[tuple[str, Any]] = deque()  # (kind, RxSession | PeerEvent | None)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._links: dict[str, _Link] = {}  # io thread only
         self._by_socket: dict[zmq.Socket[bytes], _Link] = {}  # io thread only: dealers, monitors
@@ -344,7 +344,11 @@ class Receiver:
             )
         )
 
-    def _command(self, cmd: tuple[str, RxSession | None]) -> None:
+    def on_peer_event(self, event: Any) -> None:
+        """Discovery saw a sender come, change or go (its watcher thread): handled by the io thread."""
+        self._command(("peer", event))
+
+    def _command(self, cmd: tuple[str, Any]) -> None:
         with self._lock:
             if self._stopping.is_set():
                 return  # the io thread is gone; shutdown ends every open fetch itself
@@ -405,6 +409,8 @@ class Receiver:
                     doubtful = list(self._in_doubt.values())
                 for d in doubtful:
                     d.retry_at = 0.0
+            elif kind == "peer":
+                self._on_peer_event(rx)
             elif rx is None:
                 continue
             elif kind == "fetch":
@@ -415,6 +421,38 @@ class Receiver:
                 self._drain_end(rx, "cancelled by the engine during the drain")
             else:
                 self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
+
+    def _on_peer_event(self, event: Any) -> None:
+        """Discovery (io thread): dial a sender before its first fetch; re-register on a restart.
+
+        Added: open the link (it registers at once, so the first fetch finds it ready).
+        Changed: a new incarnation at a known link registers again now (the reply
+        settles what was sent to the old one, see _on_register_reply); a new endpoint
+        is dialled. Removed: an idle link is closed; one in use stays (a removal may be
+        an etcd problem while the data path is fine) and the next fetch decides.
+        """
+        from kvxferd.discovery import PeerAdded, PeerChanged, PeerRemoved
+
+        self.stats.add("discovery_events")
+        if isinstance(event, PeerAdded | PeerChanged):
+            peer = event.peer if isinstance(event, PeerAdded) else event.new
+            known = self._links.get(peer.endpoint)
+            if known is None:
+                if len(self._links) < self.settings.limits.max_peers:
+                    self._link(peer.endpoint)
+            elif known.ready and known.sender_id and known.sender_id != peer.incarnation:
+                self._register(known)  # a restart seen by discovery before the sender said so
+        elif isinstance(event, PeerRemoved):
+            link = self._links.get(event.peer.endpoint)
+            busy = link is not None and (
+                link.waiting
+                or any(
+                    f.sender_endpoint == link.endpoint and not f.ended
+                    for f in list(self._fetches.values())
+                )
+            )
+            if link is not None and not busy:
+                self._close_link(link)
 
     # -- links -------------------------------------------------------------------------
     def _link(self, endpoint: str) -> _Link | str:

@@ -321,6 +321,7 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     ),
     _c("reregistrations", _R, "Fetches answered unknown_peer that registered again"),
     _c("connect_errors", _R, "Sender endpoints libzmq would not connect to"),
+    _c("discovery_events", _R, "Senders discovery reported added, changed or removed"),
     _c("reconnects", _R, "Links that reconnected (and registered again)"),
     _c("disconnects", _R, "Links whose TCP connection dropped"),
     _c("sender_restarts", _R, "Senders found to be a new process at a known endpoint"),
