@@ -82,6 +82,7 @@ PREFLIGHT = "tests/test_preflight.py::"
 JOURNAL = "tests/test_journal.py::"
 READINESS = "tests/test_readiness.py::"
 DRAIN = "tests/test_drain.py::"
+DISCOVERY_DAEMONS = "tests/test_discovery_daemons.py::"
 INCARNATIONS = "tests/test_incarnations.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -971,6 +972,33 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         (INCARNATIONS + "test_registering_again_during_a_deferred_removal_keeps_the_new_agent",),
+    ),
+    Mutant(
+        "issue13-discovered-sender-not-dialled",
+        "a receiver ignores the senders discovery reports until a fetch names one",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "                    self._link(peer.endpoint)\n",
+                "                    pass\n",
+            ),
+        ),
+        (
+            DISCOVERY_DAEMONS
+            + "test_daemons_advertise_on_leases_and_the_receiver_dials_what_it_discovers",
+        ),
+    ),
+    Mutant(
+        "issue13-lost-lease-still-ready",
+        "a daemon whose etcd lease is lost stays ready",
+        (
+            Edit(
+                "kvxferd/probes.py",
+                "    if registrar is None or registrar.registered:",
+                "    if True:",
+            ),
+        ),
+        (DISCOVERY_DAEMONS + "test_a_lost_lease_turns_readiness_red_until_etcd_is_back",),
     ),
 )
 
