@@ -206,9 +206,7 @@ class Daemon:
         if disc.backend == "none":
             self.registrar = None
             return
-        incarnation = (
-            self.service.sender_id if self.role == "sender" else self.service.receiver_id
-        )
+        incarnation = self.service.sender_id if self.role == "sender" else self.service.receiver_id
         record = own_record(self.role, self.settings.name, incarnation, endpoint)
         self.registrar = make_registrar(disc, record).start()
         probe.registrar = self.registrar

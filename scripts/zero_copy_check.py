@@ -109,7 +109,7 @@ def run(
     pool = (
         "[pool]\n"
         f"num_layers = {2 * layers}\nnum_blocks = {blocks}\n"
-        f"block_elems = {block_size * kv_heads * head_dim}\ndtype = \"{dname}\"\n"
+        f'block_elems = {block_size * kv_heads * head_dim}\ndtype = "{dname}"\n'
         + ('device = "cuda"\ncuda_device = 0\n' if device == "cuda" else "")
     )
     daemons = [Daemon("sender", workdir, pool), Daemon("receiver", workdir, pool)]
@@ -162,8 +162,8 @@ def run(
         bulk = rx.wait(h_rx, 60, close=True)
         took = time.perf_counter() - t0
         tx.wait(h_tx, 30, close=True)
-        bulk_exact = bulk is not None and bulk.ok and all(
-            torch.equal(rx_kv[n], tx_kv[n]) for n in tx_kv
+        bulk_exact = (
+            bulk is not None and bulk.ok and all(torch.equal(rx_kv[n], tx_kv[n]) for n in tx_kv)
         )
         for client, *_ in sides.values():
             client.close_client()
