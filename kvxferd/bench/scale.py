@@ -517,21 +517,40 @@ def _wait_peers(sender: _SenderDaemon, n: int, deadline: float) -> dict[str, Any
 
 
 def scale_summary(doc: dict[str, Any]) -> dict[str, Any]:
-    """Headline figures: per-peer cost between the first and last step, throughput ratios."""
+    """Headline figures: the sender's cost per peer past the first step, throughput ratios.
+
+    Per peer, weighted by the new peers of every step after the first (the first step also
+    pays one-off costs: the local prepared list, the first UCX context use, allocator
+    growth): what a REGISTER added, what the first fetch added, and everything once the
+    peer fetched (the steps' fetch deltas).
+    """
     pts = doc["points"]
-    first, last = pts[0], pts[-1]
-    span = max(1, last["peers"] - first["peers"])
-    marginal = _delta(first["sender_after_fetch"], last["sender_after_fetch"], span)
-    marginal_reg = _delta(first["sender_after_attach"], last["sender_after_attach"], span)
-    one = first["throughput"]["rps"]
+    later = pts[1:] or pts
+
+    def weighted(before: str, after: str) -> dict[str, float]:
+        new = sum(p["new"] for p in later)
+        keys = {k for p in later for k in (*p[before], *p[after])}
+        return {
+            k: sum(p[after].get(k, 0) - p[before].get(k, 0) for p in later) / new
+            for k in sorted(keys)
+        }
+
+    one = pts[0]["throughput"]["rps"]
+    fetch = {
+        k: sum(p["per_new_peer_fetch"].get(k, 0) * p["new"] for p in later)
+        / sum(p["new"] for p in later)
+        for k in later[0]["per_new_peer_fetch"]
+    }
     return {
         "peers": [p["peers"] for p in pts],
-        "per_peer_after_fetch": marginal if len(pts) > 1 else first["per_peer_total"],
-        "per_peer_after_register": marginal_reg if len(pts) > 1 else first["per_new_peer_register"],
+        "per_peer_after_register": weighted("sender_before_attach", "sender_after_attach"),
+        "per_peer_after_first_fetch": weighted("sender_after_attach", "sender_after_first_fetch"),
+        "per_peer_after_fetch": fetch,
         "register_ms_median": statistics.median(p["setup"]["register_ms"]["median"] for p in pts),
         "create_ms_median": statistics.median(p["setup"]["create_ms"]["median"] for p in pts),
-        "rps": {p["peers"]: p["throughput"]["rps"] for p in pts},
-        "rps_vs_1": {p["peers"]: (p["throughput"]["rps"] / one if one else 0.0) for p in pts},
+        # keyed by str(peers): the same after a JSON round trip
+        "rps": {str(p["peers"]): p["throughput"]["rps"] for p in pts},
+        "rps_vs_1": {str(p["peers"]): (p["throughput"]["rps"] / one if one else 0.0) for p in pts},
         "ok": all(
             p["throughput"]["failures"] == 0
             and p["throughput"]["mismatches"] == 0
@@ -582,12 +601,19 @@ def format_scale(doc: dict[str, Any]) -> str:
             f"| {_three('threads', '.2f', ds)} | {a['rss_kib'] / 1024:.0f}, {a['fds']}, "
             f"{a['threads']} |"
         )
-    m = s["per_peer_after_fetch"]
+    lines.append("")
+    for key, what in (
+        ("per_peer_after_register", "its REGISTER"),
+        ("per_peer_after_first_fetch", "its first fetch"),
+        ("per_peer_after_fetch", "its fetches (all told)"),
+    ):
+        m = s[key]
+        lines.append(
+            f"- per peer past the first step, {what}: RSS {m['rss_kib']:.0f} KiB, fds "
+            f"{m['fds']:.2f} (sockets {m.get('fd_socket', 0):.2f}, eventfds "
+            f"{m.get('fd_eventfd', 0):.2f}), threads {m['threads']:.2f}"
+        )
     lines += [
-        "",
-        f"per peer from {s['peers'][0]} to {s['peers'][-1]} peers: RSS {m['rss_kib']:.0f} KiB, "
-        f"fds {m['fds']:.2f} (sockets {m.get('fd_socket', 0):.2f}, eventfds "
-        f"{m.get('fd_eventfd', 0):.2f}), threads {m['threads']:.2f}",
         "",
         "| peers | requests | req/s | x of 1 peer | p50 / p99 ms | failures | bytes wrong |",
         "|--:|--:|--:|--:|--:|--:|--:|",
@@ -596,7 +622,7 @@ def format_scale(doc: dict[str, Any]) -> str:
         t = p["throughput"]
         lines.append(
             f"| {p['peers']} | {t['requests']} | {t['rps']:.0f} | "
-            f"{s['rps_vs_1'][p['peers']]:.2f} | {t['p50_ms']:.2f} / {t['p99_ms']:.2f} "
+            f"{s['rps_vs_1'][str(p['peers'])]:.2f} | {t['p50_ms']:.2f} / {t['p99_ms']:.2f} "
             f"| {t['failures']} | {t['mismatches']} |"
         )
     c = doc["nixl_cost"]
