@@ -13,7 +13,9 @@ from kvxferd.bench.scale import ScaleOptions, fd_kind, format_scale, run_scale
 
 TINY = ScaleOptions(
     peers=(1, 4),
-    rx_procs=1,
+    rx_procs=2,
+    links=2,
+    link_fetches=4,
     requests=16,
     min_per_peer=2,
     inflight=2,
@@ -65,8 +67,22 @@ def test_tiny_scale_run_reports_every_figure_positive_and_sane() -> None:
     }
     assert all(q["prep_ms"] > 0 and q["rss_kib_per_list"] >= 0 for q in cost["lists"])
 
+    lk = doc["receiver_links"]
+    assert lk["links"] == 2 and lk["failures"] == 0 and lk["sender_failures"] == 0, lk
+    # a link is at least the receiver's DEALER connection; fetching adds the senders' workers'
+    # connections to its result endpoint
+    assert lk["per_link_register"]["fd_socket"] >= 1
+    assert lk["per_link_fetch"]["fds"] > lk["per_link_register"]["fds"]
+
     text = format_scale(json.loads(json.dumps(doc)))  # a --json file reads back
-    for needle in ("register ms", "RSS KiB", "req/s", "prep_xfer_dlist", "uptime before"):
+    for needle in (
+        "register ms",
+        "RSS KiB",
+        "req/s",
+        "prep_xfer_dlist",
+        "receiver linked to 2 senders",
+        "uptime before",
+    ):
         assert needle in text
 
 

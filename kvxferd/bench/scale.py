@@ -21,6 +21,9 @@ k % rx_procs, one thread each while fetching). The peers are attached in steps
     throughput          ``requests`` 16 KiB fetches over all attached receivers,  rx processes
                         ``inflight`` per receiver, bytes checked; requests/s
                         against the 1-peer step
+    receiver per link   one fresh Receiver in rx process 0 registers with      rx processes 0, 1
+                        ``links`` Sender objects in rx process 1 and fetches
+                        from each: its process's fds, RSS before and after
     NIXL cost           in one rx process: add_remote_agent of a receiver's       rx process 0
                         metadata, prep_xfer_dlist of layers x blocks descriptors
                         (16 Ki, 256 Ki; in address order as kvxferd prepares
@@ -79,6 +82,8 @@ class ScaleOptions:
     block_kib: int = 16  # one block per request, one layer
     pool_blocks: int = 64  # sender's and each receiver's pool
     nixl_cost_descs: tuple[int, ...] = NIXL_COST_DESCS
+    links: int = 8  # receiver side: senders (library objects in rx process 1) one receiver links to
+    link_fetches: int = 8  # fetched from each of them (so every sender worker sends it a Result)
     step_timeout_s: float = 60.0  # one command to the children, one wait for the sender
     timeout_s: float = 240.0  # the whole run fails past this
     dataplane: DataPlaneSettings = field(default_factory=DataPlaneSettings)
@@ -333,6 +338,7 @@ def run_scale(opts: ScaleOptions, progress: IO[str] | None = None) -> dict[str, 
             out.write("scale: timing NIXL's add_remote_agent and prep_xfer_dlist\n")
             procs[0].send({"cmd": "nixl_cost", "descs": list(opts.nixl_cost_descs)})
             nixl_cost = procs[0].reply(opts.step_timeout_s)["cost"]
+            links = _receiver_links(opts, procs, out)
             kv.kvxferd_mapping.close()  # type: ignore[attr-defined]
             del kv, arr
         state = sender.debug_state()
@@ -355,6 +361,7 @@ def run_scale(opts: ScaleOptions, progress: IO[str] | None = None) -> dict[str, 
             },
             "points": points,
             "nixl_cost": nixl_cost,
+            "receiver_links": links,
         }
     finally:
         for p in procs:
@@ -458,6 +465,24 @@ def _step(
     }
 
 
+def _receiver_links(opts: ScaleOptions, procs: list[_RxProc], out: IO[str]) -> dict[str, Any]:
+    """What one receiver pays per sender it links to: ``links`` Sender objects in rx process 1,
+    a fresh Receiver in rx process 0 registering with each, then fetching from each."""
+    if opts.links < 1 or len(procs) < 2:
+        return {"links": 0}
+    out.write(f"scale: one receiver linked to {opts.links} senders\n")
+    procs[1].send({"cmd": "senders", "count": opts.links, "per": opts.link_fetches})
+    endpoints = procs[1].reply(opts.step_timeout_s)["endpoints"]
+    try:
+        procs[0].send({"cmd": "links", "endpoints": endpoints, "per": opts.link_fetches})
+        got: dict[str, Any] = procs[0].reply(opts.step_timeout_s + 30)["links"]
+    finally:
+        procs[1].send({"cmd": "close_senders"})
+        failures = int(procs[1].reply(opts.step_timeout_s)["failures"])
+    got["sender_failures"] = failures
+    return got
+
+
 def _fetch_round(
     opts: ScaleOptions,
     procs: list[_RxProc],
@@ -551,7 +576,9 @@ def scale_summary(doc: dict[str, Any]) -> dict[str, Any]:
         # keyed by str(peers): the same after a JSON round trip
         "rps": {str(p["peers"]): p["throughput"]["rps"] for p in pts},
         "rps_vs_1": {str(p["peers"]): (p["throughput"]["rps"] / one if one else 0.0) for p in pts},
-        "ok": all(
+        "ok": doc.get("receiver_links", {}).get("failures", 0) == 0
+        and doc.get("receiver_links", {}).get("sender_failures", 0) == 0
+        and all(
             p["throughput"]["failures"] == 0
             and p["throughput"]["mismatches"] == 0
             and p["sender_peers"] == p["peers"]
@@ -640,6 +667,18 @@ def format_scale(doc: dict[str, Any]) -> str:
             f"| {q['descs']} | {q['order']} | {q['prep_ms']:.2f} | {q['rss_kib_per_list']:.0f} "
             f"| {q['bytes_per_desc']:.0f} |"
         )
+    lk = doc.get("receiver_links", {})
+    if lk.get("links"):
+        r, f = lk["per_link_register"], lk["per_link_fetch"]
+        lines += [
+            "",
+            f"one receiver linked to {lk['links']} senders, per link: registered: fds "
+            f"{r['fds']:.2f} (sockets {r.get('fd_socket', 0):.2f}, eventfds "
+            f"{r.get('fd_eventfd', 0):.2f}), RSS {r['rss_kib']:.0f} KiB; having fetched: fds "
+            f"{f['fds']:.2f} (sockets {f.get('fd_socket', 0):.2f}, eventfds "
+            f"{f.get('fd_eventfd', 0):.2f}), RSS {f['rss_kib']:.0f} KiB, threads "
+            f"{f['threads']:.2f}; failures {lk['failures']}",
+        ]
     lines.append("")
     lines.append(f"uptime before: {doc['uptime_start']}")
     lines.append(f"uptime after:  {doc['uptime_end']}")
@@ -659,6 +698,8 @@ class _RxServer:
         self.pool = dict(spec["pool"])
         self.dataplane = DataPlaneSettings(**spec["dataplane"])
         self.receivers: dict[int, Any] = {}
+        self.tx: list[Any] = []  # Sender objects of the receiver-links measurement
+        self.tx_handles: list[Any] = []
 
     def attach(self, indices: list[int], endpoint: str, timeout: float) -> dict[str, Any]:
         from kvxferd.config import load_receiver_settings
@@ -851,10 +892,86 @@ class _RxServer:
             }
         }
 
+    def senders(self, count: int, per: int) -> dict[str, Any]:
+        """``count`` Sender objects (default workers), each with ``per`` requests published."""
+        from kvxferd.config import load_sender_settings
+        from kvxferd.sender import Sender
+
+        self.close_senders()
+        for i in range(count):
+            settings = load_sender_settings(
+                listen="tcp://127.0.0.1:0",
+                name=f"scale-ltx{i}",
+                pool=self.pool,
+                dataplane=self.dataplane.model_dump(),
+            )
+            snd = Sender(settings).start()
+            self.tx.append(snd)
+            nb = snd.pool.layout.num_blocks
+            self.tx_handles += [snd.publish(f"l{i}-{j}", [j % nb]) for j in range(per)]
+        return {"endpoints": [snd.endpoint for snd in self.tx]}
+
+    def close_senders(self) -> dict[str, Any]:
+        failures = 0
+        for h in self.tx_handles:
+            out = h.wait(5.0)
+            failures += out is None or not out.ok
+            h.close(timeout=5.0)
+        for snd in self.tx:
+            snd.shutdown(5.0)
+        self.tx, self.tx_handles = [], []
+        return {"failures": failures}
+
+    def links(self, endpoints: list[str], per: int, timeout: float) -> dict[str, Any]:
+        """A fresh Receiver: this process's fds, sockets, RSS before, after registering with
+        every sender, and after fetching ``per`` requests from each; per link."""
+        from kvxferd.config import load_receiver_settings
+        from kvxferd.discovery import PeerAdded, PeerRecord
+        from kvxferd.receiver import Receiver
+
+        settings = load_receiver_settings(
+            name="scale-rx-links", pool=self.pool, dataplane=self.dataplane.model_dump()
+        )
+        rx = Receiver(settings).start()
+        try:
+            u0 = proc_usage(os.getpid())
+            deadline = time.monotonic() + timeout
+            for i, ep in enumerate(endpoints):
+                rec = PeerRecord(role="sender", name=f"scale-ltx{i}", endpoints={"listen": ep})
+                rx.on_peer_event(PeerAdded(rec))
+            while rx.stats.get("register_replies_ok") < len(endpoints):
+                if time.monotonic() > deadline:
+                    raise BenchError(f"the links did not register: {rx.stats.snapshot()}")
+                time.sleep(0.002)
+            u1 = proc_usage(os.getpid())
+            failures = 0
+            nb = rx.pool.layout.num_blocks
+            for i, ep in enumerate(endpoints):
+                hs = [
+                    rx.fetch(f"l{i}-{j}", ep, [j % nb], want_aux=False) for j in range(min(per, nb))
+                ]
+                for h in hs:
+                    out = h.wait(max(0.0, deadline - time.monotonic()))
+                    failures += out is None or not out.ok
+                    h.close(timeout=max(0.0, deadline - time.monotonic()))
+            u2 = proc_usage(os.getpid())
+        finally:
+            rx.shutdown(5.0)
+        n = len(endpoints)
+        return {
+            "links": {
+                "links": n,
+                "failures": failures,
+                "per_link_register": _delta(u0, u1, n),
+                "per_link_fetch": _delta(u0, u2, n),
+            }
+        }
+
     def usage(self) -> dict[str, Any]:
         return {"usage": proc_usage(os.getpid()), "receivers": len(self.receivers)}
 
     def close(self) -> None:
+        self.close_senders()
         for rx in self.receivers.values():
             try:
                 rx.shutdown(timeout=5.0)
@@ -901,6 +1018,12 @@ def rx_child(spec_json: str) -> int:
                     )
                 elif what == "nixl_cost":
                     reply = server.nixl_cost([int(n) for n in cmd["descs"]])
+                elif what == "senders":
+                    reply = server.senders(int(cmd["count"]), int(cmd["per"]))
+                elif what == "close_senders":
+                    reply = server.close_senders()
+                elif what == "links":
+                    reply = server.links([str(e) for e in cmd["endpoints"]], int(cmd["per"]), 30.0)
                 elif what == "usage":
                     reply = server.usage()
                 else:
