@@ -195,7 +195,9 @@ class _SenderDaemon:
 
     def debug_state(self) -> dict[str, Any]:
         url = f"http://127.0.0.1:{self.ready['probe_port']}/debug/state"
-        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as r:  # noqa: S310 - loopback
+        with urllib.request.urlopen(
+            url, timeout=PROBE_TIMEOUT_S
+        ) as r:  # the probe port, on loopback
             doc: dict[str, Any] = json.loads(r.read())
         return doc
 
@@ -311,7 +313,8 @@ def run_scale(opts: ScaleOptions, progress: IO[str] | None = None) -> dict[str, 
     try:
         out.write(f"scale: a sender daemon and {nprocs} rx processes\n")
         sender = _SenderDaemon(opts, tmp)
-        procs = [_RxProc(j, spec, tmp) for j in range(nprocs)]
+        for j in range(nprocs):
+            procs.append(_RxProc(j, spec, tmp))  # each one stopped below, whatever fails
         from kvxferd.client import Client, attach_pool  # torch: imported while they start
 
         sender.wait_ready(time.monotonic() + SENDER_READY_TIMEOUT_S)
