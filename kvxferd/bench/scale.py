@@ -970,9 +970,6 @@ class _RxServer:
             }
         }
 
-    def usage(self) -> dict[str, Any]:
-        return {"usage": proc_usage(os.getpid()), "receivers": len(self.receivers)}
-
     def close(self) -> None:
         self.close_senders()
         for rx in self.receivers.values():
@@ -1027,8 +1024,6 @@ def rx_child(spec_json: str) -> int:
                     reply = server.close_senders()
                 elif what == "links":
                     reply = server.links([str(e) for e in cmd["endpoints"]], int(cmd["per"]), 30.0)
-                elif what == "usage":
-                    reply = server.usage()
                 else:
                     raise BenchError(f"unknown command {what!r}")
                 out.write(json.dumps({"event": "ok", **reply}) + "\n")
