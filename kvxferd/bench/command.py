@@ -50,6 +50,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cost-growth curves instead of the preset: in flight, workers, blocks per request, "
         "peers, each against raw NIXL; --json / --plot write their data and chart (2-3 min)",
     )
+    p.add_argument(
+        "--scale",
+        action="store_true",
+        help="1..64 receivers attached to one sender daemon: set-up time, the sender's memory, "
+        "fds and threads per peer, throughput against 1 peer; --json writes the figures (~2 min)",
+    )
+    p.add_argument(
+        "--scale-peers",
+        dest="scale_peers",
+        default="1,8,32,64",
+        metavar="N,N,...",
+        help="--scale: the peer counts, attached in steps (default 1,8,32,64)",
+    )
 
 
 def options_from_args(args: argparse.Namespace, child_module: str = "kvxferd") -> Options:
@@ -95,6 +108,10 @@ def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
         return 2
     if getattr(args, "curves", False):
         return main_curves(args, child_module)
+    if getattr(args, "scale", False):
+        from kvxferd.bench.scale import main_scale
+
+        return main_scale(args)
     try:
         opts = options_from_args(args, child_module)
         print(f"kvxferd bench: {dataplane_description(opts.dataplane)}", file=sys.stderr)
