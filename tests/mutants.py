@@ -684,8 +684,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/sender.py",
-                "        self._retire_peer(old, gone=True)\n",
-                "",
+                "            self._retire_peer(old, gone=True)\n",
+                "            pass\n",
             ),
         ),
         (TXRACES + "test_a_replaced_idle_receiver_is_removed_at_once",),
