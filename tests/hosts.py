@@ -127,6 +127,9 @@ class HostNet:
     """``n`` namespace hosts on one bridge; their daemons; link cuts. Use as a context manager."""
 
     n: int
+    # Caps TCP's retransmission backoff in every host (Linux >= 6.15's per-namespace sysctl
+    # net.ipv4.tcp_rto_max_ms); None keeps the kernel's 120 s. See docs/hosts.md.
+    tcp_rto_max_ms: int | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvxf-hosts-")))
     hosts: list[Host] = field(default_factory=list)
     daemons: list[Daemon] = field(default_factory=list)
@@ -178,6 +181,8 @@ class HostNet:
             ip = f"{SUBNET}.{i + 1}"
             self._ns(ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
             self._ns(ns, "ip", "link", "set", dev, "up")
+            if self.tcp_rto_max_ms is not None:
+                self._ns(ns, "sysctl", "-qw", f"net.ipv4.tcp_rto_max_ms={self.tcp_rto_max_ms}")
             self.hosts.append(Host(i, ns, ip, dev))
 
     # -- daemons ---------------------------------------------------------------------------

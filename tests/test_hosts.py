@@ -30,7 +30,7 @@ FAIL_BOUND_S = KV_TIMEOUT_S + 2 * CALL_TIMEOUT_S
 # reconnects, so it is UCX TCP's retransmission backoff that decides (issue 13: ~12 s);
 # the target is a few seconds.
 RECOVER_BOUND_S = 30.0
-CUT_S = 12.0  # how long the link stays cut: fetches started in it meet their deadline in it
+CUT_S = 15.0  # how long the link stays cut (issue 13 measured a 15 s cut)
 
 
 @dataclass
@@ -64,7 +64,8 @@ def xpyd() -> Iterator[Xpyd]:
     why = why_no_hosts()
     if why is not None:
         pytest.skip(why)
-    with HostNet(4) as net:
+    rto = os.environ.get("KVXFERD_HOSTS_TCP_RTO_MAX_MS")  # docs/hosts.md: the backoff cap
+    with HostNet(4, tcp_rto_max_ms=int(rto) if rto else None) as net:
         h = net.hosts
         p = [net.sender(h[0], "p0", PORT), net.sender(h[1], "p1", PORT)]
         d = [net.receiver(h[2], "d0"), net.receiver(h[3], "d1")]
@@ -163,7 +164,7 @@ def test_a_cut_link_fails_only_its_pair_in_time_and_carries_traffic_after_the_he
         t_heal = healed = net.heal(p0_host, d0_host)
         try:
             t_back = wait_until(
-                lambda: any(f.ok and (f.ended or 0) > healed for f in cut_pair.snapshot()),
+                lambda: any(f.ok and f.started > healed for f in cut_pair.snapshot()),
                 RECOVER_BOUND_S,
                 "p0->d0 carries traffic again",
                 0.05,
@@ -191,10 +192,13 @@ def test_a_cut_link_fails_only_its_pair_in_time_and_carries_traffic_after_the_he
     }
     figures["p0 writes_stalled"] = stalled(p0_daemon.metrics()) - stalled_before
     first_new = next((f for f in ff if f.started >= t_heal and f.ok), None)
-    figures["recover_s"] = round(t_back - t_heal, 2) if t_back is not None else None
+    first_any = min((f.ended for f in ff if f.ok and f.ended and f.ended > t_heal), default=None)
+    figures["recover_s"] = round(first_any - t_heal, 2) if first_any is not None else None
     figures["recover_new_s"] = (
         round(first_new.ended - t_heal, 2) if first_new and first_new.ended else None
     )
+    figures["first_new_started_s"] = round(first_new.started - t_heal, 2) if first_new else None
+    figures["tcp_rto_max_ms"] = net.tcp_rto_max_ms
     report("cut", figures)
 
     assert not stuck
@@ -214,4 +218,4 @@ def test_a_cut_link_fails_only_its_pair_in_time_and_carries_traffic_after_the_he
     p0d1 = [f for f in traffic[("p0", "d1")].snapshot() if t_cut <= f.started < t_heal]
     bad = [(f.request, f.state, f.reason) for f in p0d1 if not f.ok]
     assert p0d1 and not bad, f"p0->d1 while p0->d0 was cut: {bad[:5]}"
-    assert t_back is not None, f"p0->d0 carried nothing within {RECOVER_BOUND_S:g} s of the heal"
+    assert t_back is not None, f"no new p0->d0 fetch succeeded within {RECOVER_BOUND_S:g} s"
