@@ -60,6 +60,7 @@ from kvxferd.workload import aux_bytes, expected_bytes
 
 SUBNET = "10.79.0"  # /24, private, exists only inside the namespaces a HostNet builds
 PREFIX = "kvxh"  # namespace names: kvxh{pid}-sw, kvxh{pid}-h{i}
+WORKDIR_PREFIX = "kvxf-hosts-"  # {tmp}/kvxf-hosts-{pid}-XXXX: sockets, daemon logs, segments
 CMD_TIMEOUT_S = 10.0
 # UCX over TCP between hosts: only the TCP transport, only the host's veth (see docs/hosts.md).
 UCX_ENV = {"UCX_TLS": "tcp", "KVXFERD_DATAPLANE__UCX_TLS": "tcp"}
@@ -109,7 +110,24 @@ def sweep_stale() -> list[str]:
         if m and not Path(f"/proc/{m.group(1)}").exists():
             _kill_namespace(ns)
             gone.append(ns)
+    for d in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
+        m = re.match(rf"{WORKDIR_PREFIX}(\d+)-", d.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            _unlink_segments(d)
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(str(d))
     return gone
+
+
+def _unlink_segments(workdir: Path) -> None:
+    """Unlink the pool segments a HostNet recorded in ``workdir`` (daemons that were killed)."""
+    try:
+        names = (workdir / "segments").read_text().split()
+    except OSError:
+        return
+    for name in names:
+        if re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", name):
+            Path(f"/dev/shm/{name}").unlink(missing_ok=True)
 
 
 @dataclass
@@ -130,10 +148,13 @@ class HostNet:
     # Caps TCP's retransmission backoff in every host (Linux >= 6.15's per-namespace sysctl
     # net.ipv4.tcp_rto_max_ms); None keeps the kernel's 120 s. See docs/hosts.md.
     tcp_rto_max_ms: int | None = None
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvxf-hosts-")))
+    workdir: Path = field(
+        default_factory=lambda: Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
+    )
     hosts: list[Host] = field(default_factory=list)
     daemons: list[Daemon] = field(default_factory=list)
     engines: list[Engine] = field(default_factory=list)
+    traffics: list[PairTraffic] = field(default_factory=list)
     cuts: set[tuple[int, int]] = field(default_factory=set)
     _created: list[str] = field(default_factory=list)
 
@@ -219,10 +240,20 @@ class HostNet:
         client = Client(d.ready["engine_socket"], timeout_s=CALL_TIMEOUT_S)
         info = client.describe()
         d.shm_name = info.shm_name
+        with open(self.workdir / "segments", "a") as f:  # swept if this process dies
+            f.write(info.shm_name + "\n")
         kv = attach_pool(info)
         eng = Engine(d, client, kv, IdAllocator(kv.shape[1], shuffle_seed=seed))
         self.engines.append(eng)
         return eng
+
+    def pair(
+        self, name: str, tx: Engine, rx: Engine, endpoint: str, *, threads: int, seed: int
+    ) -> PairTraffic:
+        """Engine loops on one pair, started; ``close`` stops them before unmapping pools."""
+        t = PairTraffic(name, tx, rx, endpoint, threads=threads, seed=seed)
+        self.traffics.append(t)
+        return t.start()
 
     # -- faults ----------------------------------------------------------------------------
     def cut(self, a: Host, b: Host) -> float:
@@ -249,6 +280,11 @@ class HostNet:
     def close(self) -> None:
         """Every daemon stopped (SIGTERM, SIGKILL past its bound), every namespace (with its
         links and tables) deleted, every pool segment unlinked."""
+        for t in self.traffics:
+            t.stop.set()
+        loops_left = [
+            n for t in self.traffics for n in t.finish(FETCH_BOUND_S + 3 * CALL_TIMEOUT_S)
+        ]
         for e in self.engines:
             e.client.close_client()
         for d in self.daemons:  # all at once: the bounds run in parallel
@@ -267,10 +303,10 @@ class HostNet:
                 d.kill()
             except Exception:  # a kill that failed: the namespace sweep below kills it
                 pass
-        for e in self.engines:
+        for e in self.engines if not loops_left else ():  # a loop still running: exit unmaps
             try:
                 e.kv.kvxferd_mapping.close()  # type: ignore[attr-defined]
-            except Exception:  # an engine thread may still hold it: the exit unmaps
+            except Exception:
                 pass
         for d in self.daemons:  # a killed daemon could not unlink its segment
             if d.shm_name and d.proc.returncode != 0:

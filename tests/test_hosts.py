@@ -46,9 +46,9 @@ class Xpyd:
             ep = f"tcp://{self.net.hosts[i].ip}:{PORT}"
             for j, rx in enumerate(self.decode):
                 name = f"{tag}p{i}d{j}"
-                out[(f"p{i}", f"d{j}")] = PairTraffic(
+                out[(f"p{i}", f"d{j}")] = self.net.pair(
                     name, tx, rx, ep, threads=threads, seed=7 * i + j + len(tag)
-                ).start()
+                )
         return out
 
 
@@ -172,9 +172,9 @@ def test_a_cut_link_fails_only_its_pair_in_time_and_carries_traffic_after_the_he
         except AssertionError:
             t_back = None
     finally:
+        stuck = finish(traffic)
         if t_cut is not None and t_heal is None:
             net.heal(p0_host, d0_host)
-        stuck = finish(traffic)
     assert t_cut is not None and t_heal is not None
     figures: dict[str, object] = {"cut_s": round(t_heal - t_cut, 2)}
     for (p, d), t in traffic.items():
