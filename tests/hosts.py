@@ -327,6 +327,7 @@ class HostNet:
 # A fetch must be answered within its kv_transfer deadline; past this the engine gives up
 # asking and records it unanswered (a defect: the receiver owes every fetch an outcome).
 FETCH_BOUND_S = FAULT_DEADLINES["kv_transfer_timeout_ms"] / 1000 + 2 * CALL_TIMEOUT_S + 1.0
+CLOSE_TRY_S = 0.05  # a close that does not answer True this fast is asked again later
 
 
 @dataclass
@@ -350,8 +351,11 @@ class Fetch:
 class PairTraffic:
     """``threads`` engine loops on one pair: publish on the prefill engine, fetch on the decode
     engine, verify every byte of a done, close both (blocks reused only after a close that
-    answered True). A failed fetch's publish is cancelled at once, so a cut link is retried
-    every few seconds instead of once per publish TTL. Every call and wait is bounded."""
+    answered True). A failed fetch's publish is cancelled at once, and a handle whose close
+    does not answer True at once (a write in doubt) is handed to a closer thread that asks
+    again until it does, so a loop starts its next fetch as soon as the last one ended: a
+    cut link is tried all the time, not once per publish TTL or close timeout. Every call
+    and wait is bounded."""
 
     def __init__(
         self, name: str, tx: Engine, rx: Engine, endpoint: str, *, threads: int, seed: int
@@ -368,6 +372,11 @@ class PairTraffic:
             threading.Thread(target=self._run, name=f"hosts-{name}-{k}", daemon=True)
             for k in range(threads)
         ]
+        self._threads.append(
+            threading.Thread(target=self._closer, name=f"hosts-{name}-closer", daemon=True)
+        )
+        # (engine, handle, blocks) whose close has not answered True yet; guarded by lock
+        self._unclosed: list[tuple[Engine, int, np.ndarray]] = []
 
     def start(self) -> PairTraffic:
         for th in self._threads:
@@ -428,12 +437,41 @@ class PairTraffic:
                 tx.client.cancel(ph)
             except EngineError:
                 pass
+        self._close(tx, ph, src)
+
+    def _close(self, eng: Engine, handle: int, blocks: np.ndarray) -> None:
+        """Close now if that answers True at once, else leave it to the closer thread."""
         try:
-            safe = tx.client.close(ph, timeout=CALL_TIMEOUT_S)
+            if eng.client.close(handle, timeout=CLOSE_TRY_S):
+                eng.give_back(blocks, safe=True)
+                return
         except EngineError as e:
-            self._note(f"close publish {rid}: {e}")
-            safe = False
-        tx.give_back(src, safe)
+            self._note(f"close {eng.daemon.name}: {e}")
+            eng.give_back(blocks, safe=False)
+            return
+        with self.lock:
+            self._unclosed.append((eng, handle, blocks))
+
+    def _closer(self) -> None:
+        """Ask again for every unclosed handle until it closes; at stop, one last round."""
+        last = False
+        while not last:
+            last = self.stop.wait(0.25)
+            with self.lock:
+                pending, self._unclosed = self._unclosed, []
+            for eng, handle, blocks in pending:
+                try:
+                    done = eng.client.close(handle, timeout=CLOSE_TRY_S)
+                except EngineError:
+                    eng.give_back(blocks, safe=False)
+                    continue
+                if done:
+                    eng.give_back(blocks, safe=True)
+                elif last:
+                    eng.give_back(blocks, safe=False)  # withheld: never reused
+                else:
+                    with self.lock:
+                        self._unclosed.append((eng, handle, blocks))
 
     def _fetch(self, rid: str, i: int, dst: np.ndarray, want: torch.Tensor) -> bool:
         rx = self.rx
@@ -466,10 +504,5 @@ class PairTraffic:
                 got = rx.kv[:, torch.from_numpy(dst)]
                 f.wrong = not torch.equal(got, want) or out.aux != aux_bytes(i)
                 f.verified = 0 if f.wrong else int(want.numel()) + len(aux_bytes(i))
-        try:
-            safe = rx.client.close(fh, timeout=CALL_TIMEOUT_S)
-        except EngineError as e:
-            self._note(f"close fetch {rid}: {e}")
-            safe = False
-        rx.give_back(dst, safe)
+        self._close(rx, fh, dst)
         return f.ok and not f.wrong
