@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -62,6 +63,7 @@ SUBNET = "10.79.0"  # /24, private, exists only inside the namespaces a HostNet 
 PREFIX = "kvxh"  # namespace names: kvxh{pid}-sw, kvxh{pid}-h{i}
 WORKDIR_PREFIX = "kvxf-hosts-"  # {tmp}/kvxf-hosts-{pid}-XXXX: sockets, daemon logs, segments
 CMD_TIMEOUT_S = 10.0
+CutAt = Literal["switch", "hosts"]
 # UCX over TCP between hosts: only the TCP transport, only the host's veth (see docs/hosts.md).
 UCX_ENV = {"UCX_TLS": "tcp", "KVXFERD_DATAPLANE__UCX_TLS": "tcp"}
 
@@ -137,7 +139,8 @@ class Host:
     index: int
     ns: str
     ip: str
-    dev: str
+    dev: str  # its veth (UCX_NET_DEVICES)
+    port: str  # the veth's other end, a port of the switch's bridge
 
 
 @dataclass
@@ -145,9 +148,11 @@ class HostNet:
     """``n`` namespace hosts on one bridge; their daemons; link cuts. Use as a context manager."""
 
     n: int
-    # Caps TCP's retransmission backoff in every host (Linux >= 6.15's per-namespace sysctl
-    # net.ipv4.tcp_rto_max_ms); None keeps the kernel's 120 s. See docs/hosts.md.
+    # Per-namespace TCP sysctls of every host (docs/hosts.md); None keeps the kernel's value.
+    # tcp_rto_max_ms (Linux >= 6.15) caps the retransmission backoff (default 120 s);
+    # tcp_retries2 bounds the retransmissions before a connection is dropped (default 15).
     tcp_rto_max_ms: int | None = None
+    tcp_retries2: int | None = None
     workdir: Path = field(
         default_factory=lambda: Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     )
@@ -155,7 +160,7 @@ class HostNet:
     daemons: list[Daemon] = field(default_factory=list)
     engines: list[Engine] = field(default_factory=list)
     traffics: list[PairTraffic] = field(default_factory=list)
-    cuts: set[tuple[int, int]] = field(default_factory=set)
+    cuts: dict[tuple[int, int], CutAt] = field(default_factory=dict)
     _created: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -202,9 +207,13 @@ class HostNet:
             ip = f"{SUBNET}.{i + 1}"
             self._ns(ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
             self._ns(ns, "ip", "link", "set", dev, "up")
-            if self.tcp_rto_max_ms is not None:
-                self._ns(ns, "sysctl", "-qw", f"net.ipv4.tcp_rto_max_ms={self.tcp_rto_max_ms}")
-            self.hosts.append(Host(i, ns, ip, dev))
+            for key, value in (
+                ("tcp_rto_max_ms", self.tcp_rto_max_ms),
+                ("tcp_retries2", self.tcp_retries2),
+            ):
+                if value is not None:
+                    self._ns(ns, "sysctl", "-qw", f"net.ipv4.{key}={value}")
+            self.hosts.append(Host(i, ns, ip, dev, port))
 
     # -- daemons ---------------------------------------------------------------------------
     def env(self, host: Host, name: str) -> dict[str, str]:
@@ -256,24 +265,45 @@ class HostNet:
         return t.start()
 
     # -- faults ----------------------------------------------------------------------------
-    def cut(self, a: Host, b: Host) -> float:
-        """Drop every packet between ``a`` and ``b`` (both directions); the monotonic time."""
-        for me, other in ((a, b), (b, a)):
-            table = f"kvxcut{other.index}"
-            self._ns(me.ns, "nft", "add", "table", "inet", table)
-            for hook, fld in (("input", "saddr"), ("output", "daddr")):
-                self._ns(me.ns, "nft", "add", "chain", "inet", table, hook,
-                         f"{{ type filter hook {hook} priority 0 ; policy accept ; }}")  # fmt: skip
-                self._ns(me.ns, "nft", "add", "rule", "inet", table, hook, "ip", fld, other.ip,
-                         "drop")  # fmt: skip
-        self.cuts.add((a.index, b.index))
+    def cut(self, a: Host, b: Host, at: CutAt = "switch", both: bool = True) -> float:
+        """Drop every packet between ``a`` and ``b``; the monotonic time. ``both=False``: only
+        from ``a`` to ``b`` (at the switch), a link that fails one way.
+
+        ``switch``: the bridge drops the frames between the two hosts' ports (an nftables
+        ``bridge`` table in the switch namespace). The hosts see nothing but silence, as when
+        a link or a switch fails: TCP retransmits on its doubling backoff. ``hosts``: each
+        host's own input/output hooks drop the packets; a local drop is reported to the
+        sending socket at once, so TCP retries on its short local-drop timer instead.
+        """
+        if at == "switch":
+            sw, table = f"{self.tag}-sw", f"kvxcut{a.index}x{b.index}"
+            self._ns(sw, "nft", "add", "table", "bridge", table)
+            self._ns(sw, "nft", "add", "chain", "bridge", table, "forward",
+                     "{ type filter hook forward priority 0 ; policy accept ; }")  # fmt: skip
+            for src, dst in ((a, b), (b, a)) if both else ((a, b),):
+                self._ns(sw, "nft", "add", "rule", "bridge", table, "forward",
+                         "iifname", src.port, "oifname", dst.port, "drop")  # fmt: skip
+        else:
+            for me, other in ((a, b), (b, a)):
+                table = f"kvxcut{other.index}"
+                self._ns(me.ns, "nft", "add", "table", "inet", table)
+                for hook, fld in (("input", "saddr"), ("output", "daddr")):
+                    self._ns(me.ns, "nft", "add", "chain", "inet", table, hook,
+                             f"{{ type filter hook {hook} priority 0 ; policy accept ; }}")  # fmt: skip
+                    self._ns(me.ns, "nft", "add", "rule", "inet", table, hook, "ip", fld,
+                             other.ip, "drop")  # fmt: skip
+        self.cuts[(a.index, b.index)] = at
         return time.monotonic()
 
     def heal(self, a: Host, b: Host) -> float:
         """Undo ``cut(a, b)``; the monotonic time."""
-        for me, other in ((a, b), (b, a)):
-            self._ns(me.ns, "nft", "delete", "table", "inet", f"kvxcut{other.index}")
-        self.cuts.discard((a.index, b.index))
+        at = self.cuts.pop((a.index, b.index))
+        if at == "switch":
+            self._ns(f"{self.tag}-sw", "nft", "delete", "table", "bridge",
+                     f"kvxcut{a.index}x{b.index}")  # fmt: skip
+        else:
+            for me, other in ((a, b), (b, a)):
+                self._ns(me.ns, "nft", "delete", "table", "inet", f"kvxcut{other.index}")
         return time.monotonic()
 
     # -- cleanup ---------------------------------------------------------------------------
