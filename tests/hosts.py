@@ -2,8 +2,8 @@
 
 :class:`HostNet` (as root) builds, for ``n`` hosts::
 
-    namespace {tag}sw          bridge "br0" (the switch), no address
-    namespace {tag}h{i}        veth kx{tag}h{i}  10.79.0.{i+1}/24  <-->  kx{tag}s{i} in br0
+    namespace kvxh{pid}-sw     bridge "br0" (the switch), no address
+    namespace kvxh{pid}-h{i}   veth kx{pid}h{i}  10.79.0.{i+1}/24  <-->  kx{pid}s{i} in br0
 
 Every address lives only inside namespaces this object created, so no packet of a test
 reaches the machine's own network. Each host runs its own daemons
@@ -13,15 +13,18 @@ to its own address, with NIXL over UCX TCP on its veth (``UCX_TLS=tcp``,
 shared filesystem and the pool is POSIX shared memory, so the test process itself can be the
 engine of every daemon (:mod:`kvxferd.client`).
 
-``cut(a, b)`` drops every packet between two hosts with nftables (a table in each of the two
-namespaces; no connection is reset, as when a cable or a switch port fails) and
-``heal(a, b)`` deletes those tables.
+``cut(a, b)`` drops every frame between two hosts at the switch (an nftables ``bridge``
+table; no connection is reset and the hosts see only silence, as when a cable or a switch
+port fails; ``both=False``: one way); ``heal(a, b)`` deletes it. The hosts' TCP can be tuned
+per namespace (``tcp_rto_max_ms``, ``tcp_retries2``). :class:`PairTraffic` plays the engines
+of one (prefill, decode) pair.
 
-Cleanup is certain: ``close()`` (also on ``__exit__``, whatever happened) kills every daemon
-it started, then every process left in its namespaces, then deletes the namespaces, which
-takes their veths, bridge and nftables tables with them; nothing is created in the root
-namespace. Namespaces left by a run that was SIGKILLed (their creator's pid is gone) are
-swept the same way at the next start. Every command and wait has a deadline.
+Cleanup is certain: ``close()`` (also on ``__exit__``, whatever happened) stops the engine
+loops, stops every daemon it started (SIGTERM, then SIGKILL), kills every process left in
+its namespaces, then deletes the namespaces, which takes their veths, bridge and nftables
+tables with them; nothing is created in the root namespace. Namespaces, work directories
+and pool segments left by a run that was SIGKILLed (their creator's pid is gone) are swept
+at the next start. Every command and wait has a deadline.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""xPyD across namespace hosts (tests/hosts.py): 2 prefill x 2 decode hosts over UCX TCP, and a link cut.
+"""xPyD across namespace hosts (tests/hosts.py): 2 prefill x 2 decode hosts over UCX TCP, link cuts.
 
 Prefill hosts h0, h1 each run a sender; decode hosts h2, h3 each run a receiver; this
 process is the engine of all four. Every pair (p0|p1 -> d0|d1) carries requests whose
-bytes are verified. Root only (skipped with how to run it otherwise); the figures of a run
-are printed (``pytest -s``) and, with ``KVXFERD_HOSTS_FIGURES=FILE``, written as JSON.
+bytes are verified: all four pairs at once, through a 15 s cut of one link, and through a
+one-way cut long enough to kill the sender's UCX connection (reconnected after the heal).
+Root only (skipped with how to run it otherwise); about 50 s. The figures of a run are
+printed (``pytest -s``) and, with ``KVXFERD_HOSTS_FIGURES=FILE``, written as JSON lines
+(docs/hosts.md).
 """
 
 from __future__ import annotations
