@@ -419,6 +419,7 @@ class NixlDataPlane:
         meta = self._meta.get(peer)
         if meta is None:
             return
+        t0 = time.monotonic()
         old = self._remote.pop(peer, None)
         if old is not None:
             self._retire_locked(old[0], free)
@@ -439,7 +440,11 @@ class NixlDataPlane:
             handle = self._prep(peer, layout, kv_base, device_id)
             if handle is not None:
                 self._remote[peer] = (handle, layout.num_blocks)
-        log.warning("transport to %s reconnected (a fresh endpoint)", peer)
+        log.warning(
+            "transport to %s reconnected (a fresh endpoint) in %.1f ms",
+            peer,
+            (time.monotonic() - t0) * 1000,
+        )
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; the caller guarantees no write toward it is in flight."""

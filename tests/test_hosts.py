@@ -268,7 +268,8 @@ def test_a_ucx_connection_that_died_in_a_cut_is_reconnected_after_the_heal(xpyd:
         if t_cut is not None and t_heal is None:
             net.heal(p0_host, d0_host)
     assert t_cut is not None and t_heal is not None
-    reconnects = p0.stderr_path.read_text(errors="replace").count("reconnected")
+    log = p0.stderr_path.read_text(errors="replace")
+    reconnects = log.count("reconnected")
     ff = cut_pair.snapshot()
     after = [f for f in ff if f.started >= t_heal]
     figures: dict[str, object] = {
@@ -278,6 +279,7 @@ def test_a_ucx_connection_that_died_in_a_cut_is_reconnected_after_the_heal(xpyd:
         "cut_reasons": sorted({f"{f.state}:{f.reason}" for f in ff if not f.ok}),
         "recover_s": round(t_back - t_heal, 2) if t_back is not None else None,
         "failed_after_heal": sum(not f.ok for f in after),
+        "reconnect_lines": [ln[-80:] for ln in log.splitlines() if "reconnected" in ln][-3:],
     }
     for pair in (("p0", "d1"), ("p1", "d0"), ("p1", "d1")):
         during = [f for f in traffic[pair].snapshot() if t_cut <= f.started < t_heal]
