@@ -27,6 +27,16 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   ``post_blocks`` counts a use until its handle is released), so retired lists
   stay bounded by the writes in flight, not by the peers ever seen. The sender
   removes a peer only once no write toward it is in flight.
+* **A failed transport is reconnected.** UCX does not reopen an endpoint that failed (a
+  TCP connection that timed out after a long link cut, a peer unreachable): every later
+  WRITE toward that peer is refused, for good. A post that raises, a WRITE that ends in
+  ERR or whose status check raises marks its peer *broken*; the next post toward a broken
+  peer with no write of its own in flight (posted and not released) drops the remote
+  agent, loads it again from the metadata ``add_peer`` was given and prepares its list
+  again, so UCX opens a fresh endpoint (``peer_reconnects``). Writes in flight are never
+  pulled from under NIXL: a peer with a write still in flight keeps its broken endpoint
+  (and its posts fail fast) until that write ends. A write that merely stalls (TCP
+  retransmitting into a cut link) does not mark its peer: it may still land.
 """
 
 from __future__ import annotations
@@ -137,18 +147,31 @@ def _quiet_nixl_logger() -> None:
 
 
 class _NixlXfer:
-    __slots__ = ("_agent", "_handle", "_released", "_on_release")
+    __slots__ = ("_agent", "_handle", "_released", "_on_release", "_on_error")
 
     def __init__(
-        self, agent: object, handle: object, on_release: Callable[[], None] | None = None
+        self,
+        agent: object,
+        handle: object,
+        on_release: Callable[[], None] | None = None,
+        on_error: Callable[[], None] | None = None,
     ) -> None:
         self._agent = agent
         self._handle = handle
         self._released = False
         self._on_release = on_release  # once, after the handle was released
+        self._on_error = on_error  # the transport failed this write (ERR, or the check raised)
 
     def poll(self) -> XferState:
-        return self._agent.check_xfer_state(self._handle)  # type: ignore[attr-defined,no-any-return]
+        try:
+            state: XferState = self._agent.check_xfer_state(self._handle)  # type: ignore[attr-defined]
+        except Exception:
+            if self._on_error is not None:
+                self._on_error()
+            raise
+        if state == "ERR" and self._on_error is not None:
+            self._on_error()
+        return state
 
     def release(self) -> bool:
         if self._released:
@@ -208,6 +231,12 @@ class NixlDataPlane:
         self._remote: dict[str, tuple[object, int]] = {}
         self._uses: dict[int, int] = {}  # id(remote list) -> writes holding a handle made from it
         self._retired: dict[int, object] = {}  # id -> retired list still used by a write
+        # Reconnecting a peer whose transport failed (see the module docstring); under _lock.
+        self._meta: dict[str, bytes] = {}  # peer -> the metadata add_peer loaded
+        self._prep_args: dict[str, tuple[Layout, int, int]] = {}  # peer -> prepare_peer's
+        self._inflight: dict[str, int] = {}  # peer -> writes posted and not released
+        self._broken: set[str] = set()
+        self.reconnects = 0  # peers reconnected so far
         # The local list is prepared at the first prepare_peer (a receiver never needs one).
         self._pool = pool
         self._want_prepped = prepped and pool.mem_type == "DRAM"
@@ -241,6 +270,8 @@ class NixlDataPlane:
             name = self._agent.add_remote_agent(metadata)
             peer = name.decode() if isinstance(name, bytes) else str(name)
             self._peers.add(peer)
+            self._meta[peer] = metadata
+            self._broken.discard(peer)
             return peer
 
     def prepare_peer(
@@ -262,6 +293,10 @@ class NixlDataPlane:
         handle = self._prep(peer, layout, kv_base, device_id) if usable else None
         free: list[object] = []
         with self._lock:  # a peer prepared again (or refused now) loses its old list
+            if usable:
+                self._prep_args[peer] = (layout, kv_base, device_id)
+            else:
+                self._prep_args.pop(peer, None)
             old = self._remote.pop(peer, None)
             if old is not None:
                 self._retire_locked(old[0], free)
@@ -315,36 +350,101 @@ class NixlDataPlane:
         layer_end: int,
     ) -> tuple[Xfer, XferState]:
         """Post one KV WRITE by block indices; raises on a build or post error (nothing in flight)."""
+        free: list[object] = []
         with self._lock:  # the list is counted as used before NIXL sees it
+            self._reconnect_if_broken_locked(peer, free)
             remote = self._remote.get(peer)
             if remote is None or self._local is None:
+                self._release_lists(free)
                 raise RuntimeError(f"no prepared descriptor list for peer {peer}")
             handle_r, dst_num_blocks = remote
             self._uses[id(handle_r)] = self._uses.get(id(handle_r), 0) + 1
+            self._inflight[peer] = self._inflight.get(peer, 0) + 1
+        self._release_lists(free)
         agent = self._agent
+
+        def released() -> None:
+            self._used_by_one_less(handle_r)
+            self._write_released(peer)
+
         try:
             local_idx = prepped_indices(src_blocks, layer_begin, layer_end, self._layout.num_blocks)
             remote_idx = prepped_indices(dst_blocks, layer_begin, layer_end, dst_num_blocks)
             handle = agent.make_prepped_xfer("WRITE", self._local, local_idx, handle_r, remote_idx)
         except Exception:
-            self._used_by_one_less(handle_r)
+            self._mark_broken(peer)
+            released()
             raise
-        return self._start(handle, lambda: self._used_by_one_less(handle_r))
+        return self._start(handle, peer, released)
 
     def _start(
-        self, handle: object, on_release: Callable[[], None] | None = None
+        self, handle: object, peer: str, on_release: Callable[[], None]
     ) -> tuple[Xfer, XferState]:
         agent = self._agent
-        xfer = _NixlXfer(agent, handle, on_release)
+        xfer = _NixlXfer(agent, handle, on_release, lambda: self._mark_broken(peer))
         try:
             state = agent.transfer(handle)
         except Exception:
+            self._mark_broken(peer)
             xfer.release()
             raise
         if state == "ERR":
+            self._mark_broken(peer)
             xfer.release()
             raise RuntimeError("NIXL refused to post the WRITE")
         return xfer, state
+
+    # -- reconnecting a failed transport (module docstring) ----------------------------
+    def _mark_broken(self, peer: str) -> None:
+        with self._lock:
+            if peer in self._peers and peer not in self._broken:
+                self._broken.add(peer)
+                log.warning(
+                    "transport to %s failed: reconnecting it once no write is in flight", peer
+                )
+
+    def _write_released(self, peer: str) -> None:
+        with self._lock:
+            left = self._inflight.get(peer, 0) - 1
+            if left > 0:
+                self._inflight[peer] = left
+            else:
+                self._inflight.pop(peer, None)
+
+    def _reconnect_if_broken_locked(self, peer: str, free: list[object]) -> None:
+        """Load a broken peer's remote agent again (fresh UCX endpoint) if none of its writes
+        is in flight; its prepared list too. Called with _lock held; lists to free go to ``free``."""
+        if peer not in self._broken or self._inflight.get(peer, 0) or self._closed:
+            return
+        meta = self._meta.get(peer)
+        if meta is None:
+            return
+        t0 = time.monotonic()
+        old = self._remote.pop(peer, None)
+        if old is not None:
+            self._retire_locked(old[0], free)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception:
+            log.warning("removing the failed remote agent %s raised", peer, exc_info=True)
+        try:
+            self._agent.add_remote_agent(meta)
+        except Exception:
+            log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
+            return
+        self._broken.discard(peer)
+        self.reconnects += 1
+        args = self._prep_args.get(peer)
+        if args is not None and self._local is not None:
+            layout, kv_base, device_id = args
+            handle = self._prep(peer, layout, kv_base, device_id)
+            if handle is not None:
+                self._remote[peer] = (handle, layout.num_blocks)
+        log.warning(
+            "transport to %s reconnected (a fresh endpoint) in %.1f ms",
+            peer,
+            (time.monotonic() - t0) * 1000,
+        )
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; the caller guarantees no write toward it is in flight."""
@@ -352,6 +452,10 @@ class NixlDataPlane:
         with self._lock:
             if peer in self._peers:
                 self._peers.discard(peer)
+                self._meta.pop(peer, None)
+                self._prep_args.pop(peer, None)
+                self._broken.discard(peer)
+                self._inflight.pop(peer, None)
                 old = self._remote.pop(peer, None)
                 if old is not None:
                     self._retire_locked(old[0], free)
@@ -362,11 +466,21 @@ class NixlDataPlane:
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
     ) -> tuple[Xfer, XferState]:
         """Post one WRITE; raises on a build or post error (nothing in flight then)."""
+        free: list[object] = []
+        with self._lock:
+            self._reconnect_if_broken_locked(peer, free)
+            self._inflight[peer] = self._inflight.get(peer, 0) + 1
+        self._release_lists(free)
         agent = self._agent
-        local = agent.get_xfer_descs(src, src_mem)
-        remote = agent.get_xfer_descs(dst, dst_mem)
-        handle = agent.initialize_xfer("WRITE", local, remote, peer)
-        return self._start(handle)
+        try:
+            local = agent.get_xfer_descs(src, src_mem)
+            remote = agent.get_xfer_descs(dst, dst_mem)
+            handle = agent.initialize_xfer("WRITE", local, remote, peer)
+        except Exception:
+            self._mark_broken(peer)
+            self._write_released(peer)
+            raise
+        return self._start(handle, peer, lambda: self._write_released(peer))
 
     def progress(self) -> None:
         self._agent.get_new_notifs()

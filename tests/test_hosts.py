@@ -1,0 +1,300 @@
+"""xPyD across namespace hosts (tests/hosts.py): 2 prefill x 2 decode hosts over UCX TCP, link cuts.
+
+Prefill hosts h0, h1 each run a sender; decode hosts h2, h3 each run a receiver; this
+process is the engine of all four. Every pair (p0|p1 -> d0|d1) carries requests whose
+bytes are verified: all four pairs at once, through a 15 s cut of one link, and through a
+one-way cut long enough to kill the sender's UCX connection (reconnected after the heal).
+Root only (skipped with how to run it otherwise); about 50 s. The figures of a run are
+printed (``pytest -s``) and, with ``KVXFERD_HOSTS_FIGURES=FILE``, written as JSON lines
+(docs/hosts.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvxferd.faults.harness import CALL_TIMEOUT_S, FAULT_DEADLINES, Engine, p99
+from tests.conditions import wait_until
+from tests.hosts import FETCH_BOUND_S, HostNet, PairTraffic, why_no_hosts
+
+pytestmark = pytest.mark.integration
+
+PORT = 5555  # each sender in its own namespace: no port is shared
+KV_TIMEOUT_S = FAULT_DEADLINES["kv_transfer_timeout_ms"] / 1000
+# A fetch on a cut link must end (fail) within its kv_transfer deadline plus two engine calls.
+FAIL_BOUND_S = KV_TIMEOUT_S + 2 * CALL_TIMEOUT_S
+# The healed link must carry a good transfer again within this long. Today nothing
+# reconnects, so it is UCX TCP's retransmission backoff that decides (issue 13: ~12 s);
+# the target is a few seconds.
+RECOVER_BOUND_S = 30.0
+CUT_S = 15.0  # how long the link stays cut (issue 13 measured a 15 s cut)
+TCP_RTO_MAX_MS = 1000
+# A link cut one way for this long drops the sender's UCX TCP connection (5 retransmissions
+# at most 1 s apart, after the first few short ones).
+ONE_WAY_CUT_S = 8.0
+# A pair whose UCX connection died must carry traffic again within this long of the heal.
+RECONNECT_BOUND_S = 10.0
+
+
+@dataclass
+class Xpyd:
+    net: HostNet
+    prefill: list[Engine]  # p0, p1 (hosts h0, h1)
+    decode: list[Engine]  # d0, d1 (hosts h2, h3)
+
+    def traffic(self, tag: str, threads: int) -> dict[tuple[str, str], PairTraffic]:
+        """Engine loops on every (prefill, decode) pair, started."""
+        out = {}
+        for i, tx in enumerate(self.prefill):
+            ep = f"tcp://{self.net.hosts[i].ip}:{PORT}"
+            for j, rx in enumerate(self.decode):
+                name = f"{tag}p{i}d{j}"
+                out[(f"p{i}", f"d{j}")] = self.net.pair(
+                    name, tx, rx, ep, threads=threads, seed=7 * i + j + len(tag)
+                )
+        return out
+
+
+def finish(traffic: dict[tuple[str, str], PairTraffic]) -> list[str]:
+    """Stop every loop (bounded); the names of loops still running."""
+    for t in traffic.values():
+        t.stop.set()
+    return [n for t in traffic.values() for n in t.finish(FETCH_BOUND_S + 3 * CALL_TIMEOUT_S)]
+
+
+@pytest.fixture(scope="module")
+def xpyd() -> Iterator[Xpyd]:
+    why = why_no_hosts()
+    if why is not None:
+        pytest.skip(why)
+    # The hosts' TCP as docs/hosts.md recommends (backoff capped at 1 s, a connection with
+    # unacknowledged data dropped after 5 retransmissions); KVXFERD_HOSTS_KERNEL_TCP=1 keeps
+    # the kernel's defaults (120 s, 15) to measure what issue 13 measured.
+    tuned = not os.environ.get("KVXFERD_HOSTS_KERNEL_TCP")
+    with HostNet(
+        4, tcp_rto_max_ms=TCP_RTO_MAX_MS if tuned else None, tcp_retries2=5 if tuned else None
+    ) as net:
+        h = net.hosts
+        p = [net.sender(h[0], "p0", PORT), net.sender(h[1], "p1", PORT)]
+        d = [net.receiver(h[2], "d0"), net.receiver(h[3], "d1")]
+        net.wait_ready()
+        yield Xpyd(
+            net,
+            [net.engine(x, seed=10 + k) for k, x in enumerate(p)],
+            [net.engine(x, seed=20 + k) for k, x in enumerate(d)],
+        )
+    assert not net.leftovers(), "namespaces left behind"
+
+
+def report(name: str, figures: dict[str, object]) -> None:
+    print(f"\n{name}: {json.dumps(figures, sort_keys=True)}")
+    path = os.environ.get("KVXFERD_HOSTS_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, **figures}, sort_keys=True) + "\n")
+
+
+@pytest.mark.timeout(120)
+def test_every_pair_of_2x2_hosts_moves_byte_exact_requests(xpyd: Xpyd) -> None:
+    """Each of the four prefill->decode pairs, across real network hops, completes requests byte-exact."""
+    want = 25
+    traffic = xpyd.traffic("x", threads=2)
+    try:
+        wait_until(
+            lambda: all(sum(f.ok for f in t.snapshot()) >= want for t in traffic.values()),
+            timeout=40,
+            what=f"{want} fetches done on every pair",
+            poll=0.1,
+        )
+    finally:
+        stuck = finish(traffic)
+    figures: dict[str, object] = {}
+    for (p, d), t in traffic.items():
+        ff = t.snapshot()
+        figures[f"{p}->{d}"] = {
+            "fetched": len(ff),
+            "byte_exact": sum(f.ok and f.verified > 0 and not f.wrong for f in ff),
+            "p99_ms": round(p99([f.seconds for f in ff]) * 1000, 1),
+        }
+    report("2x2", figures)
+    assert not stuck
+    for pair, t in traffic.items():
+        ff = t.snapshot()
+        assert not t.errors, f"{pair}: {t.errors[:5]}"
+        assert not any(f.wrong for f in ff), f"{pair}: wrong bytes"
+        bad = [(f.request, f.state, f.reason) for f in ff if not f.ok]
+        assert not bad, f"{pair}: {bad[:5]}"
+        assert len(ff) >= want and all(f.verified > 0 for f in ff)
+
+
+def stalled(metrics: dict[str, float]) -> int:
+    """A sender's writes_stalled counter, from its /metrics."""
+    return int(sum(v for k, v in metrics.items() if "writes_stalled" in k))
+
+
+def _figures(t: PairTraffic, t_cut: float, t_heal: float) -> dict[str, object]:
+    ff = t.snapshot()
+    base = [f.seconds for f in ff if f.ended is not None and f.ended < t_cut]
+    during = [f for f in ff if t_cut <= f.started < t_heal]
+    failed = [f for f in during if not f.ok]
+    ok_during = [f.seconds for f in during if f.ok]
+    base_p99 = p99(base)
+    return {
+        "base_n": len(base),
+        "base_p99_ms": round(base_p99 * 1000, 1),
+        "cut_n": len(during),
+        "cut_failed": len(failed),
+        "cut_reasons": sorted({f"{f.state}:{f.reason}" for f in failed}),
+        "cut_fail_max_s": round(max((f.seconds for f in failed), default=0.0), 2),
+        "cut_max_s": round(max((f.seconds for f in during), default=0.0), 2),
+        "cut_ok_p99_ms": round(p99(ok_during) * 1000, 1),
+        "p99_ratio": round(p99(ok_during) / base_p99, 1) if base and ok_during else None,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_cut_link_fails_only_its_pair_in_time_and_carries_traffic_after_the_heal(
+    xpyd: Xpyd,
+) -> None:
+    """A link cut between p0 and d0 fails p0->d0's fetches within their deadline, p1's pairs keep
+    succeeding, no byte is wrong, and p0->d0 carries a good transfer again after the heal."""
+    net = xpyd.net
+    p0_host, d0_host = net.hosts[0], net.hosts[2]
+    p0_daemon = xpyd.prefill[0].daemon
+    stalled_before = stalled(p0_daemon.metrics())
+    traffic = xpyd.traffic("c", threads=3)
+    cut_pair = traffic[("p0", "d0")]
+    t_cut = t_heal = t_back = None
+    try:
+        time.sleep(4.0)  # the baseline: measured traffic, not a synchronisation
+        t_cut = net.cut(p0_host, d0_host)
+        time.sleep(CUT_S)  # measured traffic through the cut
+        t_heal = healed = net.heal(p0_host, d0_host)
+        try:
+            t_back = wait_until(
+                lambda: any(f.ok and f.started > healed for f in cut_pair.snapshot()),
+                RECOVER_BOUND_S,
+                "p0->d0 carries traffic again",
+                0.05,
+            )
+        except AssertionError:
+            t_back = None
+    finally:
+        stuck = finish(traffic)
+        if t_cut is not None and t_heal is None:
+            net.heal(p0_host, d0_host)
+    assert t_cut is not None and t_heal is not None
+    figures: dict[str, object] = {"cut_s": round(t_heal - t_cut, 2)}
+    for (p, d), t in traffic.items():
+        figures[f"{p}->{d}"] = _figures(t, t_cut, t_heal)
+    ff = cut_pair.snapshot()
+    # Started in the cut and past its deadline before the heal: must fail. (One in flight at
+    # the cut may still end well: its bytes and Result may have crossed before the cut.)
+    cut = [f for f in ff if t_cut <= f.started and f.started + FAIL_BOUND_S < t_heal]
+    failed = [f for f in ff if not f.ok]
+    figures["p0->d0 cut"] = {
+        "must_fail": len(cut),
+        "failed": len(failed),
+        "fail_s": sorted(round(f.seconds, 2) for f in failed),
+        "reasons": sorted({f"{f.state}:{f.reason}" for f in failed}),
+    }
+    figures["p0 writes_stalled"] = stalled(p0_daemon.metrics()) - stalled_before
+    first_new = next((f for f in ff if f.started >= t_heal and f.ok), None)
+    first_any = min((f.ended for f in ff if f.ok and f.ended and f.ended > t_heal), default=None)
+    figures["recover_s"] = round(first_any - t_heal, 2) if first_any is not None else None
+    figures["recover_new_s"] = (
+        round(first_new.ended - t_heal, 2) if first_new and first_new.ended else None
+    )
+    figures["first_new_started_s"] = round(first_new.started - t_heal, 2) if first_new else None
+    figures["tcp_rto_max_ms"] = net.tcp_rto_max_ms
+    report("cut", figures)
+
+    assert not stuck
+    for pair, t in traffic.items():
+        ff = t.snapshot()
+        assert not any(f.wrong for f in ff), f"{pair}: wrong bytes"
+        assert all(f.ended is not None for f in ff), f"{pair}: a fetch never answered"
+    assert cut and not any(f.ok for f in cut), "a fetch crossed a cut link"
+    slow = [(f.request, round(f.seconds, 2)) for f in failed if f.seconds > FAIL_BOUND_S]
+    assert not slow, f"cut-link fetches failed past {FAIL_BOUND_S:g} s: {slow}"
+    for pair in (("p1", "d0"), ("p1", "d1")):  # the other sender's pairs: untouched
+        during = [f for f in traffic[pair].snapshot() if t_cut <= f.started < t_heal]
+        bad = [(f.request, f.state, f.reason) for f in during if not f.ok]
+        assert during and not bad, f"{pair}: {bad[:5]}"
+    # p0's other pair shares the sender whose writes to d0 stall: it keeps succeeding. Its
+    # latency is reported, not asserted (issue 13's target: max(1 s, 5x its baseline p99)).
+    p0d1 = [f for f in traffic[("p0", "d1")].snapshot() if t_cut <= f.started < t_heal]
+    bad = [(f.request, f.state, f.reason) for f in p0d1 if not f.ok]
+    assert p0d1 and not bad, f"p0->d1 while p0->d0 was cut: {bad[:5]}"
+    assert t_back is not None, f"no new p0->d0 fetch succeeded within {RECOVER_BOUND_S:g} s"
+
+
+@pytest.mark.timeout(90)
+def test_a_ucx_connection_that_died_in_a_cut_is_reconnected_after_the_heal(xpyd: Xpyd) -> None:
+    """When a link cut one way (prefill -> decode) outlasts TCP's retransmissions, the sender's
+    UCX connection to that receiver dies; after the heal the pair carries traffic again
+    without restarting anything (the data plane reconnects the peer at its next write; with
+    incarnations the sender also registers it afresh: ``reconnects`` says which ran)."""
+    net = xpyd.net
+    p0_host, d0_host = net.hosts[0], net.hosts[2]
+    p0 = xpyd.prefill[0].daemon
+    if net.tcp_retries2 is None:
+        pytest.skip("needs the tuned hosts' tcp_retries2 (KVXFERD_HOSTS_KERNEL_TCP unset)")
+    reconnects_before = p0.stderr_path.read_text(errors="replace").count("reconnected")
+    traffic = xpyd.traffic("r", threads=2)
+    cut_pair = traffic[("p0", "d0")]
+    t_cut = t_heal = t_back = None
+    try:
+        time.sleep(2.0)  # traffic before the cut: measured, not a synchronisation
+        t_cut = net.cut(p0_host, d0_host, both=False)
+        time.sleep(ONE_WAY_CUT_S)  # writes posted into the cut until TCP gives up
+        t_heal = healed = net.heal(p0_host, d0_host)
+        try:
+            t_back = wait_until(
+                lambda: any(f.ok and f.started > healed for f in cut_pair.snapshot()),
+                RECONNECT_BOUND_S,
+                "p0->d0 carries traffic again",
+                0.05,
+            )
+        except AssertionError:
+            t_back = None
+    finally:
+        stuck = finish(traffic)
+        if t_cut is not None and t_heal is None:
+            net.heal(p0_host, d0_host)
+    assert t_cut is not None and t_heal is not None
+    log = p0.stderr_path.read_text(errors="replace")
+    reconnects = log.count("reconnected")
+    ff = cut_pair.snapshot()
+    after = [f for f in ff if f.started >= t_heal]
+    figures: dict[str, object] = {
+        "cut_s": round(t_heal - t_cut, 2),
+        "reconnects": reconnects - reconnects_before,
+        "cut_failed": sum(not f.ok for f in ff if f.ended and f.ended > t_cut),
+        "cut_reasons": sorted({f"{f.state}:{f.reason}" for f in ff if not f.ok}),
+        "recover_s": round(t_back - t_heal, 2) if t_back is not None else None,
+        "failed_after_heal": sum(not f.ok for f in after),
+        "reconnect_lines": [ln[-80:] for ln in log.splitlines() if "reconnected" in ln][-3:],
+    }
+    for pair in (("p0", "d1"), ("p1", "d0"), ("p1", "d1")):
+        during = [f for f in traffic[pair].snapshot() if t_cut <= f.started < t_heal]
+        figures[f"{pair[0]}->{pair[1]} max_s"] = round(
+            max((f.seconds for f in during), default=0), 2
+        )
+    report("one-way cut", figures)
+
+    assert not stuck
+    for pair, t in traffic.items():
+        ff = t.snapshot()
+        assert not any(f.wrong for f in ff), f"{pair}: wrong bytes"
+        assert all(f.ended is not None for f in ff), f"{pair}: a fetch never answered"
+        if pair != ("p0", "d0"):
+            bad = [(f.request, f.state, f.reason) for f in ff if not f.ok]
+            assert not bad, f"{pair}: {bad[:5]}"
+    assert t_back is not None, f"no new p0->d0 fetch succeeded within {RECONNECT_BOUND_S:g} s"
