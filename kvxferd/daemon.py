@@ -254,9 +254,11 @@ class Daemon:
         self.notifier.stopping("draining: finishing published requests and transfers")
         self.gateway.refuse_new("draining")
         if self.registrar is not None:  # peers stop choosing us now (etcd: the lease is revoked)
-            await asyncio.to_thread(self.registrar.stop, 2.0)
+            # A quarter of the shutdown bound at most: an etcd that does not answer must not
+            # eat the drain (the lease then expires by itself after its TTL).
+            await asyncio.to_thread(self.registrar.stop, min(1.0, d.shutdown_timeout_ms / 4000))
         # The service's shutdown is bounded by shutdown_timeout_ms; keep a little for teardown.
-        budget = max(0.1, d.shutdown_timeout_ms / 1000 - 0.5)
+        budget = max(0.1, d.shutdown_timeout_ms / 1000 - 0.5 - (time.monotonic() - t0))
         loop = asyncio.get_running_loop()
         if self.role == "sender":
             worker = loop.run_in_executor(None, self.service.shutdown, budget)
