@@ -444,14 +444,14 @@ class Receiver:
                 self._register(known)  # a restart seen by discovery before the sender said so
         elif isinstance(event, PeerRemoved):
             link = self._links.get(event.peer.endpoint)
-            busy = link is not None and (
-                link.waiting
-                or any(
+            if link is None or link.waiting:
+                return
+            with self._lock:  # _fetches: engine threads add to it under this lock
+                busy = any(
                     f.sender_endpoint == link.endpoint and not f.ended
-                    for f in list(self._fetches.values())
+                    for f in self._fetches.values()
                 )
-            )
-            if link is not None and not busy:
+            if not busy:
                 self._close_link(link)
 
     # -- links -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ an etcd that stays away past the lease's TTL turns ``/readyz`` red with the
 
 from __future__ import annotations
 
+import json
 import signal
 import tempfile
 import urllib.error
@@ -67,6 +68,12 @@ def counter(port: int, name: str) -> float:
     return 0.0
 
 
+def _links(port: int) -> list[dict[str, object]]:
+    """The receiver's links to senders, from /debug/state."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/debug/state", timeout=5) as r:
+        return list(json.loads(r.read())["links"])
+
+
 def _ready(port: int) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
@@ -110,12 +117,15 @@ def test_daemons_advertise_on_leases_and_the_receiver_dials_what_it_discovers(
             "the receiver registered with the discovered sender",
         )
         assert counter(rx.probe_port, "kvxferd_discovery_events") >= 1
+        assert [link["endpoint"] for link in _links(rx.probe_port)] == [tx.endpoint]
         assert _ready(rx.probe_port)[0] == 200
         tx.signal(signal.SIGTERM)
         code, _ = tx.wait_exit(30)
         assert code == 0
         # The drain revoked the lease at once: the key is gone well before its TTL.
         wait_until(lambda: not watcher.snapshot().peers, TTL_S - 1, "the sender's key gone")
+        # The receiver heard the removal too and closed its idle link to that sender.
+        wait_until(lambda: not _links(rx.probe_port), 10, "the idle link closed")
     finally:
         watcher.stop()
         for d in (tx, rx):

@@ -182,3 +182,26 @@ def test_remote_params_must_be_complete() -> None:
         assert RemoteKv.from_params({k: v for k, v in good.items() if k != key}) is None
     assert RemoteKv.from_params({**good, "kvxferd_num_blocks": "x"}) is None
     assert RemoteKv.from_params({**good, "do_remote_prefill": False}) is None
+
+
+def test_zero_copy_reports_held_requests_once_and_keeps_no_other_ids() -> None:
+    """finished_sending names a held request only after vLLM said it finished, and finished ids of other requests are not kept."""
+    from kvxferd.integrations.vllm.settings import ConnectorSettings
+    from kvxferd.integrations.vllm.worker import WorkerSide, _Sent
+
+    w = WorkerSide(
+        ConnectorSettings(engine_socket="ipc:///nonexistent/kvxferd.sock", zero_copy=True),
+        producer=True,
+        consumer=False,
+    )
+    try:
+        w._daemon = object()  # type: ignore[assignment]  # results() only checks it is there
+        w._holding.add("held")  # what save() records for a published request
+        w._done.put(_Sent("held"))  # its publish ended and was closed
+        assert w.results({"other-1", "other-2"}) == (set(), set(), set())  # not finished yet
+        assert w._finished == set()  # ids of requests nobody holds are not kept
+        assert w.results({"held"})[0] == {"held"}
+        assert w.results(set())[0] == set()  # reported once
+        assert not (w._holding or w._sent or w._finished)
+    finally:
+        w._client.close_client()
