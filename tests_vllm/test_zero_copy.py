@@ -152,3 +152,14 @@ def test_abort_while_loading_holds_blocks_until_safe(zc: ZC) -> None:
     zc.prefill.drain()
     wait_until(lambda: sessions(zc.sender.probe_port) == 0, 30, "sender sessions at zero")
     wait_until(lambda: sessions(zc.receiver.probe_port) == 0, 30, "receiver sessions at zero")
+
+
+def test_published_blocks_are_not_reused_before_they_are_fetched(zc: ZC) -> None:
+    """A second batch prefilled while the first waits to be fetched does not overwrite it: vLLM frees published blocks late."""
+    first, second = prompts(LENGTHS, seed=15), prompts(LENGTHS, seed=16)
+    params_first = _prefill(zc, "zra", first)
+    params_second = _prefill(zc, "zrb", second)  # would take the first batch's blocks if freed
+    assert _decode(zc, "zrad", first, params_first) == _decode(zc, "zram", first, [None] * 16)
+    _decode(zc, "zrbd", second, params_second)  # fetch the second batch too: sessions end
+    zc.prefill.drain()
+    wait_until(lambda: sessions(zc.sender.probe_port) == 0, 30, "sender sessions at zero")
