@@ -33,6 +33,9 @@ Deadlines (milliseconds)::
     connect_refused_ms      1000   a new receiver link whose every connect is refused -> peer_lost
     in_doubt_retry_ms       1000   first re-send of Cancel for a fetch in doubt (doubles)
     in_doubt_retry_max_ms  30000   cap of that backoff
+    heartbeat_ivl_ms        1000   ZMTP PING on every DEALER (0: off)
+    heartbeat_timeout_ms    3000   no traffic this long -> the connection is dropped, reopened
+    connect_timeout_ms      1000   one TCP connect attempt of a DEALER (then retried afresh)
 """
 
 from __future__ import annotations
@@ -126,11 +129,24 @@ class Deadlines(_Frozen):
     in_doubt_retry_max_ms: int = Field(
         30_000, ge=1, description="receiver: the re-send interval doubles up to this"
     )
+    heartbeat_ivl_ms: int = Field(
+        1_000, ge=0, description="ZMTP heartbeat interval on every DEALER; 0 turns heartbeats off"
+    )
+    heartbeat_timeout_ms: int = Field(
+        3_000,
+        ge=1,
+        description="a DEALER connection silent this long is dropped and reopened (also TCP_MAXRT)",
+    )
+    connect_timeout_ms: int = Field(
+        1_000, ge=1, description="one TCP connect attempt of a DEALER before a fresh one"
+    )
 
     @model_validator(mode="after")
     def _drain_fits_shutdown(self) -> Deadlines:
         if self.drain_timeout_ms >= self.shutdown_timeout_ms:
             raise ValueError("drain_timeout_ms must be below shutdown_timeout_ms")
+        if self.heartbeat_ivl_ms and self.heartbeat_timeout_ms <= self.heartbeat_ivl_ms:
+            raise ValueError("heartbeat_timeout_ms must be above heartbeat_ivl_ms")
         return self
 
 

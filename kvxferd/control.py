@@ -9,6 +9,13 @@ ZMQ sockets are not thread-safe. The rules kvxferd keeps:
   only senders to that peer);
 * every send has a deadline (``SNDTIMEO``); a send that times out raises
   :class:`~kvxferd.errors.SendTimeout` and is counted, it never blocks forever;
+* every DEALER sends ZMTP heartbeats (``heartbeat_ivl_ms``): a connection that
+  carries nothing back for ``heartbeat_timeout_ms`` (a cut link, a host gone) is
+  dropped and reopened with a fresh TCP connection, each connect attempt bounded
+  by ``connect_timeout_ms``, instead of waiting out TCP's retransmission backoff
+  (up to two minutes after a long cut). ``TCP_MAXRT`` bounds unacknowledged data
+  the same way. What was queued on the dropped connection is lost; every message
+  kvxferd sends is covered by a deadline and a retry or a failure (docs/hosts.md);
 * ``LINGER`` is 0 while a socket is open; ``close_all`` refuses new sends, then
   closes each dealer under its lock (never during a send on it) with a linger of
   one send timeout, so a final Result queued just before is still delivered (the
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvxferd.config import Deadlines, Limits
 from kvxferd.errors import SendTimeout
 
 _context_lock = threading.Lock()
@@ -41,6 +49,20 @@ def process_context() -> zmq.Context[zmq.Socket[bytes]]:
 class SocketLimits:
     max_frame_bytes: int
     sndhwm: int
+    heartbeat_ivl_ms: int = 0  # 0: no heartbeats
+    heartbeat_timeout_ms: int = 0
+    connect_timeout_ms: int = 0  # 0: the OS's (about two minutes of SYN retries)
+
+    @classmethod
+    def of(cls, limits: Limits, deadlines: Deadlines) -> SocketLimits:
+        """The socket options a role's settings ask for."""
+        return cls(
+            limits.max_frame_bytes,
+            limits.sndhwm,
+            deadlines.heartbeat_ivl_ms,
+            deadlines.heartbeat_timeout_ms,
+            deadlines.connect_timeout_ms,
+        )
 
 
 def _common(sock: zmq.Socket[bytes], limits: SocketLimits) -> None:
@@ -77,6 +99,14 @@ def connect_dealer(
     _common(sock, limits)
     sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
     sock.setsockopt(zmq.IMMEDIATE, 0)
+    if limits.heartbeat_ivl_ms:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, limits.heartbeat_ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, limits.heartbeat_timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, limits.heartbeat_timeout_ms)
+        if endpoint.startswith("tcp://"):
+            sock.setsockopt(zmq.TCP_MAXRT, limits.heartbeat_timeout_ms)
+    if limits.connect_timeout_ms and endpoint.startswith("tcp://"):
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, limits.connect_timeout_ms)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     try:

@@ -179,7 +179,7 @@ class Receiver:
         self.dataplane: DataPlane = dataplane or NixlDataPlane(
             self.receiver_id, settings.dataplane, self.pool
         )
-        self.socket_limits = SocketLimits(settings.limits.max_frame_bytes, settings.limits.sndhwm)
+        self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
         self._router, self.bound_result_endpoint = bind_router(
             settings.result_endpoint, self.socket_limits

@@ -178,7 +178,7 @@ class Sender:
         self.dataplane: DataPlane = dataplane or NixlDataPlane(
             self.sender_id, settings.dataplane, self.pool
         )
-        self.socket_limits = SocketLimits(settings.limits.max_frame_bytes, settings.limits.sndhwm)
+        self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
         self._shared = SharedDealerPool(self.socket_limits, settings.deadlines.send_timeout_ms)
         self._lock = threading.Lock()
