@@ -165,6 +165,21 @@ class Limits(_Frozen):
         ge=1,
         description="WRITEs in progress at once on one sender worker (in-doubt ones aside)",
     )
+    # Per identity (an authenticated CURVE key; not applied to the anonymous identity of
+    # security off, which has only the global limits above). See kvxferd/ownership.py.
+    max_peers_per_identity: int = Field(64, ge=1, description="receivers one key may register")
+    max_fetches_per_identity: int = Field(
+        4_096, ge=1, description="fetches one key may have attached and not yet removed"
+    )
+    max_parked_per_identity: int = Field(
+        1_024, ge=0, description="fetches one key may have parked until their request is published"
+    )
+    orphan_ttl_ms: int = Field(
+        300_000,
+        ge=1,
+        description="a receiver id / NIXL name no peer uses is released this long after it left,"
+        " and a registered peer idle this long with nothing open is reclaimed",
+    )
 
 
 class ServiceSettings(_Frozen):

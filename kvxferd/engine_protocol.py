@@ -79,6 +79,7 @@ class EngineReason(StrEnum):
     PEER_LOST = "peer_lost"
     PEER_RESTARTED = "peer_restarted"
     BAD_ENDPOINT = "bad_endpoint"
+    NOT_AUTHORIZED = "not_authorized"
     # The gateway's own.
     UNKNOWN_HANDLE = "unknown_handle"  # never issued, already closed, or another connection's
     WRONG_ROLE = "wrong_role"  # Publish on a receiver, Fetch on a sender

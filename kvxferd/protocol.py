@@ -40,6 +40,7 @@ Endpoint = Annotated[str, Meta(max_length=256, pattern=r"^(tcp|ipc)://.+$")]
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 U31 = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Text = Annotated[str, Meta(max_length=1024)]
+FetchToken = Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_-]*$")]
 BlockIds = Annotated[list[U31], Meta(max_length=1 << 20)]
 Dtype = Literal["uint8", "int8", "float16", "bfloat16", "float32"]
 Status = Literal["done", "failed", "in_doubt"]
@@ -96,7 +97,7 @@ class RegisterReply(_Msg, tag="register_reply"):
     detail: Text = ""
 
 
-class RequestData(_Msg, tag="request_data"):
+class RequestData(_Msg, tag="request_data", omit_defaults=True):
     """Receiver -> sender: write request ``request_id`` into these blocks of mine.
 
     ``dst_blocks[i]`` receives the sender's i-th published block, for each layer in
@@ -113,6 +114,9 @@ class RequestData(_Msg, tag="request_data"):
     # The receiver's own deadline, absolute: Unix time in ms on the receiver's clock (0: none).
     # The sender starts no write after min(arrival + timeout_ms, deadline_unix_ms + clock_skew_ms).
     deadline_unix_ms: U63 = 0
+    # The fetch token the publisher issued for this request ("" when none was given); only
+    # sent when set (fields at their default are omitted), so older senders still read it.
+    token: FetchToken = ""
 
 
 class Cancel(_Msg, tag="cancel"):

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import hmac
 import itertools
 import logging
 import re
@@ -88,6 +89,7 @@ import numpy as np
 import zmq
 
 from kvxferd import protocol as wire
+from kvxferd.auth import peer_identity
 from kvxferd.config import SenderSettings
 from kvxferd.control import SharedDealerPool, SocketLimits, bind_router, router_reply
 from kvxferd.dataplane import DataPlane, NixlDataPlane
@@ -97,6 +99,7 @@ from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
 from kvxferd.layout import check_blocks, check_layers
+from kvxferd.ownership import IdentityLimits, Ownership, nixl_agent_name
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.session import Slice, SliceState, TxOutcome, TxSession, TxState
 from kvxferd.stats import Stats
@@ -107,6 +110,14 @@ log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 _GONE_MAX = 4096  # replaced incarnations remembered (see Sender._gone)
+
+
+@dataclass(frozen=True, slots=True)
+class _Grant:
+    """Who may fetch one published request, when its publisher said (Publish's options)."""
+
+    token: bytes | None  # the fetch token issued at publish, or None
+    allowed: frozenset[str]  # identities or receiver ids; empty: any registered receiver
 
 
 @dataclass(slots=True)
@@ -202,6 +213,10 @@ class Sender:
         # result endpoint -> the last incarnation registered there (registry lock), kept when
         # that peer is invalidated, so its restart is still recognised at the next Register.
         self._last_at: dict[str, Peer] = {}
+        # Who owns which receiver id / NIXL agent, and what each identity holds (registry lock).
+        self.ownership = Ownership(IdentityLimits.of(settings.limits))
+        self._grants: dict[int, _Grant] = {}  # session id -> who may fetch it (registry lock)
+        self._reap_at = 0.0  # listener only: next orphan reclaim
         # (ttl deadline, session id) of every published session, earliest first. Lazy
         # deletion: an entry whose session is gone or fetched is dropped when it comes due,
         # so housekeeping costs what expires, not what is live.
@@ -268,8 +283,16 @@ class Sender:
         *,
         aux: bytes | None = None,
         expected_fetches: int = 1,
+        token: str | None = None,
+        allowed_receivers: Sequence[str] = (),
     ) -> TxHandle:
-        """Offer a finished request's blocks to receivers; RejectedError with a reason if refused."""
+        """Offer a finished request's blocks to receivers; RejectedError with a reason if refused.
+
+        ``token``: only a fetch carrying it is served (compared in constant time; it
+        lives as long as the request). ``allowed_receivers``: only receivers whose
+        identity (CURVE key) or receiver id is listed may fetch it. Either refusal is
+        ``not_authorized``.
+        """
         if self._draining.is_set():
             self.stats.add("rejected_draining")
             raise RejectedError(Reason.DRAINING, "sender is draining")
@@ -310,11 +333,17 @@ class Sender:
             if error is None:
                 self._live[request_id] = session
                 self._sessions[session.session_id] = session
+                if token is not None or allowed_receivers:
+                    self._grants[session.session_id] = _Grant(
+                        None if token is None else token.encode(), frozenset(allowed_receivers)
+                    )
                 heapq.heappush(self._ttl_heap, (session.ttl_deadline, session.session_id))
                 if len(self._ttl_heap) > 2 * len(self._sessions) + 1024:
                     self._compact_ttl_heap_locked()
                 parked = self._pending.pop(request_id, [])
                 self._pending_count -= len(parked)
+                for p in parked:
+                    self.ownership.count(p.peer.receiver_id, "parked", -1)
                 # Attach under the same lock: a CANCEL must find each fetch parked or attached.
                 attached = [
                     self._attach_locked(session, p.peer, p.msg, p.dst, p.fetch_deadline)
@@ -387,8 +416,10 @@ class Sender:
             if not (remove or closed) or session.session_id not in self._sessions:
                 return
             del self._sessions[session.session_id]
+            self._grants.pop(session.session_id, None)
             for sl in session.slices():
-                self._fetches.pop(sl.key, None)
+                if self._fetches.pop(sl.key, None) is not None:
+                    self.ownership.count(sl.key[0], "fetches", -1)
         if session.aux_slot >= 0:
             self.aux_slots.give_back([session.aux_slot])
             session.aux_slot = -1
@@ -414,14 +445,17 @@ class Sender:
         if self._router in events:
             for _ in range(256):  # bounded batch, then housekeeping
                 try:
-                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self._handle(frames, max_bytes)
         self._housekeeping(time.monotonic())
 
-    def _handle(self, frames: list[bytes], max_bytes: int) -> None:
-        routing_id, body = frames[0], frames[1:]
+    def _handle(self, frames: Sequence[zmq.Frame | bytes], max_bytes: int) -> None:
+        # The identity is the key ZAP authenticated for the connection, never a field.
+        last = frames[-1]
+        identity = peer_identity(last) if isinstance(last, zmq.Frame) else ""
+        routing_id, *body = [f.bytes if isinstance(f, zmq.Frame) else f for f in frames]
         try:
             msg = wire.decode_to_sender(body, max_bytes)
         except ProtocolError as e:
@@ -430,11 +464,11 @@ class Sender:
             return
         try:
             if isinstance(msg, wire.Register):
-                self._on_register(routing_id, msg)
+                self._on_register(routing_id, msg, identity)
             elif isinstance(msg, wire.RequestData):
-                self._on_request(routing_id, msg)
+                self._on_request(routing_id, msg, identity)
             else:
-                self._on_cancel(routing_id, msg)
+                self._on_cancel(routing_id, msg, identity)
         except Exception:  # a bug on one message must not kill the listener
             self.guard.caught("listener: message")
 
@@ -451,7 +485,7 @@ class Sender:
             self.stats.add("send_errors")
             log.warning("message to %s dropped: %s", peer.receiver_id, e)
 
-    def _on_register(self, routing_id: bytes, msg: wire.Register) -> None:
+    def _on_register(self, routing_id: bytes, msg: wire.Register, identity: str = "") -> None:
         def refuse(reason: Reason, detail: str) -> None:
             self.stats.add(f"rejected_{reason}")
             self.stats.add("registers_refused")
@@ -470,12 +504,17 @@ class Sender:
         why = wire.check_compatible(self.pool.layout, msg.layout)
         if why:
             return refuse(Reason.INCOMPATIBLE, why)
+        # Read the NIXL agent's name before NIXL loads anything: loading an impostor's
+        # metadata under the owner's name would replace the owner's connection details.
+        agent = nixl_agent_name(msg.agent_metadata)
         unregistered: list[Peer] = []  # an earlier incarnation there, invalidated meanwhile
+        replaced: list[Peer] = []
+        full, evicted = False, None
         with self._lock:
             known = self._peers.get(routing_id)
-            if known is not None and known.receiver_id == msg.receiver_id:
-                replaced: list[Peer] = []
-            else:
+            why = self._register_problem_locked(routing_id, msg, identity, agent)
+            again = known is not None and known.receiver_id == msg.receiver_id
+            if why is None and not again:
                 # Only one process can bind a result endpoint: a new receiver id there (or
                 # on this route) means the old process is gone; what it held is released.
                 replaced = [
@@ -486,17 +525,25 @@ class Sender:
                 for p in replaced:
                     del self._peers[p.routing_id]
                     self._peer_seen.pop(p.routing_id, None)
+                    self.ownership.release(p.receiver_id)
                 last = self._last_at.get(msg.result_endpoint)
                 if last is not None and last.receiver_id != msg.receiver_id:
                     if all(p is not last for p in replaced):  # invalidated, not registered
                         unregistered.append(last)
-            full = (
-                known is None
-                and not replaced
-                and len(self._peers) >= self.settings.limits.max_peers
-            )
-            evicted = self._evict_idle_peer_locked() if full else None
-        if known is not None and known.receiver_id == msg.receiver_id:
+                full = (
+                    known is None
+                    and not replaced
+                    and (
+                        len(self._peers) >= self.settings.limits.max_peers
+                        or self.ownership.peers_full(identity)
+                    )
+                )
+                evicted = self._evict_idle_peer_locked(identity) if full else None
+        if why is not None:
+            self.stats.add("registers_refused_owner")
+            log.warning("Register of %s refused: %s", msg.receiver_id, why)
+            return refuse(Reason.NOT_AUTHORIZED, why)
+        if again:
             self._peer_seen[routing_id] = time.monotonic()
             self.stats.add("registers_accepted")
             self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
@@ -510,11 +557,25 @@ class Sender:
         if evicted is not None:
             self._forget_peer(evicted)
         elif full:
-            return refuse(Reason.BUSY, "max_peers reached and every peer has work in flight")
+            return refuse(
+                Reason.BUSY,
+                "max_peers (or this identity's max_peers_per_identity) reached and every"
+                " peer of this identity has work in flight",
+            )
         try:
             nixl_name = self.dataplane.add_peer(msg.agent_metadata)
         except Exception as e:
             return refuse(Reason.INCOMPATIBLE, f"NIXL metadata not accepted: {e}"[:1024])
+        if agent is None:
+            with self._lock:
+                owner = self.ownership.agent_owner(nixl_name)
+            if owner is not None and owner != identity:
+                # Only metadata NIXL could not name in advance (a test double's) gets here.
+                self.stats.add("registers_refused_owner")
+                return refuse(
+                    Reason.NOT_AUTHORIZED,
+                    f"NIXL agent {nixl_name} is registered by another identity",
+                )
         with self._peer_lock:
             # Registered again (after an invalidation) while writes of its last registration
             # are in flight: the agent just loaded stays; its deferred removal must not run.
@@ -541,9 +602,11 @@ class Sender:
             msg.device,
             msg.device_id,
             prepped,
+            identity,
         )
         with self._lock:
             self._peers[routing_id] = peer
+            self.ownership.bind(identity, msg.receiver_id, nixl_name)
             self._last_at.pop(msg.result_endpoint, None)
             self._last_at[msg.result_endpoint] = peer  # newest last: the oldest go first
             while len(self._last_at) > 4 * self.settings.limits.max_peers:
@@ -554,8 +617,33 @@ class Sender:
         log.info("receiver %s registered (results at %s)", msg.receiver_id, msg.result_endpoint)
         self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
 
-    def _evict_idle_peer_locked(self) -> Peer | None:
-        """Remove the least recently heard-from peer that no write can still target (lock held).
+    def _register_problem_locked(
+        self, routing_id: bytes, msg: wire.Register, identity: str, agent: str | None
+    ) -> str | None:
+        """Why ``identity`` may not register ``msg`` on this route (registry lock held), or None.
+
+        Another identity's receiver id, NIXL agent, route or result endpoint is never
+        taken over: registering there would end, evict or redirect that identity's peer.
+        """
+        why = self.ownership.register_problem(identity, msg.receiver_id, agent)
+        if why is not None:
+            return why
+        known = self._peers.get(routing_id)
+        if known is not None and known.identity != identity:
+            return "this connection's route is registered by another identity"
+        for p in self._peers.values():
+            if p.result_endpoint == msg.result_endpoint and p.identity != identity:
+                return f"result_endpoint {msg.result_endpoint} is registered by another identity"
+        last = self._last_at.get(msg.result_endpoint)
+        if last is not None and self.ownership.owner_of(last.receiver_id) not in (None, identity):
+            return f"result_endpoint {msg.result_endpoint} is registered by another identity"
+        return None
+
+    def _evict_idle_peer_locked(self, identity: str = "") -> Peer | None:
+        """Remove ``identity``'s least recently heard-from peer that no write can still target.
+
+        Only a peer of the registering identity is evicted: a full table never lets one
+        key push another key's receiver out (registry lock held).
 
         A peer is idle when none of its fetches is queued, writing or in doubt and none is
         parked. Nothing can start a write toward it afterwards: fetches attach only under
@@ -574,12 +662,18 @@ class Sender:
                 busy.add(key[0])
         for parked in self._pending.values():
             busy.update(p.peer.receiver_id for p in parked)
-        idle = [rid for rid, peer in self._peers.items() if peer.receiver_id not in busy]
+        idle = [
+            rid
+            for rid, peer in self._peers.items()
+            if peer.receiver_id not in busy and peer.identity == identity
+        ]
         if not idle:
             return None
         victim = min(idle, key=lambda rid: self._peer_seen.get(rid, 0.0))
         self._peer_seen.pop(victim, None)
-        return self._peers.pop(victim)
+        peer = self._peers.pop(victim)
+        self.ownership.release(peer.receiver_id)
+        return peer
 
     def _end_incarnation(self, old: Peer, new_id: str, registered: bool = True) -> None:
         """A new receiver process replaced ``old``: drop what the old one held, end its fetches.
@@ -595,6 +689,7 @@ class Sender:
             for rid in list(self._pending):
                 keep = [p for p in self._pending[rid] if p.peer.receiver_id != old.receiver_id]
                 dropped = len(self._pending[rid]) - len(keep)
+                self.ownership.count(old.receiver_id, "parked", -dropped)
                 if dropped:
                     self._pending_count -= dropped
                     if keep:
@@ -641,6 +736,7 @@ class Sender:
                 return  # already replaced, evicted or invalidated
             del self._peers[peer.routing_id]
             self._peer_seen.pop(peer.routing_id, None)
+            self.ownership.release(peer.receiver_id)
         self.stats.add("peers_invalidated")
         log.warning("receiver %s invalidated after a transport error: %s", peer.receiver_id, detail)
         self._retire_peer(peer)
@@ -698,8 +794,8 @@ class Sender:
     def forget_shared(self, endpoint: str) -> None:
         self._shared.forget(endpoint)
 
-    def _forget_peer(self, peer: Peer) -> None:
-        """Release what an evicted peer held: its NIXL remote agent and the DEALERs to it."""
+    def _forget_peer(self, peer: Peer, reclaimed: bool = False) -> None:
+        """Release what an evicted (or reclaimed) peer held: its NIXL agent and DEALERs to it."""
         self._retire_peer(peer)
         with self._lock:
             if self._last_at.get(peer.result_endpoint) is peer:
@@ -710,16 +806,28 @@ class Sender:
         if not still_used:  # the listener never waits on a socket: the workers close them
             for i, w in enumerate(self._workers):
                 w.queue.put(ForgetTask(peer.result_endpoint, shared=i == 0))
+        if reclaimed:
+            self.stats.add("peers_reclaimed")
+            log.info("receiver %s reclaimed: idle past orphan_ttl_ms", peer.receiver_id)
+            return
         self.stats.add("peers_evicted")
         log.info("receiver %s evicted: peer table full, it was the longest idle", peer.receiver_id)
 
-    def _on_request(self, routing_id: bytes, msg: wire.RequestData) -> None:
+    def _on_request(self, routing_id: bytes, msg: wire.RequestData, identity: str = "") -> None:
         with self._lock:
             peer = self._peers.get(routing_id)
-        if peer is not None:
-            self._peer_seen[routing_id] = time.monotonic()
         if peer is None:
             return self._refuse_fetch(routing_id, None, msg, Reason.UNKNOWN_PEER, "REGISTER first")
+        if peer.identity != identity:  # a route taken over (ROUTER_HANDOVER) by another key
+            self.stats.add("messages_refused_identity")
+            return self._refuse_fetch(
+                routing_id,
+                None,
+                msg,
+                Reason.NOT_AUTHORIZED,
+                "this route belongs to another identity",
+            )
+        self._peer_seen[routing_id] = time.monotonic()
         dst = np.asarray(msg.dst_blocks, dtype=np.int64)
         try:
             if dst.size > self.settings.limits.max_blocks_per_request:
@@ -754,6 +862,8 @@ class Sender:
                 refusal = (Reason.DRAINING, "sender is draining: request not published here")
             elif self._pending_count >= self.settings.limits.max_pending_fetches:
                 refusal = (Reason.BUSY, "max_pending_fetches reached")
+            elif (why := self.ownership.may_add(peer.receiver_id, "parked")) is not None:
+                refusal = (Reason.BUSY, why)
             else:
                 refusal = None
                 ttl = self.settings.deadlines.pending_fetch_ttl_ms / 1000
@@ -762,6 +872,7 @@ class Sender:
                 )
                 self._parked_keys.add(key)
                 self._pending_count += 1
+                self.ownership.count(peer.receiver_id, "parked", +1)
         if refusal is not None:
             return self._refuse_fetch(routing_id, peer, msg, *refusal)
         if outcome is None:
@@ -827,6 +938,9 @@ class Sender:
         )
         self._parked_keys.discard(sl.key)
         try:
+            self._check_grant_locked(session, peer, msg)
+            if (why := self.ownership.may_add(peer.receiver_id, "fetches")) is not None:
+                raise RejectedError(Reason.BUSY, why)
             if dst.size != session.block_ids.size:
                 raise RejectedError(
                     Reason.BAD_BLOCKS,
@@ -842,7 +956,31 @@ class Sender:
                 detail=e.detail[:1024],
             )
         self._fetches[sl.key] = session
+        self.ownership.count(peer.receiver_id, "fetches", +1)
         return WriteTask(session, sl, peer)
+
+    def _check_grant_locked(self, session: TxSession, peer: Peer, msg: wire.RequestData) -> None:
+        """RejectedError(not_authorized) unless ``peer`` may fetch ``session`` (registry lock held).
+
+        The publisher's ``allowed_receivers`` names identities or receiver ids; its fetch
+        token is compared in constant time and lives only as long as the request.
+        """
+        grant = self._grants.get(session.session_id)
+        if grant is None:
+            return
+        if grant.allowed and not (
+            peer.identity in grant.allowed or peer.receiver_id in grant.allowed
+        ):
+            self.stats.add("fetches_refused_receiver")
+            raise RejectedError(
+                Reason.NOT_AUTHORIZED, f"receiver {peer.receiver_id} is not in allowed_receivers"
+            )
+        if grant.token is not None and not hmac.compare_digest(grant.token, msg.token.encode()):
+            self.stats.add("fetches_refused_token")
+            raise RejectedError(
+                Reason.NOT_AUTHORIZED,
+                "fetch token missing or wrong" if msg.token else "this request needs a fetch token",
+            )
 
     def _dispatch(
         self, outcome: WriteTask | wire.Result, reply: Callable[[wire.Result], None]
@@ -861,9 +999,14 @@ class Sender:
         h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return self._workers[h % len(self._workers)]
 
-    def _on_cancel(self, routing_id: bytes, msg: wire.Cancel) -> None:
+    def _on_cancel(self, routing_id: bytes, msg: wire.Cancel, identity: str = "") -> None:
         with self._lock:
             peer = self._peers.get(routing_id)
+            if peer is not None and peer.identity != identity:
+                stolen: Peer | None = peer  # a route taken over (ROUTER_HANDOVER) by another key
+                peer = None
+            else:
+                stolen = None
             if peer is not None:
                 self._peer_seen[routing_id] = time.monotonic()
             if peer is None:
@@ -876,9 +1019,20 @@ class Sender:
                         parked.remove(p)
                         self._pending_count -= 1
                         self._parked_keys.discard((peer.receiver_id, msg.fetch_id))
+                        self.ownership.count(peer.receiver_id, "parked", -1)
                         break
                 else:
                     p = None  # type: ignore[assignment]
+        if stolen is not None:
+            self.stats.add("messages_refused_identity")
+            self.stats.add(f"rejected_{Reason.NOT_AUTHORIZED}")
+            self._reply(
+                routing_id,
+                wire.Reject(
+                    reason=Reason.NOT_AUTHORIZED, detail="this route belongs to another identity"
+                ),
+            )
+            return
         if peer is None:
             self.stats.add(f"rejected_{Reason.UNKNOWN_PEER}")
             self._reply(
@@ -922,6 +1076,7 @@ class Sender:
             self._pending_count -= len(expired)
             for p in expired:
                 self._parked_keys.discard((p.peer.receiver_id, p.msg.fetch_id))
+                self.ownership.count(p.peer.receiver_id, "parked", -1)
             due: list[TxSession] = []
             heap = self._ttl_heap
             while heap and heap[0][0] <= now:
@@ -944,6 +1099,34 @@ class Sender:
         for s in due:  # a session fetched before its TTL refuses to expire; its entry is gone
             if s.expire(now):
                 self.stats.add("sessions_expired")
+        if now >= self._reap_at:
+            self._reap_at = now + min(1.0, self.ownership.limits.orphan_ttl_s / 4)
+            self._reclaim_orphans(now)
+
+    def _reclaim_orphans(self, now: float) -> None:
+        """Reclaim what identities no longer use (listener thread; see ownership.py).
+
+        A registered peer heard from no more than ``orphan_ttl_ms`` ago with nothing open
+        or parked leaves the table (its next message meets ``unknown_peer`` and kvxferd's
+        receiver registers again); bindings no peer used for that long are released.
+        """
+        ttl = self.ownership.limits.orphan_ttl_s
+        with self._lock:
+            idle = [
+                rid
+                for rid, p in self._peers.items()
+                if now - self._peer_seen.get(rid, now) >= ttl
+                and self.ownership.unused(p.receiver_id)
+            ]
+            peers = [self._peers.pop(rid) for rid in idle]
+            for p in peers:
+                self._peer_seen.pop(p.routing_id, None)
+                self.ownership.release(p.receiver_id)
+            gone = self.ownership.reap()
+        for p in peers:
+            self._forget_peer(p, reclaimed=True)
+        if gone:
+            self.stats.add("bindings_reclaimed", len(gone))
 
     def _compact_ttl_heap_locked(self) -> None:
         """Drop entries of sessions already removed (registry lock held); amortised O(1)."""
@@ -1021,6 +1204,8 @@ class Sender:
         with self._lock:  # publish and parking check the flag under this lock: none slips past
             self._draining.set()
             parked = [p for ps in self._pending.values() for p in ps]
+            for p in parked:
+                self.ownership.count(p.peer.receiver_id, "parked", -1)
             self._pending.clear()
             self._parked_keys.clear()
             self._pending_count = 0

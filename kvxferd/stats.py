@@ -181,6 +181,37 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     # -- sender: peers and handshakes ----------------------------------------------------
     _c("registers_accepted", _S, "REGISTERs answered ok (new peers and repeats)"),
     _c("registers_refused", _S, "REGISTERs refused (reason in kvxferd_rejections_total)"),
+    _c(
+        "registers_refused_owner",
+        _S,
+        "REGISTERs refused not_authorized: another identity's receiver id, NIXL agent, route"
+        " or result endpoint",
+    ),
+    _c(
+        "messages_refused_identity",
+        _S,
+        "RequestData/Cancel refused not_authorized: sent on a route registered by another identity",
+    ),
+    _c(
+        "fetches_refused_token",
+        _S,
+        "Fetches refused not_authorized: the request's fetch token missing or wrong",
+    ),
+    _c(
+        "fetches_refused_receiver",
+        _S,
+        "Fetches refused not_authorized: the receiver is not in the request's allowed_receivers",
+    ),
+    _c(
+        "peers_reclaimed",
+        _S,
+        "Registered peers idle past orphan_ttl_ms with nothing open, removed from the table",
+    ),
+    _c(
+        "bindings_reclaimed",
+        _S,
+        "Receiver ids / NIXL names released orphan_ttl_ms after their peer left (ownership.py)",
+    ),
     _c("peers_registered", _S, "New peers registered (a NIXL remote agent added)"),
     _c("peers_replaced", _S, "Peers replaced by a new receiver process at their result endpoint"),
     _c(

@@ -100,6 +100,7 @@ class Peer:
     mem_type: str
     device_id: int
     prepped: bool = False  # the data plane holds a prepared list of its KV pool (post_blocks)
+    identity: str = ""  # the authenticated key that registered it ("" with security off)
 
 
 @dataclass(frozen=True, slots=True)
