@@ -124,7 +124,7 @@ def test_an_impostor_cannot_take_a_victims_receiver_id_agent_or_endpoint(
     victim_keys, evil = Keys.new(), Keys.new()
     victim = _peer(world, h, sx, victim_keys, "victim-1").register()
     tries = [
-        _peer(world, h, sx, evil, "victim-1"),  # its receiver id
+        _peer(world, h, sx, evil, "victim-1", metadata=b"evil-agent"),  # its receiver id
         _peer(world, h, sx, evil, "evil-1", metadata=b"victim-1"),  # its NIXL agent
         _peer(world, h, sx, evil, "evil-2", result_endpoint=victim.result_endpoint),  # its endpoint
     ]
@@ -142,6 +142,27 @@ def test_an_impostor_cannot_take_a_victims_receiver_id_agent_or_endpoint(
     out = handle.wait(WAIT_S)
     assert out is not None and out.state is TxState.COMPLETE
     assert [x.peer for x in dp.xfers] == ["victim-1"]
+
+
+def test_another_key_cannot_cancel_a_victims_fetch(world: CurveWorld, h: Harness) -> None:
+    """A key that tries to register the victim's receiver id (to cancel its fetch by id) is refused, its Cancel meets unknown_peer, and the victim's fetch completes."""
+    world.serving(Keys.new())
+    sx, dp = h.sender()
+    victim = _peer(world, h, sx, Keys.new(), "victim-1").register()
+    handle = sx.publish("req-v", BLOCKS)
+    victim.fetch("req-v", 7)
+    x = dp.wait_posted(1)
+    evil = _peer(world, h, sx, Keys.new(), "victim-1", metadata=b"evil-agent")
+    reply = evil.try_register()
+    assert not reply.ok and reply.reason is Reason.NOT_AUTHORIZED, reply
+    evil.cancel("req-v", 7)
+    reject = evil.next_message()
+    assert isinstance(reject, wire.Reject) and reject.reason is Reason.UNKNOWN_PEER, reject
+    x.finish(True)
+    assert victim.next_result().status == "done"
+    out = handle.wait(WAIT_S)
+    assert out is not None and out.state is TxState.COMPLETE, out
+    assert sx.stats.get("cancels") == 0
 
 
 def test_a_route_taken_over_by_another_key_cannot_cancel_or_fetch(
