@@ -70,6 +70,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvxferd import protocol as wire
+from kvxferd.auth import peer_identity
 from kvxferd.config import ReceiverSettings
 from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, NixlDataPlane
@@ -252,14 +253,29 @@ class Receiver:
         layers: tuple[int, int] | None = None,
         want_aux: bool = True,
         timeout_ms: int | None = None,
+        token: str = "",
+        sender_key: str = "",
     ) -> RxHandle:
         """Ask ``sender_endpoint`` to write ``request_id`` into ``block_ids``; returns at once.
 
+        ``token``: the fetch token the publisher issued (passed on in RequestData).
+        ``sender_key``: the sender's public key (Z85) from the publish side; its Results
+        and CancelAcks are taken only from that identity ("" with security off).
         Refusals are :class:`RejectedError` with a reason (draining, malformed,
-        bad_endpoint, too_large, bad_blocks, busy), raised on the caller's thread.
+        bad_endpoint, not_authorized, too_large, bad_blocks, busy), raised on the
+        caller's thread.
         """
         try:
-            return self._fetch(request_id, sender_endpoint, block_ids, layers, want_aux, timeout_ms)
+            return self._fetch(
+                request_id,
+                sender_endpoint,
+                block_ids,
+                layers,
+                want_aux,
+                timeout_ms,
+                token,
+                sender_key or self._expected_sender_key(sender_endpoint),
+            )
         except RejectedError as e:
             self.stats.add(f"fetch_refused_{e.reason}")
             raise
@@ -272,6 +288,8 @@ class Receiver:
         layers: tuple[int, int] | None,
         want_aux: bool,
         timeout_ms: int | None,
+        token: str = "",
+        sender_key: str = "",
     ) -> RxHandle:
         if self._draining.is_set():
             raise RejectedError(Reason.DRAINING, "receiver is draining")
@@ -305,6 +323,8 @@ class Receiver:
             layer_end=le,
             aux_slot=aux_slot,
             deadline=time.monotonic() + timeout_ms / 1000,
+            token=token,
+            sender_key=sender_key,
             on_end=self._journal_fetch,
         )
         # Admission is atomic with the start of a drain: shutdown sets _draining under this
@@ -629,6 +649,7 @@ class Receiver:
             aux_slot=rx.aux_slot,
             timeout_ms=min(max(1, int(left_s * 1000)), 3_600_000),
             deadline_unix_ms=max(1, int((time.time() + left_s) * 1000)),
+            token=rx.token,
         )
         try:
             send_bounded(link.dealer, wire.encode(msg))
@@ -740,12 +761,14 @@ class Receiver:
             if sock.closed:
                 return  # a message closed its link (a refused Register)
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError:
                 self.stats.add("recv_errors")
                 return
+            identity = peer_identity(parts[-1])  # the key ZAP authenticated, never a field
+            frames = [p.bytes for p in parts]
             body = frames[1:] if sock is self._router else frames
             try:
                 msg = wire.decode_to_receiver(body, self.settings.limits.max_frame_bytes)
@@ -753,11 +776,13 @@ class Receiver:
                 self.stats.add(f"rejected_{e.reason}")
                 continue
             try:
-                self._on_message(sock, msg)
+                self._on_message(sock, msg, identity)
             except Exception:
                 self.guard.caught("rx-io message")
 
-    def _on_message(self, sock: zmq.Socket[bytes], msg: wire.ToReceiver) -> None:
+    def _on_message(
+        self, sock: zmq.Socket[bytes], msg: wire.ToReceiver, identity: str = ""
+    ) -> None:
         if isinstance(msg, wire.RegisterReply):
             link = self._by_socket.get(sock)
             if link is not None and sock is link.dealer:
@@ -773,6 +798,14 @@ class Receiver:
             self.stats.add("late_messages")
             return
         rx = found
+        if not self._from_asked_sender(sock, rx, identity):
+            self.stats.add("results_unsolicited")
+            log.warning(
+                "%s for fetch %d dropped: not from the sender it was sent to",
+                type(msg).__name__,
+                rx.fetch_id,
+            )
+            return
         if isinstance(msg, wire.CancelAck):
             rx.on_cancel_ack(msg.in_doubt)
             self._settle(rx)
@@ -808,6 +841,26 @@ class Receiver:
             if msg.status == "done":
                 self.stats.add("bytes_received", msg.nbytes)
         self._settle(rx)
+
+    def _from_asked_sender(self, sock: zmq.Socket[bytes], rx: RxSession, identity: str) -> bool:
+        """True when a Result/CancelAck for ``rx`` came from the sender ``rx`` was sent to.
+
+        On the result ROUTER: the authenticated identity must be the fetch's expected
+        sender key (both "" with security off). On a link's DEALER (the listener's own
+        refusals): it must be the link to the fetch's sender endpoint.
+        """
+        if sock is self._router:
+            return identity == rx.sender_key
+        link = self._by_socket.get(sock)
+        return link is not None and link.dealer is sock and link.endpoint == rx.sender_endpoint
+
+    def _expected_sender_key(self, endpoint: str) -> str:
+        """The key a sender at ``endpoint`` must present when the fetch names none.
+
+        "" (the anonymous identity of security off) until the ``[security]`` settings
+        name keys per sender endpoint; then this returns the configured one.
+        """
+        return ""
 
     def _check_deadlines(self, now: float) -> None:
         refused_s = self.settings.deadlines.connect_refused_ms / 1000

@@ -428,6 +428,8 @@ class RxSession:
     aux_slot: int
     deadline: float  # monotonic
     started: float = field(default_factory=time.monotonic)
+    token: str = ""  # the publisher's fetch token, passed on in every RequestData
+    sender_key: str = ""  # the identity its Results must come from ("" with security off)
     sent: bool = False  # REQUEST_DATA has left (a write may come from now on)
     sent_to: str = ""  # the sender incarnation (sender_id) it was last sent to
     state: RxState = RxState.REQUESTED

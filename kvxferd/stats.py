@@ -339,6 +339,12 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     ),
     _c("registers_sent", _R, "REGISTERs sent to senders"),
     _c(
+        "results_unsolicited",
+        _R,
+        "Results or CancelAcks for an open fetch dropped: not from the sender (key, link) it was"
+        " sent to",
+    ),
+    _c(
         "register_replies_{result}",
         _R,
         "RegisterReplies received, ok or refused",
