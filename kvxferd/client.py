@@ -67,6 +67,7 @@ __all__ = [
     "Outcome",
     "PoolInfo",
     "PoolMapping",
+    "Published",
     "attach_pool",
 ]
 
@@ -76,6 +77,20 @@ _CLOSE_POLL_S = 0.005  # close_client: how often it checks whether a busy loop h
 _call_ids = itertools.count(1)  # process-wide, never reused: a late reply can never match
 
 R = TypeVar("R", bound=ep._Msg)
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A publish's handle and what the decode side needs to fetch it (pass these to ``fetch``)."""
+
+    handle_id: int
+    sender_endpoint: str
+    sender_key: str  # the sender's CURVE public key (Z85); "" with security off
+    token: str  # the fetch token; "" when none was asked for
+
+    @classmethod
+    def of(cls, reply: ep.Handle) -> Published:
+        return cls(reply.handle_id, reply.sender_endpoint or "", reply.sender_key, reply.token)
 
 
 class EngineError(KvxferdError):
@@ -127,10 +142,19 @@ Build = Callable[[int, int], ep._Msg]  # (call id, deadline_unix_ms) -> the requ
 
 
 def _publish_msg(
-    request_id: str, block_ids: Sequence[int] | np.ndarray, aux: bytes | None, expected_fetches: int
+    request_id: str,
+    block_ids: Sequence[int] | np.ndarray,
+    aux: bytes | None,
+    expected_fetches: int,
+    token: bool | str = False,
+    allowed_receivers: Sequence[str] = (),
 ) -> Build:
-    """The Publish message for a call id (block ids converted and checked once, here)."""
+    """The Publish message for a call id (block ids converted and checked once, here).
+
+    ``token``: True to have the daemon issue a fetch token, or the token itself.
+    """
     blocks = _blocks(block_ids)
+    allowed = list(allowed_receivers)
     return lambda call_id, deadline: ep.Publish(
         call_id=call_id,
         request_id=request_id,
@@ -138,6 +162,9 @@ def _publish_msg(
         aux=aux,
         expected_fetches=expected_fetches,
         deadline_unix_ms=deadline,
+        token=token is True,
+        fetch_token=token if isinstance(token, str) else "",
+        allowed_receivers=allowed,
     )
 
 
@@ -148,10 +175,14 @@ def _fetch_msg(
     layers: tuple[int, int] | None,
     timeout_ms: int | None,
     want_aux: bool,
+    token: str = "",
+    sender_key: str = "",
 ) -> Build:
     lb, le = layers if layers is not None else (0, 0)
     blocks = _blocks(block_ids)
     return lambda call_id, deadline: ep.Fetch(
+        token=token,
+        sender_key=sender_key,
         call_id=call_id,
         request_id=request_id,
         sender_endpoint=sender_endpoint,
@@ -247,6 +278,30 @@ class Client:
         reply = self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
+    def publish_for(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        aux: bytes | None = None,
+        expected_fetches: int = 1,
+        token: bool | str = True,
+        allowed_receivers: Sequence[str] = (),
+    ) -> Published:
+        """``publish``, restricted to who may fetch it; what the decode side needs, with the handle.
+
+        ``token``: True (the daemon issues a random fetch token), a token of the engine's
+        own (at least 16 of ``[A-Za-z0-9_-]``), or False. ``allowed_receivers``: receiver
+        identities (CURVE keys) or receiver ids; empty means any. Pass the result's
+        ``sender_endpoint``, ``token`` and ``sender_key`` to the decode side's ``fetch``
+        (with neither a token nor a list, the daemon does not describe itself: its
+        endpoint is in ``describe()``).
+        """
+        reply = self._call(
+            _publish_msg(request_id, block_ids, aux, expected_fetches, token, allowed_receivers)
+        )
+        return Published.of(_check(reply, ep.Handle))
+
     def fetch(
         self,
         request_id: str,
@@ -256,13 +311,25 @@ class Client:
         layers: tuple[int, int] | None = None,
         timeout_ms: int | None = None,
         want_aux: bool = True,
+        token: str = "",
+        sender_key: str = "",
     ) -> int:
         """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``; the handle id.
 
         Keyed by (request_id, sender_endpoint, layers): safe to retry like ``publish``.
+        ``token`` and ``sender_key``: what the publish side's :class:`Published` said.
         """
         reply = self._call(
-            _fetch_msg(request_id, sender_endpoint, block_ids, layers, timeout_ms, want_aux)
+            _fetch_msg(
+                request_id,
+                sender_endpoint,
+                block_ids,
+                layers,
+                timeout_ms,
+                want_aux,
+                token,
+                sender_key,
+            )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
@@ -569,6 +636,22 @@ class AsyncClient:
         reply = await self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
+    async def publish_for(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        aux: bytes | None = None,
+        expected_fetches: int = 1,
+        token: bool | str = True,
+        allowed_receivers: Sequence[str] = (),
+    ) -> Published:
+        """See :meth:`Client.publish_for`."""
+        reply = await self._call(
+            _publish_msg(request_id, block_ids, aux, expected_fetches, token, allowed_receivers)
+        )
+        return Published.of(_check(reply, ep.Handle))
+
     async def fetch(
         self,
         request_id: str,
@@ -578,9 +661,20 @@ class AsyncClient:
         layers: tuple[int, int] | None = None,
         timeout_ms: int | None = None,
         want_aux: bool = True,
+        token: str = "",
+        sender_key: str = "",
     ) -> int:
         reply = await self._call(
-            _fetch_msg(request_id, sender_endpoint, block_ids, layers, timeout_ms, want_aux)
+            _fetch_msg(
+                request_id,
+                sender_endpoint,
+                block_ids,
+                layers,
+                timeout_ms,
+                want_aux,
+                token,
+                sender_key,
+            )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 

@@ -41,7 +41,16 @@ import msgspec
 from msgspec import Meta
 
 from kvxferd.errors import ProtocolError, Reason
-from kvxferd.protocol import U31, U63, BlockIds, Endpoint, RequestId, Text, decode_frame
+from kvxferd.protocol import (
+    U31,
+    U63,
+    BlockIds,
+    Endpoint,
+    FetchToken,
+    RequestId,
+    Text,
+    decode_frame,
+)
 
 ENGINE_PROTOCOL_VERSION = 3  # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch; 3: Wait.close
 MAGIC = b"KE"
@@ -53,6 +62,10 @@ HandleId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 WaitMs = Annotated[int, Meta(ge=0, le=3_600_000)]
 DeadlineMs = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # Unix time in ms; 0 = no deadline
 Aux = Annotated[bytes, Meta(max_length=1 << 20)]
+# A receiver allowed to fetch: its identity (Z85 CURVE key, 40 chars) or its receiver id.
+Allowed = Annotated[list[Annotated[str, Meta(min_length=1, max_length=128)]], Meta(max_length=64)]
+PublicKey = Annotated[str, Meta(max_length=40)]  # Z85 CURVE public key; "" with security off
+MIN_TOKEN_CHARS = 16  # an engine-chosen fetch token shorter than this is refused (malformed)
 
 
 class EngineReason(StrEnum):
@@ -131,8 +144,15 @@ class Describe(_Msg, tag="describe", frozen=True):
     call_id: CallId
 
 
-class Publish(_Msg, tag="publish", frozen=True):
-    """Sender daemon: offer a finished request's blocks (and aux payload) to receivers."""
+class Publish(_Msg, tag="publish", frozen=True, omit_defaults=True):
+    """Sender daemon: offer a finished request's blocks (and aux payload) to receivers.
+
+    ``token``: the daemon issues a random fetch token, returned in the Handle; only a
+    fetch carrying it is served. ``fetch_token``: the engine chose the token itself
+    (at least ``MIN_TOKEN_CHARS``; implies ``token``), for an engine that must hand it
+    on before the reply comes. ``allowed_receivers``: only these receivers (identity
+    or receiver id) may fetch it. Fields at their default are not sent.
+    """
 
     call_id: CallId
     request_id: RequestId
@@ -140,10 +160,17 @@ class Publish(_Msg, tag="publish", frozen=True):
     aux: Aux | None = None
     expected_fetches: Annotated[int, Meta(ge=1, le=65_536)] = 1
     deadline_unix_ms: DeadlineMs = 0
+    token: bool = False
+    fetch_token: FetchToken = ""
+    allowed_receivers: Allowed = []
 
 
-class Fetch(_Msg, tag="fetch", frozen=True):
-    """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``."""
+class Fetch(_Msg, tag="fetch", frozen=True, omit_defaults=True):
+    """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``.
+
+    ``token`` and ``sender_key`` are what the publish side's Handle said (the engine
+    passes them along with the endpoint, e.g. in vLLM's kv_transfer_params).
+    """
 
     call_id: CallId
     request_id: RequestId
@@ -154,6 +181,8 @@ class Fetch(_Msg, tag="fetch", frozen=True):
     timeout_ms: WaitMs = 0  # 0 means the daemon's kv_transfer_timeout_ms
     want_aux: bool = True
     deadline_unix_ms: DeadlineMs = 0
+    token: FetchToken = ""
+    sender_key: PublicKey = ""
 
 
 class Lookup(_Msg, tag="lookup", frozen=True):
@@ -228,15 +257,22 @@ class PoolInfo(_Msg, tag="pool_info", frozen=True):
     daemon_id: Annotated[str, Meta(max_length=128)] = ""
 
 
-class Handle(_Msg, tag="handle", frozen=True):
+class Handle(_Msg, tag="handle", frozen=True, omit_defaults=True):
     """A publish or fetch was accepted (or found by key); ``handle_id`` names it.
 
     Handle ids are never reused, not even by a restarted daemon; a handle serves
     the connections that created it or obtained it by key (retry or Lookup).
+    A Publish's Handle also describes the sender for the decode side: its
+    ``sender_endpoint``, ``sender_key`` (Z85, "" with security off) and the fetch
+    ``token`` ("" unless the Publish asked for one). Fields at their default are
+    not sent.
     """
 
     call_id: CallId
     handle_id: HandleId
+    sender_endpoint: Endpoint | None = None
+    sender_key: PublicKey = ""
+    token: FetchToken = ""
 
 
 class Error(_Msg, tag="error", frozen=True):

@@ -76,6 +76,7 @@ import hashlib
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +114,7 @@ class _Entry:
     owners: list[bytes]  # routing ids that may use the handle, oldest first
     handle: TxHandle | RxHandle
     key: _Key
+    token: str = ""  # a publish's fetch token (the same in every reply for this handle)
 
 
 @dataclass(slots=True)
@@ -588,7 +590,7 @@ class Gateway:
             found = self._share(rid, key)
             assert found is not None
             self.stats.add("calls_found_by_key")
-            return ep.Handle(call_id=msg.call_id, handle_id=found)
+            return self._handle_reply(msg, found, self._handles[found].token)
         if self._refusing is not None:
             return self._refuse(
                 msg.call_id,
@@ -599,11 +601,41 @@ class Gateway:
             return self._refuse(
                 msg.call_id, ep.EngineReason.BUSY, f"{self.max_handles} handles open (max_handles)"
             )
-        handle = _before(msg.deadline_unix_ms, self._service_call(msg))()
+        token = ""
+        if isinstance(msg, ep.Publish):
+            if msg.fetch_token and len(msg.fetch_token) < ep.MIN_TOKEN_CHARS:
+                return self._refuse(
+                    msg.call_id,
+                    ep.EngineReason.MALFORMED,
+                    f"fetch_token shorter than {ep.MIN_TOKEN_CHARS} characters",
+                )
+            # 128 random bits, URL-safe: it travels in the engine's transfer parameters.
+            token = msg.fetch_token or (secrets.token_urlsafe(16) if msg.token else "")
+        handle = _before(msg.deadline_unix_ms, self._service_call(msg, token))()
         hid = next(self._handle_ids)
-        self._handles[hid] = _Entry([rid], handle, key)
+        self._handles[hid] = _Entry([rid], handle, key, token)
         self._work[key] = _Work(digest, hid)
-        return ep.Handle(call_id=msg.call_id, handle_id=hid)
+        return self._handle_reply(msg, hid, token)
+
+    def _handle_reply(self, msg: ep.Publish | ep.Fetch, hid: int, token: str) -> ep.Handle:
+        """A Handle; a Publish that restricted its fetchers also gets the sender's description.
+
+        (Only then: an engine that never asks keeps reading the Handle it always got.)
+        """
+        if not (
+            isinstance(msg, ep.Publish)
+            and isinstance(self.service, Sender)
+            and (msg.token or msg.fetch_token or msg.allowed_receivers)
+        ):
+            return ep.Handle(call_id=msg.call_id, handle_id=hid)
+        return ep.Handle(
+            call_id=msg.call_id,
+            handle_id=hid,
+            sender_endpoint=self.service.endpoint,
+            # The sender's CURVE public key once security is configured ("" while off).
+            sender_key=getattr(self.service, "public_key", "") or "",
+            token=token,
+        )
 
     def _lookup(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
         """The open call with this key, shared with this connection (inline)."""
@@ -639,7 +671,9 @@ class Gateway:
         end = msg.layer_end or self.service.pool.layout.num_layers
         return ("fetch", msg.request_id, msg.sender_endpoint or "", msg.layer_begin, end)
 
-    def _service_call(self, msg: ep.Publish | ep.Fetch) -> Callable[[], TxHandle | RxHandle]:
+    def _service_call(
+        self, msg: ep.Publish | ep.Fetch, token: str = ""
+    ) -> Callable[[], TxHandle | RxHandle]:
         if isinstance(msg, ep.Publish):
             sender = self.service
             assert isinstance(sender, Sender)
@@ -649,6 +683,8 @@ class Gateway:
                 msg.block_ids,
                 aux=msg.aux,
                 expected_fetches=msg.expected_fetches,
+                token=token or None,
+                allowed_receivers=msg.allowed_receivers,
             )
         receiver = self.service
         assert isinstance(receiver, Receiver)
@@ -663,6 +699,8 @@ class Gateway:
             layers=layers,
             want_aux=msg.want_aux,
             timeout_ms=msg.timeout_ms or None,
+            token=msg.token,
+            sender_key=msg.sender_key,
         )
 
     def _refuse(self, call_id: int, reason: ep.EngineReason, detail: str) -> ep.Error:
@@ -709,8 +747,12 @@ def _digest(msg: ep.Publish | ep.Fetch) -> bytes:
     """What a retry must repeat to get the same handle: blocks and aux / aux wanted."""
     if isinstance(msg, ep.Publish):
         params: list[object] = [msg.block_ids, msg.aux, msg.expected_fetches]
+        if msg.token or msg.fetch_token or msg.allowed_receivers:
+            params += [msg.token, msg.fetch_token, sorted(msg.allowed_receivers)]
     else:
         params = [msg.block_ids, msg.want_aux]
+        if msg.token or msg.sender_key:
+            params += [msg.token, msg.sender_key]
     return hashlib.blake2b(msgspec.msgpack.encode(params), digest_size=16).digest()
 
 
