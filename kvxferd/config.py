@@ -360,11 +360,32 @@ class SenderSettings(_RoleSettings):
     )
 
 
+class AccessSettings(_Frozen):
+    """Which sender endpoints a receiver may dial for a fetch (kvxferd/endpoints.py, DialAllow).
+
+    ``dial_allow`` entries: ``HOST[:PORTS]``, ``CIDR[:PORTS]``, ``[IPV6-OR-CIDR][:PORTS]``,
+    ``ipc://PREFIX`` (PORTS ``N`` or ``N-M``). Empty: loopback and ipc only.
+    """
+
+    dial_allow: tuple[str, ...] = Field((), max_length=256)
+
+    @model_validator(mode="after")
+    def _check(self) -> AccessSettings:
+        from kvxferd.endpoints import DialAllow
+
+        try:
+            DialAllow(self.dial_allow)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
 class ReceiverSettings(_RoleSettings):
     """The generation-side process: fetches requests into its own blocks."""
 
     name: str = Field("kvxferd-receiver", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     result_endpoint: str = Field("tcp://127.0.0.1:0", pattern=r"^(tcp|ipc)://.{1,240}$")
+    access: AccessSettings = AccessSettings()
 
 
 S = TypeVar("S", bound=_RoleSettings)

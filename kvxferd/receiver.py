@@ -75,7 +75,7 @@ from kvxferd.config import ReceiverSettings
 from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, RxShutdownReport
-from kvxferd.endpoints import advertise_host, advertised, connect_problem
+from kvxferd.endpoints import DialAllow, advertise_host, advertised, connect_problem
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
@@ -181,6 +181,8 @@ class Receiver:
             self.receiver_id, settings.dataplane, self.pool
         )
         self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
+        # Sender endpoints come from request data: only those the operator allows are dialled.
+        self.dial_allow = DialAllow(settings.access.dial_allow)
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
         self._router, self.bound_result_endpoint = bind_router(
             settings.result_endpoint, self.socket_limits
@@ -298,6 +300,10 @@ class Receiver:
         problem = connect_problem(sender_endpoint)
         if problem is not None:
             raise RejectedError(Reason.BAD_ENDPOINT, problem)
+        problem = self.dial_allow.problem(sender_endpoint)
+        if problem is not None:
+            self.stats.add("endpoints_refused")
+            raise RejectedError(Reason.NOT_AUTHORIZED, problem)
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if blocks.size > self.settings.limits.max_blocks_per_request:
             raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")

@@ -339,6 +339,11 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     ),
     _c("registers_sent", _R, "REGISTERs sent to senders"),
     _c(
+        "endpoints_refused",
+        _R,
+        "Fetches refused not_authorized: the sender endpoint is not in access.dial_allow",
+    ),
+    _c(
         "results_unsolicited",
         _R,
         "Results or CancelAcks for an open fetch dropped: not from the sender (key, link) it was"
