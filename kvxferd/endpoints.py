@@ -107,17 +107,11 @@ def parse_endpoint(endpoint: str) -> ParsedEndpoint:
         raise ValueError("empty or longer than 256 characters")
     if any(c.isspace() or not c.isprintable() or ord(c) > 126 for c in endpoint):
         raise ValueError("whitespace, control or non-ASCII characters")
-    if ";" in endpoint:
-        raise ValueError("source-address syntax (';') is not accepted")
+    why = connect_problem(endpoint)  # source syntax, schemes, wildcards, ports, ipc paths
+    if why is not None:
+        raise ValueError(why.removeprefix(f"{endpoint!r}: "))
     if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://") :]
-        if not path:
-            raise ValueError("empty ipc path")
-        if len(path.encode()) > IPC_PATH_MAX:
-            raise ValueError(f"ipc path longer than {IPC_PATH_MAX} bytes")
-        return ParsedEndpoint("ipc", path=path)
-    if not endpoint.startswith("tcp://"):
-        raise ValueError("only tcp:// and ipc:// endpoints are accepted")
+        return ParsedEndpoint("ipc", path=endpoint[len("ipc://") :])
     rest = endpoint[len("tcp://") :]
     for c in "@/?#\\%*":
         if c in rest:
