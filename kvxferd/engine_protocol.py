@@ -15,8 +15,10 @@ description.
 Calls and their replies (engine DEALER -> gateway ROUTER and back)::
 
     Describe                                         -> PoolInfo
-    Publish(request_id, block_ids, aux, expected)    -> Handle | Error     (sender only)
-    Fetch(request_id, sender_endpoint, block_ids...) -> Handle | Error     (receiver only)
+    Publish(request_id, block_ids, aux, expected     -> Handle | Error     (sender only)
+            [, token, allowed_receivers])               (+ sender description, token)
+    Fetch(request_id, sender_endpoint, block_ids...  -> Handle | Error     (receiver only)
+          [, token, sender_key])
     Lookup(request_id[, sender_endpoint, layers])    -> Handle | Error(unknown_handle)
     Wait(handle_id, timeout_ms[, close])             -> Outcome | Pending | Error
     Poll(handle_id)                                  -> Outcome | Pending | Error

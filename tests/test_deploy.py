@@ -917,6 +917,7 @@ def test_daemons_connect_only_where_the_policy_admits(tmp_path: Path) -> None:
                 env["KVXFERD_LISTEN"] = "tcp://0.0.0.0:0"
             else:
                 env["KVXFERD_RESULT_ENDPOINT"] = "tcp://0.0.0.0:0"
+                env["KVXFERD_ACCESS__DIAL_ALLOW"] = f'["{ip}"]'  # the pod network's CIDR
             toml = tmp_path / f"{role}.toml"
             toml.write_text(_toml(docs, sts, role))
             daemons[role] = _PodDaemon(role, toml, env, tmp_path)

@@ -166,6 +166,7 @@ def test_a_connect_error_on_the_io_thread_fails_only_that_fetch(
     """An endpoint that passes the check but fails connect() fails its fetch with a reason."""
     monkeypatch.setattr(receiver_mod, "connect_problem", lambda endpoint: None, raising=False)
     rx = make_rx()
+    monkeypatch.setattr(rx.dial_allow, "problem", lambda endpoint: None)  # the parser too
     out = rx.fetch("req-bad", "tcp://no-port-here", [1]).wait(WAIT_S)
     assert out is not None and out.state is RxState.FAILED, out
     assert out.reason is Reason.BAD_ENDPOINT, out
