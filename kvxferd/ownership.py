@@ -29,7 +29,8 @@ Invariants (the sender's tests hold them):
   (except the anonymous identity of security off: only the global limits hold);
 * a binding nothing uses any more is reclaimed ``orphan_ttl`` after its peer left,
   so an identity that went away stops holding names; an identity with no binding
-  left is forgotten at once.
+  left is forgotten at once. (The sender also removes a key's registered peer idle
+  for ``orphan_ttl`` with nothing open; not the anonymous identity's.)
 
 Not thread-safe on its own: the sender calls it with its registry lock held.
 """

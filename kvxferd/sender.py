@@ -89,7 +89,7 @@ import numpy as np
 import zmq
 
 from kvxferd import protocol as wire
-from kvxferd.auth import peer_identity
+from kvxferd.auth import ANONYMOUS, peer_identity
 from kvxferd.config import SenderSettings
 from kvxferd.control import SharedDealerPool, SocketLimits, bind_router, router_reply
 from kvxferd.dataplane import DataPlane, NixlDataPlane
@@ -1106,16 +1106,19 @@ class Sender:
     def _reclaim_orphans(self, now: float) -> None:
         """Reclaim what identities no longer use (listener thread; see ownership.py).
 
-        A registered peer heard from no more than ``orphan_ttl_ms`` ago with nothing open
-        or parked leaves the table (its next message meets ``unknown_peer`` and kvxferd's
-        receiver registers again); bindings no peer used for that long are released.
+        A key's registered peer not heard from for ``orphan_ttl_ms`` with nothing open or
+        parked leaves the table (its next message meets ``unknown_peer`` and kvxferd's
+        receiver registers again); bindings no peer used for that long are released. The
+        anonymous identity of security off keeps its idle peers, as before (only a full
+        table evicts them).
         """
         ttl = self.ownership.limits.orphan_ttl_s
         with self._lock:
             idle = [
                 rid
                 for rid, p in self._peers.items()
-                if now - self._peer_seen.get(rid, now) >= ttl
+                if p.identity != ANONYMOUS
+                and now - self._peer_seen.get(rid, now) >= ttl
                 and self.ownership.unused(p.receiver_id)
             ]
             peers = [self._peers.pop(rid) for rid in idle]

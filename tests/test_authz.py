@@ -258,10 +258,13 @@ def test_a_refused_register_leaves_no_binding(world: CurveWorld, h: Harness) -> 
 
 
 def test_security_off_is_one_anonymous_owner(h: Harness) -> None:
-    """Without CURVE every peer is the anonymous identity: a new receiver id at a known endpoint still replaces it."""
-    sx, _ = h.sender()
+    """Without CURVE every peer is the anonymous identity: a new receiver id at a known endpoint still replaces it, and idle peers are never reclaimed."""
+    sx, _ = h.sender(limits={"orphan_ttl_ms": 1, "max_peers_per_identity": 1})
     old = h.peer(sx, "peer-old")
     h.peer(sx, "peer-new", result_endpoint=old.result_endpoint)
+    h.peer(sx, "peer-other")
     assert sx.stats.get("peers_replaced") == 1
+    h.until(lambda: sx.stats.get("bindings_reclaimed") == 1, "the replaced binding reclaimed")
+    assert sx.stats.get("peers_reclaimed") == 0 and len(sx._peers) == 2
     assert sx.stats.get("registers_refused_owner") == 0
     assert set(sx.ownership.identities()) == {""}
