@@ -242,8 +242,13 @@ class Close(_Msg, tag="close", frozen=True):
 
 
 # -- gateway -> engine ---------------------------------------------------------------------
-class PoolInfo(_Msg, tag="pool_info", frozen=True):
-    """The daemon's role and KV pool, enough for the engine to map it (see ``client.attach_pool``)."""
+class PoolInfo(_Msg, tag="pool_info", frozen=True, omit_defaults=True):
+    """The daemon's role and KV pool, enough for the engine to map it (see ``client.attach_pool``).
+
+    ``public_key``: the daemon's CURVE public key (Z85; "" with security off), for the
+    engine to hand to the other side (a sender's key is what its fetchers expect).
+    Fields at their default are not sent.
+    """
 
     call_id: CallId
     role: Literal["sender", "receiver"]
@@ -257,6 +262,7 @@ class PoolInfo(_Msg, tag="pool_info", frozen=True):
     )
     endpoint: Endpoint | None = None  # sender: its listen endpoint; receiver: its result endpoint
     daemon_id: Annotated[str, Meta(max_length=128)] = ""
+    public_key: PublicKey = ""
 
 
 class Handle(_Msg, tag="handle", frozen=True, omit_defaults=True):

@@ -842,6 +842,8 @@ def _pool_info(service: Sender | Receiver) -> ep.PoolInfo:
         cuda_ipc_handle=None if on_cpu else cuda_ipc_handle(pool),
         endpoint=endpoint,
         daemon_id=daemon_id,
+        # The daemon's CURVE public key once security is configured ("" while off).
+        public_key=getattr(service, "public_key", "") or "",
     )
 
 
