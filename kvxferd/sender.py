@@ -173,10 +173,17 @@ class Sender:
             window_s=health.peer_failure_window_ms / 1000,
         )
         self.sender_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
+        # NIXL name -> when that receiver last sent a message (listener writes, data plane reads)
+        self._heard: dict[str, float] = {}
         self.pool = pool or KvPool(settings.pool, owner="tx")
         self._owns_pool = pool is None
         self.dataplane: DataPlane = dataplane or NixlDataPlane(
-            self.sender_id, settings.dataplane, self.pool
+            self.sender_id,
+            settings.dataplane,
+            self.pool,
+            stall_s=settings.deadlines.xfer_stall_timeout_ms / 1000,
+            stats=self.stats,
+            heard_from=self._heard_from,
         )
         self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
@@ -428,6 +435,7 @@ class Sender:
             self.stats.add(f"rejected_{e.reason}")
             self._reply(routing_id, wire.Reject(reason=e.reason, detail=e.detail[:1024]))
             return
+        self._note_heard(routing_id)
         try:
             if isinstance(msg, wire.Register):
                 self._on_register(routing_id, msg)
@@ -437,6 +445,16 @@ class Sender:
                 self._on_cancel(routing_id, msg)
         except Exception:  # a bug on one message must not kill the listener
             self.guard.caught("listener: message")
+
+    def _note_heard(self, routing_id: bytes) -> None:
+        """A receiver that sends us a message is reachable: the data plane may reconnect it."""
+        peer = self._peers.get(routing_id)  # one atomic read; the table's writers hold the lock
+        if peer is not None:
+            self._heard[peer.nixl_name] = time.monotonic()
+
+    def _heard_from(self, nixl_name: str) -> float:
+        """When the receiver with this NIXL name last sent us a message (monotonic; 0: never)."""
+        return self._heard.get(nixl_name, 0.0)
 
     def _reply(self, routing_id: bytes, msg: wire._Msg) -> None:
         if not router_reply(self._router, routing_id, wire.encode(msg)):
