@@ -762,6 +762,8 @@ class Receiver:
             link = self._by_socket.get(sock)
             if link is not None and sock is link.dealer:
                 self._on_register_reply(link, msg)
+            else:  # on the result socket: no sender sends one there
+                self.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
             return
         if isinstance(msg, wire.Reject):
             self.stats.add(f"peer_rejected_{msg.reason}")

@@ -140,7 +140,8 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "rejected_{reason}",
         _SERVICE,
         "Messages or requests refused, by reason (sender: a peer's message, a publish, a "
-        "fetch; receiver: an undecodable frame from a sender)",
+        "fetch; receiver: an undecodable frame from a sender, or a message no sender sends to "
+        "the result socket)",
         metric="kvxferd_rejections",
         values=REASONS,
     ),
