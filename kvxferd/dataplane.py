@@ -678,12 +678,10 @@ class NixlDataPlane:
     def _count_reconnect(self, peer: str, path: _Path, what: str, fresh: bool) -> None:
         if fresh:
             self.fresh_paths += 1
-            name = "transport_fresh_paths"
         else:
             self.reconnects += 1
-            name = "transport_reconnects"
         if self._stats is not None:
-            self._stats.add(name)
+            self._stats.add("transport_fresh_paths" if fresh else "transport_reconnects")
         log.warning("transport to %s %s (path %d)", peer, what, path.index)
 
     def _reload_locked(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> None:
