@@ -71,7 +71,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvxferd import protocol as wire
 from kvxferd.config import ReceiverSettings
-from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
+from kvxferd.control import (
+    SocketLimits,
+    bind_router,
+    connect_dealer,
+    process_context,
+    send_bounded,
+    sockets_needed,
+)
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, RxShutdownReport
 from kvxferd.endpoints import advertise_host, advertised, connect_problem
@@ -180,6 +187,7 @@ class Receiver:
             self.receiver_id, settings.dataplane, self.pool
         )
         self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
+        process_context(sockets_needed(0, settings.limits.max_peers))  # before any socket
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
         self._router, self.bound_result_endpoint = bind_router(
             settings.result_endpoint, self.socket_limits

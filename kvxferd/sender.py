@@ -89,7 +89,14 @@ import zmq
 
 from kvxferd import protocol as wire
 from kvxferd.config import SenderSettings
-from kvxferd.control import SharedDealerPool, SocketLimits, bind_router, router_reply
+from kvxferd.control import (
+    SharedDealerPool,
+    SocketLimits,
+    bind_router,
+    process_context,
+    router_reply,
+    sockets_needed,
+)
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, DROPPED_NEVER_FETCHED, ShutdownReport
 from kvxferd.endpoints import advertise_host, advertised, connect_problem
@@ -186,6 +193,9 @@ class Sender:
             heard_from=self._heard_from,
         )
         self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
+        process_context(
+            sockets_needed(settings.num_threads, settings.limits.max_peers)
+        )  # before any socket
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
         self._shared = SharedDealerPool(self.socket_limits, settings.deadlines.send_timeout_ms)
         self._lock = threading.Lock()
