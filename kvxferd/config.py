@@ -102,6 +102,13 @@ class DataPlaneSettings(_Frozen):
     ucx_tls: str | None = Field(None, description="sets UCX_TLS for the agent, e.g. 'shm'")
     progress_thread: bool = Field(False, description="NIXL's own progress thread spins a core")
     sync_mode: Literal["strict", "rw", "none", "default"] = "strict"
+    max_paths: int = Field(
+        3,
+        ge=1,
+        le=16,
+        description="sender: local NIXL agents (connections per receiver) at most; a receiver "
+        "whose writes stall past xfer_stall_timeout_ms is moved to a fresh one (1: never)",
+    )
 
 
 class Deadlines(_Frozen):

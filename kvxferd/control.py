@@ -36,13 +36,29 @@ _context_lock = threading.Lock()
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
 
 
-def process_context() -> zmq.Context[zmq.Socket[bytes]]:
-    """The one zmq.Context of this process (contexts are thread-safe; never terminated early)."""
+ZMQ_DEFAULT_MAX_SOCKETS = 1023  # libzmq's own default
+
+
+def process_context(max_sockets: int = 0) -> zmq.Context[zmq.Socket[bytes]]:
+    """The one zmq.Context of this process (contexts are thread-safe; never terminated early).
+
+    ``max_sockets`` raises libzmq's limit of sockets in the context (1 023 by default), which
+    libzmq applies when the context opens its first socket: the daemons ask for what their
+    configuration needs (:func:`sockets_needed`) before they open any.
+    """
     global _context
     with _context_lock:
         if _context is None or _context.closed:
             _context = zmq.Context()
+        if max_sockets > _context.get(zmq.MAX_SOCKETS):
+            _context.set(zmq.MAX_SOCKETS, max_sockets)
         return _context
+
+
+def sockets_needed(num_threads: int, max_peers: int) -> int:
+    """ZMQ sockets a daemon may hold: a DEALER per (worker or link, peer), the shared pool's
+    DEALER per peer, monitors, routers and the engine gateway, with room to spare."""
+    return max(ZMQ_DEFAULT_MAX_SOCKETS, (num_threads + 2) * max_peers + 64)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,27 +27,38 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   ``post_blocks`` counts a use until its handle is released), so retired lists
   stay bounded by the writes in flight, not by the peers ever seen. The sender
   removes a peer only once no write toward it is in flight.
-* **A failed transport is reconnected.** UCX does not reopen an endpoint that failed (a
-  TCP connection that timed out after a long link cut, a peer unreachable): every later
-  WRITE toward that peer is refused, for good. A post that raises, a WRITE that ends in
-  ERR or whose status check raises marks its peer *broken*; the next post toward a broken
-  peer with no write of its own in flight (posted and not released) drops the remote
-  agent, loads it again from the metadata ``add_peer`` was given and prepares its list
-  again, so UCX opens a fresh endpoint (``peer_reconnects``). Writes in flight are never
-  pulled from under NIXL: a peer with a write still in flight keeps its broken endpoint
-  (and its posts fail fast) until that write ends. A write that merely stalls (TCP
-  retransmitting into a cut link) does not mark its peer: it may still land.
+* **A failed or stalled transport gets a fresh connection.** UCX does not reopen an
+  endpoint that failed (a TCP connection that timed out after a long link cut, a peer
+  unreachable): every later WRITE toward that peer is refused, for good. And a TCP
+  connection whose data sat in a cut link waits out TCP's retransmission backoff after the
+  heal (up to two minutes with kernel defaults) before it carries anything new. So each
+  peer has a current *path*: a local NIXL agent with the pool registered (path 0 is the
+  agent this process hands out; spare agents ``NAME.pN`` are opened on demand, at most
+  ``max_paths`` in all, each serving one peer at a time). A post that raises, a WRITE
+  that ends in ERR or whose status check raises marks (peer, path) *broken*; a write still
+  in flight past ``stall_s`` (the sender's ``xfer_stall_timeout_ms``) makes its path
+  *stalled*. The next post toward such a peer starts a connect thread
+  (``kvxferd-dp-connect``) that loads the peer's metadata on a spare path (its own
+  agent, reserved: no write, poll or progress touches it meanwhile) and prepares its
+  list; NIXL may block there until the peer is reachable again, and only that thread
+  waits. Once loaded, the peer's next writes take the fresh path
+  (``transport_fresh_paths``). Writes in flight are never pulled from under NIXL: the
+  stalled ones stay on their old path (its endpoint is left as it is) until they end,
+  and until the move completes writes keep to the old path (failing fast, or waiting
+  behind the stall, as before). With ``max_paths`` 1 a broken peer is reloaded in place
+  at its next post with none of its writes in flight (``transport_reconnects``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -56,6 +67,7 @@ from kvxferd.layout import Descs, IdArray, Layout, prepped_indices
 
 if TYPE_CHECKING:
     from kvxferd.pool import KvPool
+    from kvxferd.stats import Stats
 
 XferState = Literal["DONE", "PROC", "ERR"]
 
@@ -146,6 +158,11 @@ def _quiet_nixl_logger() -> None:
             h.setStream(sys.stderr)
 
 
+class PathStalled(RuntimeError):
+    """Nothing was posted: a write toward this peer is stalled on its connection (a fresh one
+    is opened once the peer is heard from again). Not a failure of the peer itself."""
+
+
 class _NixlXfer:
     __slots__ = ("_agent", "_handle", "_released", "_on_release", "_on_error")
 
@@ -186,63 +203,115 @@ class _NixlXfer:
         return True
 
 
+class _Path:
+    """One local NIXL agent with the pool registered; UCX opens one endpoint per peer it loads.
+
+    Path 0 is the agent whose metadata this process hands out. More paths are opened only
+    when writes toward a peer stall (the module docstring), at most ``max_paths`` in all.
+    """
+
+    __slots__ = ("index", "agent", "regs", "local", "owner", "connecting")
+
+    def __init__(self, index: int, agent: Any, regs: list[object]) -> None:
+        self.index = index
+        self.agent = agent
+        self.regs = regs
+        self.local: object | None = None  # its prepared list of the local pool (first prep)
+        self.owner: str | None = None  # a spare path serves one peer at a time (path 0: all)
+        self.connecting = False  # a connect thread is using the agent: nobody else touches it
+
+
+_Key = tuple[str, int]  # (peer, path index)
+
+
 class NixlDataPlane:
-    """A NIXL agent with the pool registered once; WRITEs from this process's memory."""
+    """NIXL agents with the pool registered once each; WRITEs from this process's memory.
+
+    ``stall_s``: a write toward a peer still in progress this long makes the next post
+    toward that peer go through a fresh connection (another path), if ``max_paths`` allows.
+    """
 
     def __init__(
-        self, name: str, settings: DataPlaneSettings, pool: KvPool, *, prepped: bool = True
+        self,
+        name: str,
+        settings: DataPlaneSettings,
+        pool: KvPool,
+        *,
+        prepped: bool = True,
+        stall_s: float | None = None,
+        stats: Stats | None = None,
+        heard_from: Callable[[str], float] | None = None,
     ) -> None:
         if settings.ucx_tls:
             os.environ["UCX_TLS"] = settings.ucx_tls
+        _quiet_nixl_logger()
+        self.name = name
+        self.settings = settings
+        self._pool = pool
+        self._stall_s = stall_s
+        self._stats = stats
+        self._heard_from = heard_from
+        self._paths: list[_Path] = []
+        self._agent_seq = itertools.count(1)  # names of spare agents
+        self._paths.append(self._open_path(0))
+        self._agent = self._paths[0].agent  # the agent peers know (metadata, progress)
+        self._lock = threading.Lock()  # guards every table below and _closed
+        self._peers: set[str] = set()
+        self._closed = False
+        self._layout = pool.layout
+        # (peer, path) -> (its prepared KV list, its num_blocks); replaced whole
+        self._remote: dict[_Key, tuple[object, int]] = {}
+        self._uses: dict[int, int] = {}  # id(remote list) -> writes holding a handle made from it
+        self._retired: dict[int, tuple[Any, object]] = {}  # id -> (agent, retired list in use)
+        self._meta: dict[str, bytes] = {}  # peer -> the metadata add_peer loaded
+        self._prep_args: dict[str, tuple[Layout, int, int]] = {}  # peer -> prepare_peer's
+        self._at: dict[str, int] = {}  # peer -> the path its next write takes
+        self._loaded: set[_Key] = set()  # (peer, path) whose agent holds the peer
+        self._inflight: dict[_Key, dict[int, float]] = {}  # key -> {write id: posted at}
+        self._broken: set[_Key] = set()
+        self._broken_at: dict[_Key, float] = {}  # when each was marked (monotonic)
+        self._moving: set[str] = set()  # peers a connect thread is moving to a fresh path
+        self._opening = 0  # paths being opened by connect threads (counted toward max_paths)
+        self._ids = iter(range(1 << 62))
+        self.reconnects = 0  # failed transports reconnected so far
+        self.fresh_paths = 0  # peers moved to a fresh connection after a stall
+        self._want_prepped = prepped and pool.mem_type == "DRAM"
+
+    def _open_path(self, index: int) -> _Path:
+        """A NIXL agent (``name`` for path 0, ``name.pN`` after: N counts the agents opened,
+        the path's index is set where it is added) with the pool registered."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-        _quiet_nixl_logger()
-
+        settings = self.settings
         sync = {
             "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
             "none": nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
             "default": nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT,
         }[settings.sync_mode]
-        self.name = name
-        self.settings = settings
-        self._agent = nixl_agent(
-            name,
+        agent = nixl_agent(
+            self.name if index == 0 else f"{self.name}.p{next(self._agent_seq)}",
             nixl_agent_config(
                 enable_prog_thread=settings.progress_thread, backends=[], sync_mode=sync
             ),
         )
-        self._agent.create_backend(
+        agent.create_backend(
             settings.backend,
             {
                 "ucx_error_handling_mode": settings.ucx_error_handling_mode,
                 "num_workers": str(settings.ucx_num_workers),
             },
         )
-        self._regs = [
-            self._agent.register_memory([pool.kv], mem_type=pool.mem_type),
-            self._agent.register_memory([pool.aux], mem_type="DRAM"),
+        pool = self._pool
+        regs = [
+            agent.register_memory([pool.kv], mem_type=pool.mem_type),
+            agent.register_memory([pool.aux], mem_type="DRAM"),
         ]
-        self._lock = threading.Lock()  # guards _peers, _remote, _uses, _retired and _closed
-        self._peers: set[str] = set()
-        self._closed = False
-        self._layout = pool.layout
-        # peer -> (its prepared KV list, its num_blocks); replaced whole, read without the lock
-        self._remote: dict[str, tuple[object, int]] = {}
-        self._uses: dict[int, int] = {}  # id(remote list) -> writes holding a handle made from it
-        self._retired: dict[int, object] = {}  # id -> retired list still used by a write
-        # Reconnecting a peer whose transport failed (see the module docstring); under _lock.
-        self._meta: dict[str, bytes] = {}  # peer -> the metadata add_peer loaded
-        self._prep_args: dict[str, tuple[Layout, int, int]] = {}  # peer -> prepare_peer's
-        self._inflight: dict[str, int] = {}  # peer -> writes posted and not released
-        self._broken: set[str] = set()
-        self.reconnects = 0  # peers reconnected so far
-        # The local list is prepared at the first prepare_peer (a receiver never needs one).
-        self._pool = pool
-        self._want_prepped = prepped and pool.mem_type == "DRAM"
-        self._local: object | None = None
+        return _Path(index, agent, regs)
 
-    def _prep(self, agent: str, layout: Layout, kv_base: int, device_id: int) -> object | None:
+    def _prep(
+        self, path: _Path, agent: str, layout: Layout, kv_base: int, device_id: int
+    ) -> object | None:
         """A prepared list of every (layer, block) of a DRAM KV pool, or None."""
         n = layout.num_layers * layout.num_blocks
         if n > MAX_PREPPED_DESCS:
@@ -252,10 +321,21 @@ class NixlDataPlane:
         descs[:, 1] = layout.block_bytes
         descs[:, 2] = device_id
         try:
-            return self._agent.prep_xfer_dlist(agent, descs, "DRAM")  # type: ignore[no-any-return]
+            return path.agent.prep_xfer_dlist(agent, descs, "DRAM")
         except Exception as e:
             log.warning("no prepared descriptor list for %s (%s); building per request", agent, e)
             return None
+
+    def _prep_local_locked(self, path: _Path) -> bool:
+        """The path's list of the local pool, prepared once; False turns prepping off."""
+        if path.local is None and self._want_prepped and not self._closed:
+            pool = self._pool
+            path.local = self._prep(
+                path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id
+            )
+            if path.local is None and path.index == 0:
+                self._want_prepped = False
+        return path.local is not None
 
     @property
     def prepped(self) -> bool:
@@ -271,52 +351,57 @@ class NixlDataPlane:
             peer = name.decode() if isinstance(name, bytes) else str(name)
             self._peers.add(peer)
             self._meta[peer] = metadata
-            self._broken.discard(peer)
+            self._at[peer] = 0
+            self._loaded.add((peer, 0))
+            self._broken.discard((peer, 0))
+            self._broken_at.pop((peer, 0), None)
             return peer
 
-    def prepare_peer(
-        self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
-    ) -> bool:
+    def _usable(self, layout: Layout, mem_type: str) -> bool:
         mine = self._layout
-        if self._want_prepped and self._local is None:
-            with self._lock:  # once, at the first REGISTER; a failure turns prepping off
-                if self._local is None and not self._closed:
-                    pool = self._pool
-                    local = self._prep("NIXL_INIT_AGENT", mine, pool.kv_base, pool.device_id)
-                    self._local, self._want_prepped = local, local is not None
-        usable = (
-            self._local is not None
+        return (
+            self._want_prepped
             and mem_type == "DRAM"
             and layout.block_bytes == mine.block_bytes
             and layout.num_layers == mine.num_layers
         )
-        handle = self._prep(peer, layout, kv_base, device_id) if usable else None
-        free: list[object] = []
+
+    def prepare_peer(
+        self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
+    ) -> bool:
+        with self._lock:  # the local list once per path; a failure on path 0 turns prepping off
+            path = self._paths[self._at.get(peer, 0)]
+            if self._usable(layout, mem_type):
+                self._prep_local_locked(path)
+        usable = path.local is not None and self._usable(layout, mem_type)
+        handle = self._prep(path, peer, layout, kv_base, device_id) if usable else None
+        free: list[tuple[Any, object]] = []
+        key = (peer, path.index)
         with self._lock:  # a peer prepared again (or refused now) loses its old list
             if usable:
                 self._prep_args[peer] = (layout, kv_base, device_id)
             else:
                 self._prep_args.pop(peer, None)
-            old = self._remote.pop(peer, None)
+            old = self._remote.pop(key, None)
             if old is not None:
-                self._retire_locked(old[0], free)
+                self._retire_locked(path, old[0], free)
             ok = handle is not None and peer in self._peers and not self._closed
             if ok:
-                self._remote[peer] = (handle, layout.num_blocks)
+                self._remote[key] = (handle, layout.num_blocks)
             elif handle is not None:
-                free.append(handle)
+                free.append((path.agent, handle))
         self._release_lists(free)
         return ok
 
-    def _retire_locked(self, handle: object, free: list[object]) -> None:
+    def _retire_locked(self, path: _Path, handle: object, free: list[tuple[Any, object]]) -> None:
         """Release ``handle`` now if no write uses it (into ``free``), else when the last ends."""
         if self._uses.get(id(handle), 0) > 0:
-            self._retired[id(handle)] = handle
+            self._retired[id(handle)] = (path.agent, handle)
         else:
-            free.append(handle)
+            free.append((path.agent, handle))
 
     def _used_by_one_less(self, handle: object) -> None:
-        free: list[object] = []
+        free: list[tuple[Any, object]] = []
         with self._lock:
             key = id(handle)
             left = self._uses.get(key, 0) - 1
@@ -329,10 +414,10 @@ class NixlDataPlane:
                 free.append(retired)
         self._release_lists(free)
 
-    def _release_lists(self, lists: list[object]) -> None:
-        for h in lists:
+    def _release_lists(self, lists: list[tuple[Any, object]]) -> None:
+        for agent, h in lists:
             try:
-                self._agent.release_dlist_handle(h)
+                agent.release_dlist_handle(h)
             except Exception:
                 log.warning("releasing a prepared descriptor list failed", exc_info=True)
 
@@ -340,6 +425,11 @@ class NixlDataPlane:
         """Prepared lists retired but still used by a write (bounded by writes in flight)."""
         with self._lock:
             return len(self._retired)
+
+    def paths(self) -> int:
+        """Local agents (connections per peer) opened so far: 1 until a write stalls."""
+        with self._lock:
+            return len(self._paths)
 
     def post_blocks(
         self,
@@ -350,160 +440,346 @@ class NixlDataPlane:
         layer_end: int,
     ) -> tuple[Xfer, XferState]:
         """Post one KV WRITE by block indices; raises on a build or post error (nothing in flight)."""
-        free: list[object] = []
+        free: list[tuple[Any, object]] = []
         with self._lock:  # the list is counted as used before NIXL sees it
-            self._reconnect_if_broken_locked(peer, free)
-            remote = self._remote.get(peer)
-            if remote is None or self._local is None:
+            path = self._route_locked(peer, free)
+            key = (peer, path.index)
+            remote = self._remote.get(key)
+            if remote is None or path.local is None:
                 self._release_lists(free)
                 raise RuntimeError(f"no prepared descriptor list for peer {peer}")
             handle_r, dst_num_blocks = remote
             self._uses[id(handle_r)] = self._uses.get(id(handle_r), 0) + 1
-            self._inflight[peer] = self._inflight.get(peer, 0) + 1
+            wid = self._posted_locked(key)
         self._release_lists(free)
-        agent = self._agent
+        local = path.local
 
         def released() -> None:
             self._used_by_one_less(handle_r)
-            self._write_released(peer)
+            self._write_released(key, wid)
 
         try:
             local_idx = prepped_indices(src_blocks, layer_begin, layer_end, self._layout.num_blocks)
             remote_idx = prepped_indices(dst_blocks, layer_begin, layer_end, dst_num_blocks)
-            handle = agent.make_prepped_xfer("WRITE", self._local, local_idx, handle_r, remote_idx)
+            handle = path.agent.make_prepped_xfer("WRITE", local, local_idx, handle_r, remote_idx)
         except Exception:
-            self._mark_broken(peer)
+            self._mark_broken(key)
             released()
             raise
-        return self._start(handle, peer, released)
+        return self._start(path, handle, key, released)
 
     def _start(
-        self, handle: object, peer: str, on_release: Callable[[], None]
+        self, path: _Path, handle: object, key: _Key, on_release: Callable[[], None]
     ) -> tuple[Xfer, XferState]:
-        agent = self._agent
-        xfer = _NixlXfer(agent, handle, on_release, lambda: self._mark_broken(peer))
+        agent = path.agent
+        xfer = _NixlXfer(agent, handle, on_release, lambda: self._mark_broken(key))
         try:
             state = agent.transfer(handle)
         except Exception:
-            self._mark_broken(peer)
+            self._mark_broken(key)
             xfer.release()
             raise
         if state == "ERR":
-            self._mark_broken(peer)
+            self._mark_broken(key)
             xfer.release()
             raise RuntimeError("NIXL refused to post the WRITE")
         return xfer, state
 
-    # -- reconnecting a failed transport (module docstring) ----------------------------
-    def _mark_broken(self, peer: str) -> None:
+    def _posted_locked(self, key: _Key) -> int:
+        wid = next(self._ids)
+        self._inflight.setdefault(key, {})[wid] = time.monotonic()
+        return wid
+
+    def _write_released(self, key: _Key, wid: int) -> None:
         with self._lock:
-            if peer in self._peers and peer not in self._broken:
-                self._broken.add(peer)
+            writes = self._inflight.get(key)
+            if writes is not None:
+                writes.pop(wid, None)
+                if not writes:
+                    del self._inflight[key]
+
+    # -- routing: reconnecting a failed transport, leaving a stalled one ----------------
+    def _mark_broken(self, key: _Key) -> None:
+        with self._lock:
+            if key[0] in self._peers and key not in self._broken:
+                self._broken.add(key)
+                self._broken_at[key] = time.monotonic()
                 log.warning(
-                    "transport to %s failed: reconnecting it once no write is in flight", peer
+                    "transport to %s (path %d) failed: reconnecting it once no write is in flight",
+                    *key,
                 )
 
-    def _write_released(self, peer: str) -> None:
-        with self._lock:
-            left = self._inflight.get(peer, 0) - 1
-            if left > 0:
-                self._inflight[peer] = left
-            else:
-                self._inflight.pop(peer, None)
+    def _route_locked(self, peer: str, free: list[tuple[Any, object]]) -> _Path:
+        """The path the next write toward ``peer`` takes (with ``_lock`` held).
 
-    def _reconnect_if_broken_locked(self, peer: str, free: list[object]) -> None:
-        """Load a broken peer's remote agent again (fresh UCX endpoint) if none of its writes
-        is in flight; its prepared list too. Called with _lock held; lists to free go to ``free``."""
-        if peer not in self._broken or self._inflight.get(peer, 0) or self._closed:
+        Its current path, unless that one's transport failed (no write in flight there) or a
+        write on it stalled. Then, with ``max_paths`` above 1, a connect thread opens a fresh
+        connection on a spare path once the peer has been heard from since (the module
+        docstring); until it has moved, a post behind a stalled write is refused
+        (:class:`PathStalled`, nothing posted) and one toward a failed transport goes to it
+        (and fails fast). With ``max_paths`` 1 a failed transport is reloaded in place, here.
+        """
+        if self._closed:
+            raise RuntimeError("the data plane is closed")
+        path = self._paths[self._at.get(peer, 0)]
+        key = (peer, path.index)
+        writes = self._inflight.get(key)
+        broken = key in self._broken and not writes
+        stalled = bool(
+            writes
+            and self._stall_s is not None
+            and time.monotonic() - min(writes.values()) >= self._stall_s
+        )
+        if not (broken or stalled):
+            return path
+        if self.settings.max_paths < 2:
+            if broken:
+                self._reload_locked(path, peer, free)
+                self._broken.discard(key)
+                self._broken_at.pop(key, None)
+                self._count_reconnect(peer, path, "reconnected in place", fresh=False)
+            return path
+        self._start_move_locked(peer, path, key, broken, writes)
+        if stalled:
+            # Posting behind a stalled write only stalls another one (and quarantines more
+            # memory on both sides): refused, nothing posted, until the peer has moved.
+            raise PathStalled(f"a write to {peer} is stalled on its connection (path {path.index})")
+        return path
+
+    def _start_move_locked(
+        self, peer: str, path: _Path, key: _Key, broken: bool, writes: dict[int, float] | None
+    ) -> None:
+        """Start a connect thread moving ``peer`` off ``path``, if none runs, a path is free,
+        and the peer has been heard from since the trouble began (``heard_from``)."""
+        if peer in self._moving:
             return
+        if self._heard_from is not None:
+            # A connect into a cut link waits out SYN backoff inside NIXL and would still be
+            # waiting seconds after the heal: connect once the peer has sent us a message
+            # since the write was found stalled or the transport failed.
+            since = (
+                self._broken_at.get(key, 0.0)
+                if broken or not writes
+                else min(writes.values()) + (self._stall_s or 0.0)
+            )
+            if self._heard_from(peer) <= since:
+                return
+        spare = next(
+            (
+                p
+                for p in self._paths[1:]
+                if p is not path
+                and p.owner is None
+                and not p.connecting
+                and not any(k[1] == p.index for k in self._inflight)
+            ),
+            None,
+        )
+        if spare is None and len(self._paths) + self._opening >= self.settings.max_paths:
+            return  # every path is in use
+        if spare is not None:
+            spare.owner, spare.connecting = peer, True
+        else:
+            self._opening += 1
+        self._moving.add(peer)
+        why = "failed" if broken else f"stalled on path {path.index}"
+        threading.Thread(
+            target=self._connect,
+            args=(peer, spare, why),
+            name="kvxferd-dp-connect",
+            daemon=True,
+        ).start()
+
+    def _connect(self, peer: str, spare: _Path | None, why: str) -> None:
+        """Connect thread: load ``peer`` on ``spare`` (or a new path) and move it there.
+
+        Runs without ``_lock``: NIXL may block in ``add_remote_agent`` until the peer is
+        reachable again (a cut link: seconds to minutes), and only this thread waits. The
+        path is reserved for it (``connecting``): no write, poll or progress touches it.
+        """
+        t0 = time.monotonic()
+        free: list[tuple[Any, object]] = []
+        path = spare
+        ok = False
+        try:
+            if path is None:
+                opened = self._open_path(-1)  # its index once added, below
+                with self._lock:
+                    self._opening -= 1
+                    opened.index = len(self._paths)
+                    opened.owner, opened.connecting = peer, True
+                    self._paths.append(opened)
+                    path = opened
+            ok = self._load_on(path, peer, free)
+        except Exception:
+            log.warning("opening a fresh connection to %s failed", peer, exc_info=True)
+            if path is None:
+                with self._lock:
+                    self._opening -= 1
+        finally:
+            with self._lock:
+                self._moving.discard(peer)
+                if path is not None:
+                    path.connecting = False
+                    if ok and peer in self._peers and not self._closed:
+                        old = self._paths[self._at.get(peer, 0)]
+                        if old.owner == peer:
+                            old.owner = None
+                        self._at[peer] = path.index
+                        self._broken.discard((peer, path.index))
+                        self._broken_at.pop((peer, path.index), None)
+                        self._count_reconnect(
+                            peer,
+                            path,
+                            f"{why}: moved to a fresh connection in {(time.monotonic() - t0) * 1000:.0f} ms",
+                            fresh=True,
+                        )
+                    else:
+                        path.owner = None
+            self._release_lists(free)
+        log.info("connect thread for %s ended in %.1f ms", peer, (time.monotonic() - t0) * 1000)
+
+    def _load_on(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> bool:
+        """Load ``peer`` afresh on a path reserved for the caller; its prepared list too."""
+        with self._lock:
+            meta = self._meta.get(peer)
+            args = self._prep_args.get(peer)
+            key = (peer, path.index)
+            stale = key in self._loaded
+            old = self._remote.pop(key, None)
+            if old is not None:
+                self._retire_locked(path, old[0], free)
+            self._loaded.discard(key)
+        if meta is None:
+            return False
+        agent = path.agent
+        if stale:
+            try:
+                agent.remove_remote_agent(peer)
+            except Exception:
+                log.warning("removing the stale remote agent %s raised", peer, exc_info=True)
+        agent.add_remote_agent(meta)
+        handle = None
+        if args is not None and self._want_prepped:
+            if path.local is None:
+                pool = self._pool
+                path.local = self._prep(
+                    path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id
+                )
+            if path.local is not None:
+                layout, kv_base, device_id = args
+                handle = self._prep(path, peer, layout, kv_base, device_id)
+        with self._lock:
+            self._loaded.add(key)
+            if handle is not None:
+                self._remote[key] = (handle, args[0].num_blocks if args else 0)
+        return args is None or handle is not None
+
+    def _count_reconnect(self, peer: str, path: _Path, what: str, fresh: bool) -> None:
+        if fresh:
+            self.fresh_paths += 1
+        else:
+            self.reconnects += 1
+        if self._stats is not None:
+            self._stats.add("transport_fresh_paths" if fresh else "transport_reconnects")
+        log.warning("transport to %s %s (path %d)", peer, what, path.index)
+
+    def _reload_locked(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> None:
+        """``max_paths`` 1: load a failed ``peer`` again on its one path, under ``_lock``."""
         meta = self._meta.get(peer)
         if meta is None:
             return
-        t0 = time.monotonic()
-        old = self._remote.pop(peer, None)
+        key = (peer, path.index)
+        old = self._remote.pop(key, None)
         if old is not None:
-            self._retire_locked(old[0], free)
+            self._retire_locked(path, old[0], free)
         try:
-            self._agent.remove_remote_agent(peer)
+            path.agent.remove_remote_agent(peer)
         except Exception:
             log.warning("removing the failed remote agent %s raised", peer, exc_info=True)
         try:
-            self._agent.add_remote_agent(meta)
+            path.agent.add_remote_agent(meta)
         except Exception:
             log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
             return
-        self._broken.discard(peer)
-        self.reconnects += 1
         args = self._prep_args.get(peer)
-        if args is not None and self._local is not None:
+        if args is not None and self._prep_local_locked(path):
             layout, kv_base, device_id = args
-            handle = self._prep(peer, layout, kv_base, device_id)
+            handle = self._prep(path, peer, layout, kv_base, device_id)
             if handle is not None:
-                self._remote[peer] = (handle, layout.num_blocks)
-        log.warning(
-            "transport to %s reconnected (a fresh endpoint) in %.1f ms",
-            peer,
-            (time.monotonic() - t0) * 1000,
-        )
+                self._remote[key] = (handle, layout.num_blocks)
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; the caller guarantees no write toward it is in flight."""
-        free: list[object] = []
+        free: list[tuple[Any, object]] = []
         with self._lock:
             if peer in self._peers:
                 self._peers.discard(peer)
                 self._meta.pop(peer, None)
                 self._prep_args.pop(peer, None)
-                self._broken.discard(peer)
-                self._inflight.pop(peer, None)
-                old = self._remote.pop(peer, None)
-                if old is not None:
-                    self._retire_locked(old[0], free)
-                self._agent.remove_remote_agent(peer)
+                self._at.pop(peer, None)
+                for path in self._paths:
+                    key = (peer, path.index)
+                    self._broken.discard(key)
+                    self._broken_at.pop(key, None)
+                    self._inflight.pop(key, None)
+                    old = self._remote.pop(key, None)
+                    if old is not None:
+                        self._retire_locked(path, old[0], free)
+                    if key in self._loaded:
+                        self._loaded.discard(key)
+                        path.agent.remove_remote_agent(peer)
         self._release_lists(free)
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
     ) -> tuple[Xfer, XferState]:
         """Post one WRITE; raises on a build or post error (nothing in flight then)."""
-        free: list[object] = []
+        free: list[tuple[Any, object]] = []
         with self._lock:
-            self._reconnect_if_broken_locked(peer, free)
-            self._inflight[peer] = self._inflight.get(peer, 0) + 1
+            path = self._route_locked(peer, free)
+            key = (peer, path.index)
+            wid = self._posted_locked(key)
         self._release_lists(free)
-        agent = self._agent
+        agent = path.agent
         try:
             local = agent.get_xfer_descs(src, src_mem)
             remote = agent.get_xfer_descs(dst, dst_mem)
             handle = agent.initialize_xfer("WRITE", local, remote, peer)
         except Exception:
-            self._mark_broken(peer)
-            self._write_released(peer)
+            self._mark_broken(key)
+            self._write_released(key, wid)
             raise
-        return self._start(handle, peer, lambda: self._write_released(peer))
+        return self._start(path, handle, key, lambda: self._write_released(key, wid))
 
     def progress(self) -> None:
-        self._agent.get_new_notifs()
+        for path in list(self._paths):  # appended under the lock, never removed before close
+            if not path.connecting:
+                path.agent.get_new_notifs()
 
     def close(self) -> None:
-        """Deregister the pool. The caller guarantees no write is in flight."""
+        """Deregister the pool on every path. The caller guarantees no write is in flight."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            lists = [h for h, _ in self._remote.values()] + list(self._retired.values())
-            if self._local is not None:
-                lists.append(self._local)
+            lists: list[tuple[Any, object]] = list(self._retired.values())
+            for (_peer, i), (h, _) in self._remote.items():
+                lists.append((self._paths[i].agent, h))
+            for path in self._paths:
+                if path.local is not None:
+                    lists.append((path.agent, path.local))
+                    path.local = None
             self._remote.clear()
             self._retired.clear()
-            self._local = None
-        for h in lists:
+        for agent, h in lists:
             try:
-                self._agent.release_dlist_handle(h)
+                agent.release_dlist_handle(h)
             except Exception:
                 pass
-        for reg in self._regs:
-            try:
-                self._agent.deregister_memory(reg)
-            except Exception:
-                pass
+        for path in self._paths:
+            for reg in path.regs:
+                try:
+                    path.agent.deregister_memory(reg)
+                except Exception:
+                    pass

@@ -377,7 +377,7 @@ def salvage_call_id(frames: list[bytes]) -> int:
         return 0
     try:
         return _call_id_only.decode(memoryview(frames[0])[3:]).call_id
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return 0
 
 

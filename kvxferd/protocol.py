@@ -200,6 +200,8 @@ def decode_frame(
         ) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(Reason.MALFORMED, str(e)[:300]) from None
+    except RecursionError:  # a tagged union skips fields before the tag: ~1 KB of [[[...]]]
+        raise ProtocolError(Reason.MALFORMED, "nested deeper than the decoder's limit") from None
 
 
 def decode_to_sender(frames: list[bytes], max_bytes: int) -> ToSender:

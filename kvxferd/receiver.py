@@ -72,7 +72,14 @@ from zmq.utils.monitor import recv_monitor_message
 from kvxferd import protocol as wire
 from kvxferd.auth import peer_identity
 from kvxferd.config import ReceiverSettings
-from kvxferd.control import SocketLimits, bind_router, connect_dealer, send_bounded
+from kvxferd.control import (
+    SocketLimits,
+    bind_router,
+    connect_dealer,
+    process_context,
+    send_bounded,
+    sockets_needed,
+)
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, RxShutdownReport
 from kvxferd.endpoints import DialAllow, advertise_host, advertised, connect_problem
@@ -181,6 +188,7 @@ class Receiver:
             self.receiver_id, settings.dataplane, self.pool
         )
         self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
+        process_context(sockets_needed(0, settings.limits.max_peers))  # before any socket
         # Sender endpoints come from request data: only those the operator allows are dialled.
         self.dial_allow = DialAllow(settings.access.dial_allow)
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
@@ -793,6 +801,8 @@ class Receiver:
             link = self._by_socket.get(sock)
             if link is not None and sock is link.dealer:
                 self._on_register_reply(link, msg)
+            else:  # on the result socket: no sender sends one there
+                self.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
             return
         if isinstance(msg, wire.Reject):
             self.stats.add(f"peer_rejected_{msg.reason}")

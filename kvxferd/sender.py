@@ -91,7 +91,14 @@ import zmq
 from kvxferd import protocol as wire
 from kvxferd.auth import ANONYMOUS, peer_identity
 from kvxferd.config import SenderSettings
-from kvxferd.control import SharedDealerPool, SocketLimits, bind_router, router_reply
+from kvxferd.control import (
+    SharedDealerPool,
+    SocketLimits,
+    bind_router,
+    process_context,
+    router_reply,
+    sockets_needed,
+)
 from kvxferd.dataplane import DataPlane, NixlDataPlane
 from kvxferd.drain import DROPPED_CUT, DROPPED_NEVER_FETCHED, ShutdownReport
 from kvxferd.endpoints import advertise_host, advertised, connect_problem
@@ -184,12 +191,22 @@ class Sender:
             window_s=health.peer_failure_window_ms / 1000,
         )
         self.sender_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
+        # NIXL name -> when that receiver last sent a message (listener writes, data plane reads)
+        self._heard: dict[str, float] = {}
         self.pool = pool or KvPool(settings.pool, owner="tx")
         self._owns_pool = pool is None
         self.dataplane: DataPlane = dataplane or NixlDataPlane(
-            self.sender_id, settings.dataplane, self.pool
+            self.sender_id,
+            settings.dataplane,
+            self.pool,
+            stall_s=settings.deadlines.xfer_stall_timeout_ms / 1000,
+            stats=self.stats,
+            heard_from=self._heard_from,
         )
         self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
+        process_context(
+            sockets_needed(settings.num_threads, settings.limits.max_peers)
+        )  # before any socket
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
         self._shared = SharedDealerPool(self.socket_limits, settings.deadlines.send_timeout_ms)
         self._lock = threading.Lock()
@@ -462,6 +479,7 @@ class Sender:
             self.stats.add(f"rejected_{e.reason}")
             self._reply(routing_id, wire.Reject(reason=e.reason, detail=e.detail[:1024]))
             return
+        self._note_heard(routing_id, identity)
         try:
             if isinstance(msg, wire.Register):
                 self._on_register(routing_id, msg, identity)
@@ -471,6 +489,19 @@ class Sender:
                 self._on_cancel(routing_id, msg, identity)
         except Exception:  # a bug on one message must not kill the listener
             self.guard.caught("listener: message")
+
+    def _note_heard(self, routing_id: bytes, identity: str = "") -> None:
+        """A receiver that sends us a message is reachable: the data plane may reconnect it.
+
+        Only its own identity counts: another key on a route it took over proves nothing.
+        """
+        peer = self._peers.get(routing_id)  # one atomic read; the table's writers hold the lock
+        if peer is not None and peer.identity == identity:
+            self._heard[peer.nixl_name] = time.monotonic()
+
+    def _heard_from(self, nixl_name: str) -> float:
+        """When the receiver with this NIXL name last sent us a message (monotonic; 0: never)."""
+        return self._heard.get(nixl_name, 0.0)
 
     def _reply(self, routing_id: bytes, msg: wire._Msg) -> None:
         if not router_reply(self._router, routing_id, wire.encode(msg)):

@@ -140,7 +140,8 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "rejected_{reason}",
         _SERVICE,
         "Messages or requests refused, by reason (sender: a peer's message, a publish, a "
-        "fetch; receiver: an undecodable frame from a sender)",
+        "fetch; receiver: an undecodable frame from a sender, or a message no sender sends to "
+        "the result socket)",
         metric="kvxferd_rejections",
         values=REASONS,
     ),
@@ -259,6 +260,21 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     _c("writes_build_failed", _S, "Writes that could not be built or posted"),
     _c("writes_failed", _S, "Writes NIXL reported failed"),
     _c("writes_stalled", _S, "Writes still in progress past xfer_stall_timeout_ms (in doubt)"),
+    _c(
+        "writes_refused_stalled_path",
+        _S,
+        "Writes not posted: another write to the same receiver is stalled on its connection",
+    ),
+    _c(
+        "transport_reconnects",
+        _S,
+        "Receivers whose failed NIXL transport was loaded again (a fresh UCX endpoint)",
+    ),
+    _c(
+        "transport_fresh_paths",
+        _S,
+        "Receivers whose writes stalled, moved to a fresh connection (another local NIXL agent)",
+    ),
     _c(
         "writes_in_doubt",
         _S,

@@ -69,7 +69,7 @@ import zmq
 from kvxferd import protocol as wire
 from kvxferd.config import SenderSettings
 from kvxferd.control import SocketLimits, connect_dealer, send_bounded
-from kvxferd.dataplane import DataPlane, Xfer
+from kvxferd.dataplane import DataPlane, PathStalled, Xfer
 from kvxferd.errors import Reason, SendTimeout
 from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
@@ -371,6 +371,11 @@ class Worker:
                 src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
                 nixl = True
                 xfer, state = host.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
+        except PathStalled as e:  # nothing posted: its connection is stalled (dataplane.py)
+            s.release_admission(sl, f"{kind} write not posted: {e}", Reason.PEER_LOST)
+            host.peer_write_ended(peer)
+            host.stats.add("writes_refused_stalled_path")
+            return False
         except Exception as e:  # nothing was posted: give the admission back first
             s.release_admission(sl, f"{kind} write not built: {e}")
             host.peer_write_ended(peer)

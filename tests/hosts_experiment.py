@@ -69,6 +69,8 @@ def main() -> int:
             "failed_after_heal": sum(not f.ok for f in ff if f.started > t_heal),
             "recover_s": round(first - t_heal, 2) if first else None,
             "reconnected": "reconnected" in log,
+            "dataplane_lines": [ln[:40] + ln[-70:] for ln in log.splitlines() if "kvxferd.dataplane" in ln][-6:],
+            "heal_wall": time.strftime("%H:%M:%S", time.gmtime(time.time() - (time.monotonic() - t_heal))),
             "other_max_s": round(max((f.seconds for f in od), default=0.0), 2),
             "other_failed": sum(not f.ok for f in od),
         }))  # fmt: skip

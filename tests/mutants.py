@@ -84,6 +84,7 @@ READINESS = "tests/test_readiness.py::"
 DRAIN = "tests/test_drain.py::"
 DISCOVERY_DAEMONS = "tests/test_discovery_daemons.py::"
 INCARNATIONS = "tests/test_incarnations.py::"
+FUZZ = "tests/test_fuzz_frames.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -999,6 +1000,30 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         (DISCOVERY_DAEMONS + "test_a_lost_lease_turns_readiness_red_until_etcd_is_back",),
+    ),
+    Mutant(
+        "issue14-deep-nesting-escapes",
+        "a frame nested past the decoder's recursion limit raises RecursionError, not malformed",
+        (
+            Edit(
+                "kvxferd/protocol.py",
+                "    except RecursionError:  # a tagged union skips fields before the tag",
+                "    except ZeroDivisionError:  # a tagged union skips fields before the tag",
+            ),
+        ),
+        (FUZZ + "test_every_message_was_sent_and_answered_within_the_budget",),
+    ),
+    Mutant(
+        "issue14-stray-register-reply-uncounted",
+        "a RegisterReply sent to a receiver's result socket is dropped without a count",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                '                self.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")',
+                "                pass",
+            ),
+        ),
+        (FUZZ + "test_every_message_that_reached_a_daemon_is_one_counted_rejection",),
     ),
 )
 

@@ -365,3 +365,48 @@ class TestSharedDealerPool:
             assert late.recv_multipart()[1] == b"last words"
         finally:
             late.close(linger=0)
+
+
+_MANY_SOCKETS = """
+import resource, sys, zmq
+from kvxferd.control import process_context, sockets_needed
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+if sys.argv[1] == "sized":
+    process_context(sockets_needed(8, 256))
+ctx = process_context()
+socks = []
+try:
+    for _ in range(1100):
+        socks.append(ctx.socket(zmq.DEALER))
+except zmq.ZMQError as e:
+    print("refused after", len(socks), e)
+    sys.exit(3)
+finally:
+    for s in socks:
+        s.close(linger=0)
+print("opened", len(socks))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_daemon_sized_context_opens_more_than_libzmqs_default_of_sockets(sized: bool) -> None:
+    """A context sized for 8 workers x 256 peers opens 1 100 sockets; libzmq's default (1 023)
+    refuses one of them (the control shows the limit is real)."""
+    import resource
+    import subprocess
+    import sys
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4096:
+        pytest.skip("needs a hard RLIMIT_NOFILE of at least 4096 (each socket holds an fd)")
+    r = subprocess.run(
+        [sys.executable, "-c", _MANY_SOCKETS, "sized" if sized else "default"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    if sized:
+        assert r.returncode == 0 and "opened 1100" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode == 3 and "refused after 1023" in r.stdout, r.stdout + r.stderr

@@ -27,6 +27,7 @@ from kvxferd.pool import KvPool
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
 from kvxferd.session import RxState
+from kvxferd.stats import Stats
 from kvxferd.testing import ControlledDataPlane
 
 LAYERS, BLOCK_ELEMS = 3, 256  # 512-byte blocks of float16
@@ -80,11 +81,13 @@ def _pool(tag: str, num_blocks: int) -> KvPool:
 
 
 class _Pair:
-    def __init__(self, src_blocks: int, dst_blocks: int) -> None:
+    def __init__(self, src_blocks: int, dst_blocks: int, stall_s: float | None = None) -> None:
         self.src = _pool("dptest-tx", src_blocks)
         self.dst = _pool("dptest-rx", dst_blocks)
         tag = f"{time.monotonic_ns()}"
-        self.tx = NixlDataPlane(f"dptest-tx-{tag}", DataPlaneSettings(), self.src)
+        self.tx = NixlDataPlane(
+            f"dptest-tx-{tag}", DataPlaneSettings(), self.src, stall_s=stall_s, stats=Stats()
+        )
         self.rx = NixlDataPlane(f"dptest-rx-{tag}", DataPlaneSettings(), self.dst)
         self.peer = self.tx.add_peer(self.rx.metadata())
         self.prepared = self.tx.prepare_peer(

@@ -29,17 +29,22 @@ PORT = 5555  # each sender in its own namespace: no port is shared
 KV_TIMEOUT_S = FAULT_DEADLINES["kv_transfer_timeout_ms"] / 1000
 # A fetch on a cut link must end (fail) within its kv_transfer deadline plus two engine calls.
 FAIL_BOUND_S = KV_TIMEOUT_S + 2 * CALL_TIMEOUT_S
-# The healed link must carry a good transfer again within this long. Today nothing
-# reconnects, so it is UCX TCP's retransmission backoff that decides (issue 13: ~12 s);
-# the target is a few seconds.
-RECOVER_BOUND_S = 30.0
+# The healed link must carry a good transfer again within this long, on the kernel's own TCP
+# settings (no sysctl): the control plane's heartbeats reopen its connections, and the data
+# plane moves a stalled receiver to a fresh connection once it is heard from (issue 13
+# measured ~12 s of TCP backoff before either existed; the target is a few seconds).
+RECOVER_BOUND_S = 5.0
+# The same sender's other pair while one of its receivers is cut: issue 13's target is
+# max(1 s, 5x its baseline p99) (reported); asserted with a margin for loaded CI hosts. A
+# connect or reload that holds the data plane's lock through the cut breaks it (5 s timeouts).
+OTHER_PAIR_BOUND_S = 2.5
 CUT_S = 15.0  # how long the link stays cut (issue 13 measured a 15 s cut)
 TCP_RTO_MAX_MS = 1000
-# A link cut one way for this long drops the sender's UCX TCP connection (5 retransmissions
-# at most 1 s apart, after the first few short ones).
+# A link cut one way for this long: writes stall (with tuned TCP, KVXFERD_HOSTS_TUNED_TCP=1,
+# the sender's UCX TCP connection dies: 5 retransmissions at most 1 s apart).
 ONE_WAY_CUT_S = 8.0
-# A pair whose UCX connection died must carry traffic again within this long of the heal.
-RECONNECT_BOUND_S = 10.0
+# The cut pair must carry traffic again within this long of the heal.
+RECONNECT_BOUND_S = 5.0
 
 
 @dataclass
@@ -73,10 +78,10 @@ def xpyd() -> Iterator[Xpyd]:
     why = why_no_hosts()
     if why is not None:
         pytest.skip(why)
-    # The hosts' TCP as docs/hosts.md recommends (backoff capped at 1 s, a connection with
-    # unacknowledged data dropped after 5 retransmissions); KVXFERD_HOSTS_KERNEL_TCP=1 keeps
-    # the kernel's defaults (120 s, 15) to measure what issue 13 measured.
-    tuned = not os.environ.get("KVXFERD_HOSTS_KERNEL_TCP")
+    # The kernel's own TCP settings (backoff up to 120 s, 15 retries): kvxferd needs no
+    # sysctl. KVXFERD_HOSTS_TUNED_TCP=1 sets docs/hosts.md's optional ones (backoff capped at
+    # 1 s, a connection with unacknowledged data dropped after 5 retransmissions).
+    tuned = bool(os.environ.get("KVXFERD_HOSTS_TUNED_TCP"))
     with HostNet(
         4, tcp_rto_max_ms=TCP_RTO_MAX_MS if tuned else None, tcp_retries2=5 if tuned else None
     ) as net:
@@ -133,9 +138,14 @@ def test_every_pair_of_2x2_hosts_moves_byte_exact_requests(xpyd: Xpyd) -> None:
         assert len(ff) >= want and all(f.verified > 0 for f in ff)
 
 
+def counter(metrics: dict[str, float], name: str) -> int:
+    """A sender's counter ``name``, from its /metrics."""
+    return int(sum(v for k, v in metrics.items() if name in k))
+
+
 def stalled(metrics: dict[str, float]) -> int:
     """A sender's writes_stalled counter, from its /metrics."""
-    return int(sum(v for k, v in metrics.items() if "writes_stalled" in k))
+    return counter(metrics, "writes_stalled")
 
 
 def _figures(t: PairTraffic, t_cut: float, t_heal: float) -> dict[str, object]:
@@ -204,7 +214,10 @@ def test_a_cut_link_fails_only_its_pair_in_time_and_carries_traffic_after_the_he
         "fail_s": sorted(round(f.seconds, 2) for f in failed),
         "reasons": sorted({f"{f.state}:{f.reason}" for f in failed}),
     }
-    figures["p0 writes_stalled"] = stalled(p0_daemon.metrics()) - stalled_before
+    after = p0_daemon.metrics()
+    figures["p0 writes_stalled"] = stalled(after) - stalled_before
+    figures["p0 fresh_paths"] = counter(after, "transport_fresh_paths")
+    figures["p0 refused_stalled_path"] = counter(after, "writes_refused_stalled_path")
     first_new = next((f for f in ff if f.started >= t_heal and f.ok), None)
     first_any = min((f.ended for f in ff if f.ok and f.ended and f.ended > t_heal), default=None)
     figures["recover_s"] = round(first_any - t_heal, 2) if first_any is not None else None
@@ -227,26 +240,28 @@ def test_a_cut_link_fails_only_its_pair_in_time_and_carries_traffic_after_the_he
         during = [f for f in traffic[pair].snapshot() if t_cut <= f.started < t_heal]
         bad = [(f.request, f.state, f.reason) for f in during if not f.ok]
         assert during and not bad, f"{pair}: {bad[:5]}"
-    # p0's other pair shares the sender whose writes to d0 stall: it keeps succeeding. Its
-    # latency is reported, not asserted (issue 13's target: max(1 s, 5x its baseline p99)).
+    # p0's other pair shares the sender whose writes to d0 stall: it keeps succeeding, and
+    # no request of it is slow (issue 13's target, max(1 s, 5x its baseline p99), is in
+    # the figures: "p0->d1" cut_max_s and p99_ratio).
     p0d1 = [f for f in traffic[("p0", "d1")].snapshot() if t_cut <= f.started < t_heal]
     bad = [(f.request, f.state, f.reason) for f in p0d1 if not f.ok]
     assert p0d1 and not bad, f"p0->d1 while p0->d0 was cut: {bad[:5]}"
+    slow_other = [(f.request, round(f.seconds, 2)) for f in p0d1 if f.seconds > OTHER_PAIR_BOUND_S]
+    assert not slow_other, f"p0->d1 requests slower than {OTHER_PAIR_BOUND_S:g} s: {slow_other}"
     assert t_back is not None, f"no new p0->d0 fetch succeeded within {RECOVER_BOUND_S:g} s"
 
 
 @pytest.mark.timeout(90)
 def test_a_ucx_connection_that_died_in_a_cut_is_reconnected_after_the_heal(xpyd: Xpyd) -> None:
-    """When a link cut one way (prefill -> decode) outlasts TCP's retransmissions, the sender's
-    UCX connection to that receiver dies; after the heal the pair carries traffic again
-    without restarting anything (the data plane reconnects the peer at its next write; with
-    incarnations the sender also registers it afresh: ``reconnects`` says which ran)."""
+    """A link cut one way (prefill -> decode) stalls the sender's writes to that receiver while
+    its fetches still arrive; after the heal the pair carries traffic again within a few
+    seconds without restarting anything (the data plane moves the receiver to a fresh
+    connection, or reconnects one that died: the log says which), and no other pair fails."""
     net = xpyd.net
     p0_host, d0_host = net.hosts[0], net.hosts[2]
     p0 = xpyd.prefill[0].daemon
-    if net.tcp_retries2 is None:
-        pytest.skip("needs the tuned hosts' tcp_retries2 (KVXFERD_HOSTS_KERNEL_TCP unset)")
-    reconnects_before = p0.stderr_path.read_text(errors="replace").count("reconnected")
+    log_before = p0.stderr_path.read_text(errors="replace")
+    reconnects_before = log_before.count("reconnected") + log_before.count("fresh connection")
     traffic = xpyd.traffic("r", threads=2)
     cut_pair = traffic[("p0", "d0")]
     t_cut = t_heal = t_back = None
@@ -270,7 +285,7 @@ def test_a_ucx_connection_that_died_in_a_cut_is_reconnected_after_the_heal(xpyd:
             net.heal(p0_host, d0_host)
     assert t_cut is not None and t_heal is not None
     log = p0.stderr_path.read_text(errors="replace")
-    reconnects = log.count("reconnected")
+    reconnects = log.count("reconnected") + log.count("fresh connection")
     ff = cut_pair.snapshot()
     after = [f for f in ff if f.started >= t_heal]
     figures: dict[str, object] = {
@@ -280,7 +295,9 @@ def test_a_ucx_connection_that_died_in_a_cut_is_reconnected_after_the_heal(xpyd:
         "cut_reasons": sorted({f"{f.state}:{f.reason}" for f in ff if not f.ok}),
         "recover_s": round(t_back - t_heal, 2) if t_back is not None else None,
         "failed_after_heal": sum(not f.ok for f in after),
-        "reconnect_lines": [ln[-80:] for ln in log.splitlines() if "reconnected" in ln][-3:],
+        "reconnect_lines": [
+            ln[-80:] for ln in log.splitlines() if "reconnected" in ln or "fresh conn" in ln
+        ][-3:],
     }
     for pair in (("p0", "d1"), ("p1", "d0"), ("p1", "d1")):
         during = [f for f in traffic[pair].snapshot() if t_cut <= f.started < t_heal]

@@ -154,7 +154,7 @@ def test_a_restarted_receiver_starts_its_fetch_ids_elsewhere() -> None:
 
 LAYERS, BLOCK_BYTES = 2, 64 << 10
 REQ_BLOCKS = 8
-RESTARTS = 3  # each restart starts a daemon (~5 s on a loaded 2-core host)
+RESTARTS = 5  # each restart starts a daemon (~5 s on a loaded 2-core host)
 SENTINEL = 0xA5
 
 
@@ -179,7 +179,7 @@ def _content(rid: str) -> torch.Tensor:
 def test_a_receiver_restarted_on_its_address_is_served_at_once_and_never_written_as_the_old_one(
     tmp_path: Path,
 ) -> None:
-    """Killed and restarted 3 times on one result endpoint while another receiver keeps fetching: every new incarnation's fetches succeed byte-exact within seconds, the other's never fail, blocks no fetch targeted keep their sentinel, and the sender holds exactly two peers and no retiring agent afterwards."""
+    """Killed and restarted RESTARTS (5) times on one result endpoint while another receiver keeps fetching: every new incarnation's fetches succeed byte-exact within seconds, the other's never fail, blocks no fetch targeted keep their sentinel, and the sender holds exactly two peers and no retiring agent afterwards."""
     env = {
         "KVXFERD_POOL__NUM_LAYERS": str(LAYERS),
         "KVXFERD_POOL__NUM_BLOCKS": str(8 * REQ_BLOCKS),

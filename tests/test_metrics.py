@@ -42,6 +42,7 @@ WAIT_S = 10.0
 COMPONENTS: dict[str, tuple[str, ...]] = {
     "sender.py": ("sender",),
     "worker.py": ("sender",),
+    "dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
     "receiver.py": ("receiver",),
     "gateway.py": ("gateway",),
     "guard.py": ("sender", "receiver", "gateway"),

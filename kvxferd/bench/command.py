@@ -57,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "fds and threads per peer, throughput against 1 peer; --json writes the figures (~2 min)",
     )
     p.add_argument(
+        "--curve-cost",
+        dest="curve_cost",
+        action="store_true",
+        help="a small request's control round trip (REQUEST_DATA -> Result) with CURVE on and "
+        "off in the same run, and curve/plain; --reps sets the repetitions (~10 s)",
+    )
+    p.add_argument(
         "--scale-peers",
         dest="scale_peers",
         default="1,8,32,64",
@@ -106,6 +113,8 @@ def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
             file=sys.stderr,
         )
         return 2
+    if getattr(args, "curve_cost", False):
+        return main_curve_cost(args)
     if getattr(args, "curves", False):
         return main_curves(args, child_module)
     if getattr(args, "scale", False):
@@ -174,3 +183,26 @@ def main_curves(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
         for p in pt["paths"].values()
     )
     return 0 if ok else 1
+
+
+def main_curve_cost(args: argparse.Namespace) -> int:
+    """``kvxferd bench --curve-cost``: CURVE on vs off, its table, --json. 0 ok, 1 failed, 2 bad usage."""
+    from kvxferd.bench.curve_cost import CurveCostOptions, format_curve_cost, run_curve_cost
+
+    if args.quick or args.only or args.plot_path or args.curves or args.scale:
+        print(
+            "kvxferd bench: --curve-cost takes none of --quick, --only, --plot, --curves, --scale",
+            file=sys.stderr,
+        )
+        return 2
+    extra: dict[str, Any] = {} if args.reps is None else {"reps": args.reps}
+    try:
+        doc = run_curve_cost(CurveCostOptions(timeout_s=args.timeout_s, **extra))
+    except BenchError as e:
+        print(f"kvxferd bench: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_curve_cost(doc))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
