@@ -8,6 +8,8 @@ turns block ids into descriptors (numpy broadcasting, no per-block Python)::
                byte ranges (src offset, dst offset, length) inside one block, merged
     InstancePlan(decode ranks, prefill ranks).readers(prefill rank) -> decode ranks reading it
     piece_descriptors(piece, pools, block ids, layers) -> (n, 3) src and dst arrays
+    prepared_list(piece, side, pool) + prepared_indices(piece, block ids, layers)
+        the same, for NIXL's prepared lists: the list once per (peer, piece), indices per request
 
 The rules (docs/topology.md has a worked example of each):
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -189,12 +192,6 @@ def _plan_cached(decode: Topology, prefill: tuple[Topology, ...]) -> RankPlan:
                 )
             )
             h = end
-    covered = sum(p.layer_end - p.layer_begin for p in pieces if p.dst_head == 0)
-    if covered != decode.num_stage_layers:
-        raise refuse(
-            f"layers not covered: decode layers [{decode.layer_begin}, {decode.layer_end}) "
-            "are not all held by the prefill ranks given"
-        )
     pieces.sort(key=lambda p: p.prefill_rank)
     return RankPlan(decode, tuple(pieces))
 
@@ -305,3 +302,48 @@ def piece_descriptors(
     src[:, 0], src[:, 1], src[:, 2] = s_addr, lens, src_dev
     dst[:, 0], dst[:, 1], dst[:, 2] = d_addr, lens, dst_dev
     return src, dst
+
+
+def prepared_list(
+    piece: Piece,
+    decode: Topology,
+    side: Literal["src", "dst"],
+    base: int,
+    num_blocks: int,
+    *,
+    dev: int = 0,
+) -> Descs:
+    """Every (layer, block, range) of one side's pool for a piece, for ``prep_xfer_dlist`` once.
+
+    ``side``: ``"src"`` the prefill rank's pool (a sender's local list), ``"dst"`` the
+    decode rank's (its remote list). Entry ``((l - piece.layer_begin) * num_blocks + b) * R + k``
+    is range ``k`` of block ``b`` of absolute layer ``l``, ``R = len(piece.ranges)``, on
+    both sides alike: :func:`prepared_indices` is then the same array for both lists.
+    """
+    r = piece.ranges
+    t, offs = (piece.prefill, r.src) if side == "src" else (decode, r.dst)
+    layers = np.arange(piece.layer_begin, piece.layer_end, dtype=np.int64)[:, None, None]
+    blocks = np.arange(num_blocks, dtype=np.int64)[None, :, None]
+    addr = base + ((layers - t.layer_begin) * num_blocks + blocks) * t.block_bytes + offs
+    out = np.empty((addr.size, 3), dtype=np.int64)
+    out[:, 0] = addr.ravel()
+    out[:, 1] = np.broadcast_to(r.length, addr.shape).ravel()
+    out[:, 2] = dev
+    return out
+
+
+def prepared_indices(
+    piece: Piece, num_blocks: int, blocks: IdArray, layer_begin: int, layer_end: int
+) -> IdArray:
+    """Indices into a :func:`prepared_list` of ``num_blocks`` blocks for one request's blocks.
+
+    Call once with the source pool's ``num_blocks`` and ids and once with the
+    destination's: the two index arrays pair entry by entry (no merging on this path).
+    """
+    lb, le = max(layer_begin, piece.layer_begin), min(layer_end, piece.layer_end)
+    if lb >= le:
+        return np.empty(0, dtype=np.int64)
+    nr = len(piece.ranges)
+    layers = np.arange(lb - piece.layer_begin, le - piece.layer_begin, dtype=np.int64)
+    idx = (layers[:, None, None] * num_blocks + blocks[None, :, None]) * nr
+    return (idx + np.arange(nr, dtype=np.int64)[None, None, :]).ravel()

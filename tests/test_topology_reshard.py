@@ -25,7 +25,14 @@ from hypothesis import strategies as st
 from kvxferd.config import DataPlaneSettings, PoolSettings
 from kvxferd.dataplane import NixlDataPlane, wait_xfer
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.reshard import InstancePlan, block_ranges, piece_descriptors, plan_rank
+from kvxferd.reshard import (
+    InstancePlan,
+    block_ranges,
+    piece_descriptors,
+    plan_rank,
+    prepared_indices,
+    prepared_list,
+)
 from kvxferd.topology import LayoutKind, Topology, compat_hash, instance_ranks, make_topology
 
 pytestmark = pytest.mark.timeout(60)
@@ -507,3 +514,55 @@ def _wait(rx: NixlDataPlane, xfer_state: tuple) -> None:  # type: ignore[type-ar
         state = xfer.poll() if state == "STALLED" else state
     assert state == "DONE"
     assert xfer.release()
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("1P2D (TP1->TP2)", "tokens_major"),
+        ("PP3 TP2 -> PP2 TP1, uneven layers", "heads_major"),
+        ("GQA: TP8 -> TP2 over 2 heads", "tokens_major"),
+        ("MLA 2->4, PP2->PP1", "heads_major"),
+    ],
+)
+def test_prepared_lists_and_indices(name: str, layout: LayoutKind) -> None:
+    """Copies driven by indices into the once-prepared lists leave each decode pool equal to the
+    reference, and cover the same bytes as piece_descriptors (which merges)."""
+    c = SWEEP[name]
+    w = _World(Case(**{**c.__dict__, "p_layout": layout, "d_layout": layout}), seed=3)
+    src = {}
+    for t in w.prefill:
+        src[t.rank] = torch.empty(w.shape("p", t), dtype=torch.uint8)
+        w.fill("p", t, src[t.rank])
+    for d in w.decode:
+        dst = torch.empty(w.shape("d", d), dtype=torch.uint8)
+        w.fill("d", d, dst)
+        for piece in plan_rank(d, w.prefill).pieces:
+            r = piece.prefill_rank
+            ns, nd = w.num_blocks[("p", r)], w.num_blocks[("d", d.rank)]
+            sb, db = w.ids[("p", r)], w.ids[("d", d.rank)]
+            src_list = prepared_list(piece, d, "src", 0, ns)
+            dst_list = prepared_list(piece, d, "dst", 0, nd)
+            si = prepared_indices(piece, ns, sb, 0, c.layers)
+            di = prepared_indices(piece, nd, db, 0, c.layers)
+            s, dd = piece_descriptors(piece, d, 0, ns, sb, 0, nd, db, 0, c.layers)
+            assert _covered(src_list[si]) == _covered(s) and _covered(dst_list[di]) == _covered(dd)
+            sflat, dflat = src[r].view(-1).numpy(), dst.view(-1).numpy()
+            for (sa, ln, _), (da, _, _) in zip(
+                src_list[si].tolist(), dst_list[di].tolist(), strict=True
+            ):
+                dflat[da : da + ln] = sflat[sa : sa + ln]
+        assert torch.equal(dst, w.want[d.rank]), f"decode rank {d.rank} differs from the reference"
+    piece = plan_rank(w.decode[0], w.prefill).pieces[0]
+    assert prepared_indices(piece, 8, np.array([1]), c.layers, c.layers + 1).size == 0
+
+
+def _covered(descs: np.ndarray) -> list[tuple[int, int]]:
+    """The bytes a descriptor array covers, as sorted and merged (start, end) runs."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(a + n)) for a, n, _ in descs.tolist()):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
