@@ -816,6 +816,7 @@ class Sender:
         self._remove_from_dataplane(peer)
 
     def _remove_from_dataplane(self, peer: Peer) -> None:
+        self._heard.pop(peer.nixl_name, None)
         try:
             self.dataplane.remove_peer(peer.nixl_name)
             self.stats.add("peers_removed")

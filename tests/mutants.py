@@ -1025,6 +1025,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (FUZZ + "test_every_message_that_reached_a_daemon_is_one_counted_rejection",),
     ),
+    Mutant(
+        "issue13-posted-behind-a-stalled-write",
+        "a post toward a receiver whose write is stalled goes on the stalled connection",
+        (
+            Edit(
+                "kvxferd/dataplane.py",
+                '            raise PathStalled(f"a write to {peer} is stalled on its connection (path {path.index})")',
+                "            pass",
+            ),
+        ),
+        (
+            "tests/test_dataplane_reconnect.py::"
+            "test_a_peer_whose_write_stalls_is_moved_to_a_fresh_connection",
+        ),
+    ),
 )
 
 
