@@ -1,13 +1,19 @@
-"""Command line: ``kvxferd sender | receiver | demo | bench | faults | print-config``.
+"""Command line: ``kvxferd sender | receiver | keygen | demo | bench | faults | print-config``.
 
 ``sender`` and ``receiver`` run until SIGINT/SIGTERM, then shut down within
 their configured bound; the exit code says whether the drain was complete
 (0) or not (3). A configuration error exits 2 with a message naming the setting,
 the source its value came from and the limit it broke (precedence: kvxferd.config).
 
-SIGHUP is ignored on purpose by ``sender`` and ``receiver``: there is no reload
-(keys and log level change by restart, which drains), and a SIGHUP from a closing
-terminal or a careless ``kill -HUP`` must not end a daemon that holds transfers.
+SIGHUP never ends ``sender`` or ``receiver`` (a closing terminal or a careless
+``kill -HUP`` must not end a daemon that holds transfers): it re-reads the
+allow-list directory (``security.allowed_keys_dir``) and nothing else; the
+daemon's own key and the log level change by restart, which drains.
+
+``keygen --dir D --name N`` writes a CURVE key pair in the ``zmq.auth`` format,
+``D/N.key`` (public: copy it into the peers' allow-list directories) and
+``D/N.key_secret`` (mode 0600: this daemon's ``security.key_file``); it never
+overwrites a file (exit 1).
 
 ``--version`` prints the version. The ``_bench-*`` commands are private children
 of ``bench`` and are left out of ``--help``. Output cut short by a closed pipe
@@ -54,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(
         dest="cmd",
         required=True,
-        metavar="{sender,receiver,print-config,demo,bench,faults}",
+        metavar="{sender,receiver,keygen,print-config,demo,bench,faults}",
     )
 
     s = sub.add_parser("sender", help="run the context-side sender until SIGTERM")
@@ -72,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--result-endpoint", dest="result_endpoint")
     r.add_argument("--name")
     r.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+
+    k = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key, NAME.key_secret)")
+    k.add_argument("--dir", required=True, dest="key_dir", help="directory (made 0700 if new)")
+    k.add_argument("--name", required=True, help="file name stem, e.g. the host or daemon name")
 
     c = sub.add_parser("print-config", help="print the effective configuration as JSON")
     c.add_argument("--role", choices=["sender", "receiver"], required=True)
@@ -119,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(role: Literal["sender", "receiver"], settings: Any) -> int:
     from kvxferd.daemon import serve
 
-    # No reload exists; see the module docstring.
+    # Ignored until the daemon's loop handles it (re-reads the allow-list); see above.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return serve(role, settings)
 
@@ -145,6 +155,18 @@ def _print_config(args: argparse.Namespace) -> None:
         print(f"{name} = {json.dumps(value)}  # {source}")
 
 
+def _keygen(directory: str, name: str) -> int:
+    from kvxferd.auth import keygen
+
+    try:
+        public, secret = keygen(directory, name)
+    except (FileExistsError, ValueError) as e:
+        print(f"kvxferd keygen: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"public": str(public), "secret": str(secret)}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -168,6 +190,8 @@ def _main(argv: list[str] | None) -> int:
                 "receiver",
                 load_receiver_settings(args.config, **_overrides(args, RECEIVER_FLAGS)),
             )
+        if args.cmd == "keygen":
+            return _keygen(args.key_dir, args.name)
         if args.cmd == "print-config":
             _print_config(args)
             sys.stdout.flush()

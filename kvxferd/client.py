@@ -52,6 +52,7 @@ import zmq
 import zmq.asyncio
 
 from kvxferd import engine_protocol as ep
+from kvxferd.auth import Curve
 from kvxferd.control import process_context
 from kvxferd.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.errors import KvxferdError, ProtocolError
@@ -110,11 +111,13 @@ class EngineUnavailable(EngineError):
     """No reply in time (TIMEOUT), or the connection is closed or not reading (PEER_LOST)."""
 
 
-def _dealer_options(sock: zmq.Socket[Any]) -> None:
+def _dealer_options(sock: zmq.Socket[Any], curve: Curve | None = None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, ep.MAX_FRAME_BYTES)
     sock.setsockopt(zmq.SNDHWM, 10_000)
     sock.setsockopt(zmq.RCVHWM, 10_000)
+    if curve is not None:  # a daemon's TCP engine socket: our keys, the daemon's public key
+        curve.apply_client(sock)
 
 
 def _ms(seconds: float) -> int:
@@ -236,7 +239,11 @@ class _Slot:
 class Client:
     """A thread-safe, synchronous connection to one kvxferd daemon's engine socket."""
 
-    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, curve: Curve | None = None
+    ) -> None:
+        """``curve``: for a TCP engine socket, this engine's keys and the daemon's public key
+        (``Curve(KeyPair(...), server_key=...)``); None for the ipc socket."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # guards _pending, _outbox, _closed and the eventfd write
@@ -245,7 +252,12 @@ class Client:
         self._closed = False
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sock: zmq.Socket[bytes] = process_context().socket(zmq.DEALER)
-        _dealer_options(self._sock)
+        try:
+            _dealer_options(self._sock, curve)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            os.close(self._wake)
+            raise
         self._sock.connect(endpoint)
         self._io = threading.Thread(target=self._run, name="kvxferd-client-io", daemon=True)
         self._io.start()
@@ -500,11 +512,17 @@ class _LoopConn:
     another thread (nothing on the loop can touch it then).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: str, max_inflight: int) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        endpoint: str,
+        max_inflight: int,
+        curve: Curve | None = None,
+    ) -> None:
         self.loop = loop
         ctx = zmq.asyncio.Context.shadow(process_context().underlying)
         self.sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
-        _dealer_options(self.sock)
+        _dealer_options(self.sock, curve)
         self.sock.connect(endpoint)
         self.endpoint = endpoint
         self.sem = asyncio.Semaphore(max_inflight)
@@ -576,9 +594,15 @@ class AsyncClient:
     """The engine protocol as coroutines; usable from several event loops in several threads."""
 
     def __init__(
-        self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, max_inflight: int = 256
+        self,
+        endpoint: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        max_inflight: int = 256,
+        curve: Curve | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve  # as for Client
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight  # per loop
         self._lock = threading.Lock()  # guards _conns and _closed
@@ -594,7 +618,9 @@ class AsyncClient:
             if conn is None or conn.closed:
                 for lp in [lp for lp in self._conns if lp.is_closed()]:  # loops gone for good
                     self._conns.pop(lp).close_raw()
-                conn = self._conns[loop] = _LoopConn(loop, self.endpoint, self.max_inflight)
+                conn = self._conns[loop] = _LoopConn(
+                    loop, self.endpoint, self.max_inflight, self.curve
+                )
         return conn
 
     async def _call(self, build: Build, wait_s: float = 0.0) -> ep.ToEngine:

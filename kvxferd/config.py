@@ -311,6 +311,50 @@ class DiscoverySettings(_Frozen):
         return self
 
 
+class SecuritySettings(_Frozen):
+    """Transport security (docs/operations.md, "Keys"): CURVE on every socket that crosses hosts.
+
+    ``mode = "curve"`` (the default) needs ``key_file`` (this daemon's secret certificate,
+    from ``kvxferd keygen``) and ``allowed_keys_dir`` (the public certificates of the peers
+    and engines allowed in). ``mode = "off"`` is accepted only when every endpoint this
+    daemon binds, advertises or is configured to dial is loopback or ipc; a TCP engine
+    socket needs CURVE.
+    """
+
+    mode: Literal["curve", "off"] = Field(
+        "curve", description="curve: authenticated, encrypted control plane; off: loopback/ipc only"
+    )
+    key_file: str | None = Field(
+        None, description="this daemon's secret certificate (NAME.key_secret, mode 0600)"
+    )
+    allowed_keys_dir: str | None = Field(
+        None,
+        description="directory of public certificates (*.key) allowed to connect;"
+        " re-read on SIGHUP and when its files change",
+    )
+    allowed_keys_poll_ms: int = Field(
+        1_000,
+        ge=0,
+        le=600_000,
+        description="how often allowed_keys_dir is checked for changed files; 0: SIGHUP only",
+    )
+    sender_keys: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=4096,
+        description="receiver: sender endpoint -> the public key (Z85) it must present;"
+        ' else the key published with the request; "*": the key of every other sender',
+    )
+
+    @model_validator(mode="after")
+    def _keys_are_keys(self) -> SecuritySettings:
+        from kvxferd.auth import is_z85_key
+
+        for endpoint, key in self.sender_keys.items():
+            if not is_z85_key(key):
+                raise ValueError(f"sender_keys[{endpoint!r}] is not a 40-character Z85 public key")
+        return self
+
+
 def _toml_source_for(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource | None:
     path = _TOML_PATH.get()
     if path is None:
@@ -337,7 +381,45 @@ class _RoleSettings(BaseSettings):
     service: ServiceSettings = ServiceSettings()
     health: HealthSettings = HealthSettings()
     discovery: DiscoverySettings = DiscoverySettings()
+    security: SecuritySettings = SecuritySettings()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _fail_closed(self) -> _RoleSettings:
+        """Plaintext only where nothing leaves the host; a TCP engine socket only with CURVE."""
+        from kvxferd.auth import is_local_endpoint
+
+        sec, svc = self.security, self.service
+        if svc.engine_socket.startswith("tcp://") and sec.mode != "curve":
+            raise ValueError(
+                f"service.engine_socket = {svc.engine_socket!r} is TCP and security.mode is"
+                ' "off": a TCP engine socket needs security.mode = "curve" (engines then'
+                " need keys), or use an ipc:// socket"
+            )
+        if sec.mode != "off":
+            return self
+        own = "listen" if hasattr(self, "listen") else "result_endpoint"
+        endpoints = {own: str(getattr(self, own)), "service.engine_socket": svc.engine_socket}
+        endpoints.update({f"security.sender_keys[{e!r}]": e for e in sec.sender_keys if e != "*"})
+        if svc.advertise_host is not None:
+            endpoints["service.advertise_host"] = f"tcp://{svc.advertise_host}:1"
+        for setting, endpoint in endpoints.items():
+            if not is_local_endpoint(endpoint):
+                raise ValueError(
+                    f'security.mode is "off" but {setting} = {endpoint!r} is not loopback or'
+                    ' ipc: plaintext is accepted only on this host; set security.mode = "curve"'
+                    " with key_file and allowed_keys_dir (kvxferd keygen)"
+                )
+        if svc.advertise_interface is not None:
+            raise ValueError(
+                'security.mode is "off" but service.advertise_interface is set: plaintext'
+                " is accepted only on loopback or ipc"
+            )
+        if self.discovery.backend == "dns":
+            raise ValueError(
+                'security.mode is "off" but discovery.backend is "dns" (peers on other hosts)'
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -16,6 +16,11 @@ ZMQ sockets are not thread-safe. The rules kvxferd keeps:
   (up to two minutes after a long cut). ``TCP_MAXRT`` bounds unacknowledged data
   the same way. What was queued on the dropped connection is lost; every message
   kvxferd sends is covered by a deadline and a retry or a failure (docs/hosts.md);
+* with ``SocketLimits.curve`` set (``security.mode = "curve"``) a ROUTER is a CURVE
+  server judged by the auth thread (kvxferd/auth.py: allow-list, User-Id = the
+  client's key, failed handshakes counted) and a DEALER is a CURVE client that
+  verifies the server's key (``server_key``); without it a DEALER dials only loopback
+  and ipc endpoints (:class:`PlaintextRefused`), so plaintext never leaves the host;
 * ``LINGER`` is 0 while a socket is open; ``close_all`` refuses new sends, then
   closes each dealer under its lock (never during a send on it) with a linger of
   one send timeout, so a final Result queued just before is still delivered (the
@@ -24,11 +29,13 @@ ZMQ sockets are not thread-safe. The rules kvxferd keeps:
 
 from __future__ import annotations
 
+import errno
 import threading
 from dataclasses import dataclass
 
 import zmq
 
+from kvxferd.auth import Curve, is_local_endpoint, watch_server
 from kvxferd.config import Deadlines, Limits
 from kvxferd.errors import SendTimeout
 
@@ -68,9 +75,10 @@ class SocketLimits:
     heartbeat_ivl_ms: int = 0  # 0: no heartbeats
     heartbeat_timeout_ms: int = 0
     connect_timeout_ms: int = 0  # 0: the OS's (about two minutes of SYN retries)
+    curve: Curve | None = None  # this daemon's keys and ZAP domain; None: plaintext, local only
 
     @classmethod
-    def of(cls, limits: Limits, deadlines: Deadlines) -> SocketLimits:
+    def of(cls, limits: Limits, deadlines: Deadlines, curve: Curve | None = None) -> SocketLimits:
         """The socket options a role's settings ask for."""
         return cls(
             limits.max_frame_bytes,
@@ -78,6 +86,17 @@ class SocketLimits:
             deadlines.heartbeat_ivl_ms,
             deadlines.heartbeat_timeout_ms,
             deadlines.connect_timeout_ms,
+            curve,
+        )
+
+
+class PlaintextRefused(zmq.ZMQError):
+    """A plaintext DEALER (security off) toward an endpoint that is not loopback or ipc."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(
+            errno.EACCES,
+            f"security.mode is off: {endpoint!r} is not loopback or ipc (plaintext stays local)",
         )
 
 
@@ -102,15 +121,33 @@ def bind_router(endpoint: str, limits: SocketLimits) -> tuple[zmq.Socket[bytes],
     )  # a peer that reconnects with its id takes its route back
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
-    sock.bind(endpoint)
+    try:
+        if limits.curve is not None:
+            limits.curve.apply_server(sock)
+            watch_server(sock, limits.curve.stats, limits.curve.zap_domain)
+        sock.bind(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
     bound = sock.getsockopt(zmq.LAST_ENDPOINT)
     return sock, bound.decode() if isinstance(bound, bytes) else str(bound)
 
 
 def connect_dealer(
-    endpoint: str, limits: SocketLimits, send_timeout_ms: int, identity: bytes | None = None
+    endpoint: str,
+    limits: SocketLimits,
+    send_timeout_ms: int,
+    identity: bytes | None = None,
+    *,
+    server_key: str = "",
 ) -> zmq.Socket[bytes]:
-    """A DEALER connected to ``endpoint`` whose sends give up after ``send_timeout_ms``."""
+    """A DEALER connected to ``endpoint`` whose sends give up after ``send_timeout_ms``.
+
+    With ``limits.curve`` the server at ``endpoint`` must present ``server_key`` (Z85);
+    without, ``endpoint`` must be loopback or ipc (PlaintextRefused, a ZMQError).
+    """
+    if limits.curve is None and not is_local_endpoint(endpoint):
+        raise PlaintextRefused(endpoint)
     sock = process_context().socket(zmq.DEALER)
     _common(sock, limits)
     sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
@@ -126,6 +163,8 @@ def connect_dealer(
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     try:
+        if limits.curve is not None:
+            limits.curve.apply_client(sock, server_key)
         sock.connect(endpoint)
     except zmq.ZMQError:  # never leak the socket of a refused endpoint
         sock.close(linger=0)
@@ -169,15 +208,21 @@ class SharedDealerPool:
         self._dealers: dict[str, _SharedDealer] = {}
         self._closed = False
 
-    def send(self, endpoint: str, frame: bytes) -> None:
-        """Send one frame to ``endpoint``; SendTimeout within the deadline, or when closed."""
+    def send(self, endpoint: str, frame: bytes, server_key: str = "") -> None:
+        """Send one frame to ``endpoint``; SendTimeout within the deadline, or when closed.
+
+        ``server_key``: the key the server at ``endpoint`` must present (CURVE), used when
+        the DEALER is made.
+        """
         for _ in range(2):  # a DEALER forgotten between lookup and send: take a fresh one, once
             with self._lock:
                 if self._closed:
                     raise SendTimeout("dealer pool is closed")
                 dealer = self._dealers.get(endpoint)
                 if dealer is None:
-                    sock = connect_dealer(endpoint, self._limits, self._timeout_ms)
+                    sock = connect_dealer(
+                        endpoint, self._limits, self._timeout_ms, server_key=server_key
+                    )
                     dealer = self._dealers[endpoint] = _SharedDealer(sock)
             with dealer.lock:
                 if not dealer.closed:

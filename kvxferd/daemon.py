@@ -7,7 +7,8 @@ Told top-down, as ``run -> startup -> serve -> drain -> teardown``:
   ConfigError, exit 2), then builds the Sender or Receiver (pool registered once, sockets
   bound, NIXL agent up), starts the engine gateway and the probe port, then
   tells systemd ``READY=1`` and prints one JSON ``ready`` line on stdout.
-* **serve** waits for SIGTERM/SIGINT; meanwhile a watchdog task sends
+* **serve** waits for SIGTERM/SIGINT (SIGHUP re-reads the allow-lists of
+  ``security.allowed_keys_dir``, nothing else); meanwhile a watchdog task sends
   ``WATCHDOG=1`` at half of ``WATCHDOG_USEC`` *only while* liveness holds (the
   listener and every worker made progress, and neither the service nor the
   gateway met an unexpected exception: ``broken()``), and a status line every
@@ -107,15 +108,22 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_reload)
         try:
             watchdog = asyncio.create_task(self._watchdog())
             await self._stop.wait()
             watchdog.cancel()
             return await self._drain_and_teardown()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             self.notifier.close()
+
+    def _on_reload(self) -> None:
+        """SIGHUP: re-read the allow-lists (keys added or removed); everything else stays."""
+        from kvxferd.auth import reload_allow_lists
+
+        reload_allow_lists()
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
@@ -136,6 +144,11 @@ class Daemon:
         from kvxferd.probes import ReceiverProbe, SenderProbe
 
         preflight.check(self.settings)  # one-line ConfigError (exit 2) before the slow set-up
+        if self.settings.security.mode == "off":
+            log.warning(
+                'security.mode is "off": the control plane is plaintext and unauthenticated'
+                " (accepted because every endpoint is loopback or ipc)"
+            )
         # A name stable across restarts: the next daemon on this socket can remove what a
         # killed one left (preflight does, after making sure no daemon is live there).
         pool = self.settings.pool.model_copy(
@@ -160,7 +173,10 @@ class Daemon:
             endpoint = receiver.result_endpoint
             probe = ReceiverProbe(receiver, self.settings)
         self.gateway = Gateway(
-            self.service, svc.engine_socket, max_inflight=svc.max_client_inflight
+            self.service,
+            svc.engine_socket,
+            max_inflight=svc.max_client_inflight,
+            transport=self.service.transport,
         )
         probe.gateway = self.gateway  # a broken gateway fails liveness (and the watchdog)
         engine_socket = await self.gateway.start()

@@ -51,7 +51,7 @@ class Reason(StrEnum):
     PEER_LOST = "peer_lost"  # the peer's connection is gone
     PEER_RESTARTED = "peer_restarted"  # the sender restarted (new incarnation); fetch not re-sent
     BAD_ENDPOINT = "bad_endpoint"  # an endpoint kvxferd will not connect to (see endpoints.py)
-    NOT_AUTHORIZED = "not_authorized"  # the peer's identity may not do this (ownership.py)
+    NOT_AUTHORIZED = "not_authorized"  # the peer's identity may not do this (ownership.py, auth.py)
 
 
 class KvxferdError(Exception):

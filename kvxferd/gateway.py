@@ -87,6 +87,7 @@ import msgspec
 import zmq
 
 from kvxferd import engine_protocol as ep
+from kvxferd.auth import Transport, watch_server
 from kvxferd.control import process_context
 from kvxferd.errors import ProtocolError, RejectedError
 from kvxferd.guard import Guard
@@ -166,6 +167,7 @@ class Gateway:
         socket_mode: int = 0o600,
         max_handles: int = MAX_HANDLES,
         max_frame_bytes: int = ep.MAX_FRAME_BYTES,
+        transport: Transport | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
@@ -179,6 +181,8 @@ class Gateway:
         self.socket_mode = socket_mode
         self.max_handles = max_handles
         self.max_frame_bytes = max_frame_bytes
+        # A TCP engine socket is a CURVE server (the settings refuse it plaintext).
+        self.transport = transport
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
         self.last_progress = time.monotonic()  # the serve task took a message or ticked
@@ -217,6 +221,11 @@ class Gateway:
                 os.makedirs(parent, mode=_dir_mode(self.socket_mode), exist_ok=True)
             elif endpoint.startswith("tcp://") and endpoint.endswith(":0"):
                 endpoint = endpoint[:-2] + ":*"
+            if self.transport is not None and endpoint.startswith("tcp://"):
+                curve = self.transport.server_curve("engine", self.stats)
+                if curve is not None:
+                    curve.apply_server(sock)
+                    watch_server(sock, self.stats, curve.zap_domain)
             sock.bind(endpoint)
             if self._ipc_path is not None:
                 # libzmq creates the file with the umask's mode; narrow it before serving.

@@ -23,7 +23,12 @@ set-up would do later:
   is removed, once the engine socket is known to have no live daemon, and
   logged: without that, each restart after a kill needs room for one more pool;
 * the pool's host part (aux slots, plus the KV blocks on ``device = "cpu"``)
-  fits in the free bytes of /dev/shm.
+  fits in the free bytes of /dev/shm;
+* ``security.mode = "curve"``: the key file exists, is a secret certificate
+  readable only by its owner, and the allow-list directory exists (the message
+  names the setting and ``kvxferd keygen``); ``"off"`` with an advertised
+  interface address that is not loopback is refused (the settings already
+  refused every other non-local endpoint).
 
 The checks race with other processes (a port can be taken after the check);
 the later bind still fails then, only less clearly.
@@ -59,6 +64,7 @@ def check(settings: SenderSettings | ReceiverSettings) -> None:
         _endpoint("result_endpoint", settings.result_endpoint)
         advertised(settings.result_endpoint, host, "result_endpoint")
     _endpoint("service.engine_socket", svc.engine_socket)
+    _security(settings, host)
     _tcp(
         "service.probe_host/probe_port",
         f"{svc.probe_host}:{svc.probe_port}",
@@ -67,6 +73,21 @@ def check(settings: SenderSettings | ReceiverSettings) -> None:
     )
     _stale_pool(settings)
     _shm(settings)
+
+
+def _security(settings: SenderSettings | ReceiverSettings, host: str | None) -> None:
+    from kvxferd.auth import check_curve_settings, is_local_endpoint, load_key_pair
+
+    sec = settings.security
+    if sec.mode == "curve":
+        check_curve_settings(sec)
+        assert sec.key_file is not None
+        load_key_pair(sec.key_file)
+    elif host is not None and not is_local_endpoint(f"tcp://{host}:1"):
+        raise ConfigError(
+            f'security.mode is "off" but this daemon would advertise {host!r}, which is not'
+            ' loopback: set security.mode = "curve" (kvxferd keygen)'
+        )
 
 
 def pool_name(settings: SenderSettings | ReceiverSettings) -> str:

@@ -70,7 +70,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvxferd import protocol as wire
-from kvxferd.auth import peer_identity
+from kvxferd.auth import HANDSHAKE_FAILED, Transport, handshake_kind, peer_identity
 from kvxferd.config import ReceiverSettings
 from kvxferd.control import (
     SocketLimits,
@@ -100,7 +100,9 @@ _fetch_ids = itertools.count((int.from_bytes(os.urandom(6), "little") << 8) + 1)
 _monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_MONITORED = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | HANDSHAKE_FAILED
+)
 
 
 @dataclass(slots=True)
@@ -187,10 +189,13 @@ class Receiver:
         self.dataplane: DataPlane = dataplane or NixlDataPlane(
             self.receiver_id, settings.dataplane, self.pool
         )
-        self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
         process_context(sockets_needed(0, settings.limits.max_peers))  # before any socket
         # Sender endpoints come from request data: only those the operator allows are dialled.
         self.dial_allow = DialAllow(settings.access.dial_allow)
+        self.transport = Transport(settings.security, "receiver", self.stats)  # ZAP: a socket
+        self.socket_limits = SocketLimits.of(
+            settings.limits, settings.deadlines, self.transport.curve
+        )
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
         self._router, self.bound_result_endpoint = bind_router(
             settings.result_endpoint, self.socket_limits
@@ -495,12 +500,18 @@ class Receiver:
         if link is not None:
             return link
         try:
+            server_key = self.transport.server_key_for(endpoint)  # "" when security is off
+        except RejectedError as e:
+            self.stats.add("connect_errors")
+            return f"not_authorized: {e.detail}"
+        try:
             # Our identity is our receiver id: a reconnect hands the sender's route over to us.
             dealer = connect_dealer(
                 endpoint,
                 self.socket_limits,
                 self.settings.deadlines.send_timeout_ms,
                 identity=self.receiver_id.encode(),
+                server_key=server_key,
             )
         except zmq.ZMQError as e:  # connect_problem let it through, libzmq did not
             self.stats.add("connect_errors")
@@ -587,6 +598,8 @@ class Receiver:
             elif event == zmq.EVENT_DISCONNECTED:
                 link.disconnected = True
                 self.stats.add("disconnects")
+            elif event & HANDSHAKE_FAILED:  # a sender presenting another key, or plaintext
+                self.stats.add(f"handshakes_failed_{handshake_kind(event)}")
             elif event == zmq.EVENT_CONNECT_RETRIED and not link.ever_connected:
                 if link.refused_since is None:
                     link.refused_since = time.monotonic()

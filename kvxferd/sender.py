@@ -89,7 +89,7 @@ import numpy as np
 import zmq
 
 from kvxferd import protocol as wire
-from kvxferd.auth import ANONYMOUS, peer_identity
+from kvxferd.auth import ANONYMOUS, Transport, peer_identity
 from kvxferd.config import SenderSettings
 from kvxferd.control import (
     SharedDealerPool,
@@ -203,10 +203,13 @@ class Sender:
             stats=self.stats,
             heard_from=self._heard_from,
         )
-        self.socket_limits = SocketLimits.of(settings.limits, settings.deadlines)
         process_context(
             sockets_needed(settings.num_threads, settings.limits.max_peers)
         )  # before any socket
+        self.transport = Transport(settings.security, "sender", self.stats)  # ZAP: a socket
+        self.socket_limits = SocketLimits.of(
+            settings.limits, settings.deadlines, self.transport.curve
+        )
         self.aux_slots = IdAllocator(settings.pool.aux_slots)
         self._shared = SharedDealerPool(self.socket_limits, settings.deadlines.send_timeout_ms)
         self._lock = threading.Lock()
@@ -509,7 +512,7 @@ class Sender:
 
     def _reply_shared(self, peer: Peer, msg: wire._Msg) -> None:
         try:
-            self._shared.send(peer.result_endpoint, wire.encode(msg))
+            self._shared.send(peer.result_endpoint, wire.encode(msg), peer.identity)
         except SendTimeout:
             self.stats.add("send_timeouts")
         except zmq.ZMQError as e:
@@ -633,7 +636,7 @@ class Sender:
             msg.device,
             msg.device_id,
             prepped,
-            identity,
+            identity,  # also the key its result ROUTER presents (CURVE)
         )
         with self._lock:
             self._peers[routing_id] = peer

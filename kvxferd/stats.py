@@ -90,6 +90,9 @@ GATEWAY_CALLS: tuple[str, ...] = (
     "close",
 )
 WORKER_MESSAGES: tuple[str, ...] = ("result", "cancel_ack")
+# kvxferd.auth.REFUSALS and HANDSHAKE_KINDS (a test keeps them equal).
+AUTH_REFUSALS: tuple[str, ...] = ("unknown_key", "mechanism", "unknown_domain", "malformed")
+HANDSHAKE_KINDS: tuple[str, ...] = ("protocol", "auth", "no_detail")
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -426,6 +429,22 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "engine socket)",
     ),
     _c("internal_errors", _G, "Engine calls that failed on a bug (Error internal)"),
+    # -- everyone: transport security (auth.py) ---------------------------------------------
+    _c(
+        "auth_refused_{reason}",
+        _EVERYONE,
+        "CURVE clients the ZAP handler refused, by reason (unknown_key: not in "
+        "security.allowed_keys_dir; mechanism: not CURVE); gateway: its TCP engine socket",
+        values=AUTH_REFUSALS,
+    ),
+    _c(
+        "handshakes_failed_{kind}",
+        _EVERYONE,
+        "Failed ZMTP handshakes on a CURVE socket (protocol: a plaintext peer or a client "
+        "expecting another server key; auth: refused by ZAP; no_detail: the other side "
+        "closed, e.g. this daemon presented a key the server did not expect)",
+        values=HANDSHAKE_KINDS,
+    ),
     # -- everyone (guard.py) -------------------------------------------------------------
     _c(
         "thread_errors",

@@ -208,6 +208,7 @@ class Worker:
         # Everything below is owned by this worker's thread only.
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._outbox: dict[str, deque[_Outgoing]] = {}
+        self._server_keys: dict[str, str] = {}  # endpoint -> the key its server presents
         self._lanes: dict[str, deque[object]] = {}  # receiver id -> tasks in arrival order
         self._busy_lanes: set[str] = set()  # receiver ids with a write holding their lane
         self._busy_sessions: dict[int, int] = {}  # session id -> writes holding a lane
@@ -553,12 +554,14 @@ class Worker:
         sock = self._dealers.get(endpoint)
         if sock is None:
             # SNDTIMEO 0: a send never waits; a message the socket cannot take stays queued.
-            sock = connect_dealer(endpoint, self.host.socket_limits, 0)
+            key = self._server_keys.get(endpoint, "")
+            sock = connect_dealer(endpoint, self.host.socket_limits, 0, server_key=key)
             self._dealers[endpoint] = sock
         return sock
 
     def _forget(self, endpoint: str, drop: bool = False) -> None:
         self._outbox.pop(endpoint, None)
+        self._server_keys.pop(endpoint, None)
         sock = self._dealers.pop(endpoint, None)
         if sock is not None:  # a Result still queued gets the usual bounded linger
             sock.close(linger=0 if drop else self.host.settings.deadlines.worker_send_timeout_ms)
@@ -569,6 +572,7 @@ class Worker:
             self.host.stats.add("messages_dropped_peer_gone")
             return
         endpoint = peer.result_endpoint
+        self._server_keys[endpoint] = peer.identity  # its result ROUTER presents that key
         deadline = time.monotonic() + self.host.settings.deadlines.worker_send_timeout_ms / 1000
         tag = msg.__struct_config__.tag
         out = _Outgoing(wire.encode(msg), deadline, str(tag), msg.fetch_id)

@@ -596,11 +596,12 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/worker.py",
-                "sock = connect_dealer(endpoint, self.host.socket_limits, 0)",
+                "sock = connect_dealer(endpoint, self.host.socket_limits, 0, server_key=key)",
                 "sock = connect_dealer(\n"
                 "                endpoint,\n"
                 "                self.host.socket_limits,\n"
                 "                self.host.settings.deadlines.worker_send_timeout_ms,\n"
+                "                server_key=key,\n"
                 "            )",
             ),
             Edit(

@@ -22,6 +22,7 @@ from kvxferd import preflight
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.endpoints import advertise_host, advertised
 from kvxferd.errors import ConfigError
+from tests.conftest import SuiteKeys
 from tests.test_daemon import DaemonProcess, Engines, http_get
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,21 +73,28 @@ class TestSettings:
                 service={"advertise_host": "10.0.0.1", "advertise_interface": "lo"}
             )
 
-    def test_preflight_refuses_a_wildcard_listen_without_an_advertise_host(self) -> None:
+    def test_preflight_refuses_a_wildcard_listen_without_an_advertise_host(
+        self, suite_keys: SuiteKeys
+    ) -> None:
         """The sender's preflight refuses listen = tcp://0.0.0.0:0 alone and accepts it with an advertise host."""
         svc = {"probe_port": 0, "engine_socket": "ipc://@kvxferd-adv-test"}
-        bare = load_sender_settings(listen="tcp://0.0.0.0:0", service=svc)
+        sec = suite_keys.security
+        bare = load_sender_settings(listen="tcp://0.0.0.0:0", service=svc, security=sec)
         with pytest.raises(ConfigError, match="listen = 'tcp://0.0.0.0:0'.*advertise_host"):
             preflight.check(bare)
         ok = load_sender_settings(
-            listen="tcp://0.0.0.0:0", service={**svc, "advertise_host": "127.0.0.2"}
+            listen="tcp://0.0.0.0:0",
+            service={**svc, "advertise_host": "127.0.0.2"},
+            security=sec,
         )
         preflight.check(ok)
 
     def test_preflight_refuses_a_wildcard_result_endpoint_via_the_env(
-        self, monkeypatch: pytest.MonkeyPatch
+        self, monkeypatch: pytest.MonkeyPatch, suite_keys: SuiteKeys
     ) -> None:
         """A receiver with result_endpoint tcp://*:0 passes preflight only once KVXFERD_SERVICE__ADVERTISE_HOST is set."""
+        for name, value in suite_keys.env.items():
+            monkeypatch.setenv(name, value)
         monkeypatch.setenv("KVXFERD_SERVICE__PROBE_PORT", "0")
         monkeypatch.setenv("KVXFERD_SERVICE__ENGINE_SOCKET", "ipc://@kvxferd-adv-test-rx")
         with pytest.raises(ConfigError, match="result_endpoint"):
@@ -116,7 +124,9 @@ def test_the_daemon_exits_2_in_one_line_on_a_wildcard_listen(tmp_path: Path) -> 
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_daemons_bound_to_every_address_advertise_their_advertise_hosts(tmp_path: Path) -> None:
+def test_daemons_bound_to_every_address_advertise_their_advertise_hosts(
+    tmp_path: Path, suite_keys: SuiteKeys
+) -> None:
     """A sender and a receiver bound to 0.0.0.0 tell the engine, the ready line and each other only their advertise hosts, and a fetch through them is byte-exact."""
     small = {
         "KVXFERD_POOL__NUM_LAYERS": str(LAYERS),
@@ -125,6 +135,7 @@ def test_daemons_bound_to_every_address_advertise_their_advertise_hosts(tmp_path
         "KVXFERD_POOL__DTYPE": "uint8",
         "KVXFERD_NUM_THREADS": "1",
         "KVXFERD_DEADLINES__KV_TRANSFER_TIMEOUT_MS": "10000",
+        **suite_keys.env,  # bound to every address: plaintext is refused there
     }
     sock_dir = str(tmp_path)
     tx = DaemonProcess(

@@ -11,6 +11,7 @@ import pytest
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import ConfigError
+from tests.conftest import SuiteKeys
 
 
 @pytest.fixture(autouse=True)
@@ -100,9 +101,11 @@ def test_bad_thread_variable_stops_the_cli_with_its_name() -> None:
     assert "TRTLLM_KV_TRANSFER_NUM_THREADS" in out.stderr
 
 
-def test_receiver_refuses_to_advertise_a_wildcard_address() -> None:
+def test_receiver_refuses_to_advertise_a_wildcard_address(suite_keys: SuiteKeys) -> None:
     """A receiver whose result endpoint is 0.0.0.0 stops with a ConfigError (senders would dial themselves)."""
     from kvxferd.receiver import Receiver
 
     with pytest.raises(ConfigError, match="wildcard"):
-        Receiver(load_receiver_settings(result_endpoint="tcp://0.0.0.0:0"))
+        Receiver(
+            load_receiver_settings(result_endpoint="tcp://0.0.0.0:0", security=suite_keys.security)
+        )

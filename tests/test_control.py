@@ -74,9 +74,17 @@ class Spies:
         monkeypatch.setattr(control, "connect_dealer", self.connect)
 
     def connect(
-        self, endpoint: str, limits: SocketLimits, timeout_ms: int, identity: bytes | None = None
+        self,
+        endpoint: str,
+        limits: SocketLimits,
+        timeout_ms: int,
+        identity: bytes | None = None,
+        *,
+        server_key: str = "",
     ) -> SpySocket:
-        spy = SpySocket(self.real(endpoint, limits, timeout_ms, identity), endpoint)
+        spy = SpySocket(
+            self.real(endpoint, limits, timeout_ms, identity, server_key=server_key), endpoint
+        )
         with self.lock:
             self.connects[endpoint] += 1
             self.sockets.append(spy)
@@ -203,7 +211,12 @@ class TestSharedDealerPool:
         second_arrived = threading.Event()
 
         def slow_connect(
-            ep: str, limits: SocketLimits, timeout_ms: int, identity: bytes | None = None
+            ep: str,
+            limits: SocketLimits,
+            timeout_ms: int,
+            identity: bytes | None = None,
+            *,
+            server_key: str = "",
         ):  # type: ignore[no-untyped-def]
             calls.append(threading.current_thread().name)
             if len(calls) == 1:
@@ -211,7 +224,7 @@ class TestSharedDealerPool:
                 second_arrived.wait(QUIET_S)
             else:
                 second_arrived.set()
-            return real(ep, limits, timeout_ms, identity)
+            return real(ep, limits, timeout_ms, identity, server_key=server_key)
 
         monkeypatch.setattr(control, "connect_dealer", slow_connect)
         pool = make_pool(pools)

@@ -46,6 +46,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "receiver.py": ("receiver",),
     "gateway.py": ("gateway",),
     "guard.py": ("sender", "receiver", "gateway"),
+    "auth.py": ("sender", "receiver", "gateway"),
 }
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.child import ROOT
+from tests.conftest import SuiteKeys
 from tests.test_daemon import DaemonProcess, daemon_env
 
 pytestmark = pytest.mark.integration
@@ -121,7 +122,7 @@ def test_probe_port_in_use_exits_2(sock_dir: str, busy_port: int) -> None:
     )
 
 
-def test_host_not_on_this_machine_exits_2(sock_dir: str) -> None:
+def test_host_not_on_this_machine_exits_2(sock_dir: str, suite_keys: SuiteKeys) -> None:
     """A listen address that is not this machine's exits 2 naming listen and the host."""
     assert_fails_fast(
         "sender",
@@ -129,10 +130,11 @@ def test_host_not_on_this_machine_exits_2(sock_dir: str) -> None:
         "listen",
         ["192.0.2.1", "not an address of this machine"],
         KVXFERD_LISTEN="tcp://192.0.2.1:5555",
+        **suite_keys.env,
     )
 
 
-def test_host_that_does_not_resolve_exits_2(sock_dir: str) -> None:
+def test_host_that_does_not_resolve_exits_2(sock_dir: str, suite_keys: SuiteKeys) -> None:
     """A listen host that does not resolve exits 2 naming listen and the host."""
     assert_fails_fast(
         "sender",
@@ -140,6 +142,7 @@ def test_host_that_does_not_resolve_exits_2(sock_dir: str) -> None:
         "listen",
         ["no-such-host.invalid", "does not resolve"],
         KVXFERD_LISTEN="tcp://no-such-host.invalid:5555",
+        **suite_keys.env,
     )
 
 
