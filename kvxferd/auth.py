@@ -176,9 +176,9 @@ def load_key_pair(path: str | Path, setting: str = "security.key_file") -> KeyPa
         raise ConfigError(
             f"{setting} = {str(p)!r} is a public certificate; give the .key_secret file"
         )
-    if mode & 0o077:
+    if mode & 0o027:  # group read is tolerated: a Kubernetes Secret with fsGroup is 0440
         raise ConfigError(
-            f"{setting} = {str(p)!r} is readable by others (mode {mode & 0o777:o}); chmod 600 it"
+            f"{setting} = {str(p)!r} is open to others (mode {mode & 0o777:o}); chmod 600 it"
         )
     return KeyPair(public.decode("ascii"), secret.decode("ascii"))
 
@@ -496,7 +496,10 @@ class Transport:
 
     def __init__(self, security: SecuritySettings, role: str, stats: Stats | None) -> None:
         self.mode: Mode = security.mode
-        self.sender_keys: dict[str, str] = dict(security.sender_keys)
+        self.sender_keys: dict[str, str] = {
+            endpoint: key if is_z85_key(key) else _certificate_key(key, endpoint)
+            for endpoint, key in security.sender_keys.items()
+        }
         self.allow: AllowList | None = None
         self.curve: Curve | None = None
         self.domain = ""
@@ -572,6 +575,16 @@ class Transport:
         """Stop judging this service's domain (its server socket is closed)."""
         if self.domain:
             zap_handler().unregister(self.domain)
+
+
+def _certificate_key(path: str, endpoint: str) -> str:
+    try:
+        return load_public_key(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"security.sender_keys[{endpoint!r}] = {path!r} cannot be read as a public key"
+            f" certificate ({e})"
+        ) from None
 
 
 def check_curve_settings(security: SecuritySettings) -> None:

@@ -341,8 +341,9 @@ class SecuritySettings(_Frozen):
     sender_keys: dict[str, str] = Field(
         default_factory=dict,
         max_length=4096,
-        description="receiver: sender endpoint -> the public key (Z85) it must present;"
-        ' else the key published with the request; "*": the key of every other sender',
+        description="receiver: sender endpoint -> the public key it must present (Z85, or the"
+        ' path of its .key certificate); else the key published with the request; "*": the'
+        " key of every other sender",
     )
 
     @model_validator(mode="after")
@@ -350,8 +351,11 @@ class SecuritySettings(_Frozen):
         from kvxferd.auth import is_z85_key
 
         for endpoint, key in self.sender_keys.items():
-            if not is_z85_key(key):
-                raise ValueError(f"sender_keys[{endpoint!r}] is not a 40-character Z85 public key")
+            if not is_z85_key(key) and not key.startswith("/"):
+                raise ValueError(
+                    f"sender_keys[{endpoint!r}] is neither a 40-character Z85 public key nor"
+                    " the absolute path of a .key certificate"
+                )
         return self
 
 

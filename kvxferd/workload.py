@@ -2,8 +2,11 @@
 
 The demo starts one sender daemon and R receiver daemons
 (``python -m kvxferd sender|receiver``, the demo pool passed as ``KVXFERD_POOL__*``,
-ephemeral ports, engine sockets in a private temporary directory) and then
-plays the inference engines itself, through :mod:`kvxferd.client` only:
+ephemeral ports, engine sockets in a private temporary directory) with CURVE
+on, as a deployment runs: each daemon gets its own key pair (``kvxferd
+keygen``'s code) in that directory, the sender allows the receivers' keys and
+each receiver allows, and expects, the sender's. It then plays the inference
+engines itself, through :mod:`kvxferd.client` only:
 
 * the **sender engine** (one thread) writes each request's content into the
   sender daemon's pool through :func:`~kvxferd.client.attach_pool`, publishes
@@ -114,8 +117,12 @@ class DemoError(Exception):
 
 
 # -- the daemons -------------------------------------------------------------------------
-def daemon_env(sock_dir: str, name: str) -> dict[str, str]:
-    """The environment of one demo daemon: the demo pool, modest deadlines, its own sockets."""
+def daemon_env(sock_dir: str, name: str, security: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one demo daemon: the demo pool, modest deadlines, its own sockets.
+
+    ``security``: ``KVXFERD_SECURITY__*`` variables (:func:`demo_keys`); without, the
+    daemon runs with security off, which its loopback and ipc endpoints allow.
+    """
     env = dict(os.environ)
     # Not the unit's daemons: never talk to a systemd notify socket the demo inherited.
     for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
@@ -129,7 +136,41 @@ def daemon_env(sock_dir: str, name: str) -> dict[str, str]:
     env["KVXFERD_SERVICE__ENGINE_SOCKET"] = f"ipc://{sock_dir}/{name}.sock"
     env["KVXFERD_SERVICE__PROBE_HOST"] = "127.0.0.1"
     env["KVXFERD_SERVICE__PROBE_PORT"] = "0"
+    env.update(security or {"KVXFERD_SECURITY__MODE": "off"})
     return env
+
+
+def demo_keys(key_dir: Path, sender: str, receivers: list[str]) -> dict[str, dict[str, str]]:
+    """A key pair per daemon in ``key_dir``; each daemon's ``KVXFERD_SECURITY__*`` variables.
+
+    The sender allows every receiver's key; each receiver allows the sender's and expects
+    it at every sender endpoint (``security.sender_keys = {"*": ...}``).
+    """
+    from kvxferd.auth import keygen, load_public_key
+
+    pub: dict[str, Path] = {}
+    for name in (sender, *receivers):
+        pub[name], _ = keygen(key_dir / "own", name)
+
+    def allowed(owner: str, names: list[str]) -> str:
+        d = key_dir / f"allowed-{owner}"
+        d.mkdir(mode=0o700)
+        for n in names:
+            shutil.copy(pub[n], d / f"{n}.key")
+        return str(d)
+
+    def env(name: str, allow: list[str]) -> dict[str, str]:
+        return {
+            "KVXFERD_SECURITY__MODE": "curve",
+            "KVXFERD_SECURITY__KEY_FILE": str(key_dir / "own" / f"{name}.key_secret"),
+            "KVXFERD_SECURITY__ALLOWED_KEYS_DIR": allowed(name, allow),
+        }
+
+    out = {sender: env(sender, receivers)}
+    sender_key = json.dumps({"*": load_public_key(pub[sender])})
+    for r in receivers:
+        out[r] = {**env(r, [sender]), "KVXFERD_SECURITY__SENDER_KEYS": sender_key}
+    return out
 
 
 def ready_line(stdout_path: Path) -> dict[str, Any] | None:
@@ -148,7 +189,14 @@ def ready_line(stdout_path: Path) -> dict[str, Any] | None:
 class DaemonProc:
     """One ``python -m kvxferd sender|receiver`` child; stdout and stderr go to files."""
 
-    def __init__(self, role: str, name: str, sock_dir: str, *args: str) -> None:
+    def __init__(
+        self,
+        role: str,
+        name: str,
+        sock_dir: str,
+        *args: str,
+        security: dict[str, str] | None = None,
+    ) -> None:
         self.role = role
         self.name = name
         self.stdout_path = Path(sock_dir) / f"{name}.out"
@@ -160,7 +208,7 @@ class DaemonProc:
                 stdin=subprocess.DEVNULL,
                 stdout=so,
                 stderr=se,
-                env=daemon_env(sock_dir, name),
+                env=daemon_env(sock_dir, name, security),
                 start_new_session=True,  # a Ctrl-C reaches the demo, which stops its daemons
             )
         self.ready: dict[str, Any] = {}
@@ -402,10 +450,19 @@ class Demo:
 
     def start(self) -> tuple[DaemonProc, list[DaemonProc]]:
         ready_by = time.monotonic() + READY_TIMEOUT_S
-        sender = DaemonProc("sender", "demo-tx", self.dir, "--listen", "tcp://127.0.0.1:0")
+        rx_names = [f"demo-rx-{k}" for k in range(self.spec.receivers)]
+        keys = demo_keys(Path(self.dir) / "keys", "demo-tx", rx_names)
+        sender = DaemonProc(
+            "sender",
+            "demo-tx",
+            self.dir,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            security=keys["demo-tx"],
+        )
         self.daemons.append(sender)
         receivers = [
-            DaemonProc("receiver", f"demo-rx-{k}", self.dir) for k in range(self.spec.receivers)
+            DaemonProc("receiver", name, self.dir, security=keys[name]) for name in rx_names
         ]
         self.daemons += receivers
         for d in self.daemons:

@@ -29,6 +29,7 @@ at the next start. Every command and wait has a deadline.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -45,6 +46,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kvxferd.auth import keygen, load_public_key
 from kvxferd.client import Client, EngineError, attach_pool
 from kvxferd.engine_protocol import EngineReason
 from kvxferd.faults.harness import (
@@ -221,8 +223,25 @@ class HostNet:
     # -- daemons ---------------------------------------------------------------------------
     def env(self, host: Host, name: str) -> dict[str, str]:
         """A daemon's environment on ``host``: the fault suite's small pool and short
-        deadlines, its own engine socket, UCX over TCP on the host's veth only."""
-        return fault_env(self.workdir, name, "tcp", {**UCX_ENV, "UCX_NET_DEVICES": host.dev})
+        deadlines, its own engine socket, UCX over TCP on the host's veth only, and CURVE
+        (the hosts' addresses are not loopback, so plaintext is refused)."""
+        extra = {**UCX_ENV, "UCX_NET_DEVICES": host.dev, **self.security_env()}
+        return fault_env(self.workdir, name, "tcp", extra)
+
+    def security_env(self) -> dict[str, str]:
+        """CURVE for every daemon of this net: one key pair (``kvxferd keygen``'s code) that
+        every daemon holds and allows, so each sender presents the key receivers expect."""
+        keys = self.workdir / "keys"
+        if not (keys / "hosts.key_secret").exists():
+            public, _ = keygen(keys, "hosts")
+            (keys / "allowed").mkdir(mode=0o700)
+            shutil.copy(public, keys / "allowed" / "hosts.key")
+        return {
+            "KVXFERD_SECURITY__MODE": "curve",
+            "KVXFERD_SECURITY__KEY_FILE": str(keys / "hosts.key_secret"),
+            "KVXFERD_SECURITY__ALLOWED_KEYS_DIR": str(keys / "allowed"),
+            "KVXFERD_SECURITY__SENDER_KEYS": json.dumps({"*": load_public_key(keys / "hosts.key")}),
+        }
 
     def sender(self, host: Host, name: str, port: int) -> Daemon:
         """A sender daemon on ``host``, listening on the host's own address."""

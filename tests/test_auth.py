@@ -111,7 +111,10 @@ def raw_dealer(endpoint: str, curve: Curve | None) -> zmq.Socket[bytes]:
 
 def answered(sock: zmq.Socket[bytes], timeout_ms: int = 300) -> bool:
     """Send a frame the listener refuses; True when its Reject comes back (we were let in)."""
-    sock.send(b"not a kvxferd frame", zmq.NOBLOCK)
+    try:
+        sock.send(b"not a kvxferd frame", zmq.NOBLOCK)
+    except zmq.Again:  # no connection to queue on: the handshake failed already
+        return False
     return bool(sock.poll(timeout_ms))
 
 
@@ -492,3 +495,33 @@ def test_a_changed_allow_list_directory_is_read_without_a_signal(keys: Keyring) 
         wait_until(admitted, WAIT_S, "admitted after the directory changed", poll=0.1)
     finally:
         tx.shutdown(3.0)
+
+
+def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
+    keys: Keyring, tmp_path: Path
+) -> None:
+    """A daemon whose engine socket is TCP serves an engine client with an allowed key; a plaintext client gets nothing and is counted."""
+    from kvxferd.client import Client, EngineUnavailable
+
+    engine = _key(keys.root, "engine")
+    env = daemon_env(
+        KVXFERD_SECURITY__MODE="curve",
+        KVXFERD_SECURITY__KEY_FILE=str(keys.tx.secret_file),
+        KVXFERD_SECURITY__ALLOWED_KEYS_DIR=str(keys.allowed("engine-socket", engine)),
+        KVXFERD_LISTEN="tcp://127.0.0.1:0",
+        KVXFERD_SERVICE__ENGINE_SOCKET="tcp://127.0.0.1:0",
+    )
+    d = DaemonProcess("sender", "tx-tcp", str(tmp_path), env, [])
+    try:
+        endpoint = d.engine_socket
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        with Client(
+            endpoint, timeout_s=WAIT_S, curve=Curve(engine.pair, server_key=keys.tx.pair.public)
+        ) as c:
+            assert c.describe().role == "sender"
+        with Client(endpoint, timeout_s=0.5) as plain, pytest.raises(EngineUnavailable):
+            plain.describe()
+        text = metrics(d.probe_port)
+        assert metric(text, "kvxferd_gateway_handshakes_failed_total", 'kind="protocol"') >= 1
+    finally:
+        d.kill()

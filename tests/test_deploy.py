@@ -897,6 +897,82 @@ def _tcp(pid: int) -> tuple[set[int], set[tuple[int, int]]]:
     return listening, established
 
 
+def _pod_keys(docs: Docs, tmp_path: Path) -> dict[str, dict[str, str]]:
+    """`kvxferd keygen` pairs laid out as each pod's Secret volumes lay them out (under
+    ``tmp_path`` instead of the mount paths): the settings variables that point there."""
+    from kvxferd.auth import keygen
+
+    made = {role: keygen(tmp_path / "keygen", role) for role in ROLES}
+    out: dict[str, dict[str, str]] = {}
+    for role in ROLES:
+        sts = _sts(docs, role)
+        daemon = _daemon(sts)
+        settings = _settings(docs, role).security
+        env = {"KVXFERD_SECURITY__MODE": settings.mode}
+        for mount in daemon["volumeMounts"]:
+            volume = _volume_at(sts, daemon, mount["mountPath"])
+            if "secret" not in volume:
+                continue
+            local = tmp_path / f"{role}-{volume['name']}"
+            local.mkdir()
+            owner = volume["secret"]["secretName"].removeprefix("kvxferd-").removesuffix("-key")
+            for item in volume["secret"]["items"]:
+                public, secret = made[owner]
+                src = secret if item["key"].endswith("_secret") else public
+                shutil.copy(src, local / item["path"])
+                os.chmod(local / item["path"], volume["secret"]["defaultMode"])
+            mounted = mount["mountPath"]
+            if settings.key_file and settings.key_file.startswith(mounted + "/"):
+                env["KVXFERD_SECURITY__KEY_FILE"] = str(local) + settings.key_file[len(mounted) :]
+            if settings.allowed_keys_dir == mounted:
+                env["KVXFERD_SECURITY__ALLOWED_KEYS_DIR"] = str(local)
+            moved = {
+                ep: str(local) + key[len(mounted) :]
+                for ep, key in settings.sender_keys.items()
+                if key.startswith(mounted + "/")
+            }
+            if moved:
+                env["KVXFERD_SECURITY__SENDER_KEYS"] = json.dumps(moved)
+        out[role] = env
+    return out
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_pods_run_curve_with_keys_from_secrets(role: str) -> None:
+    """Each role runs CURVE: its key file from its own role's Secret (secret half only), its allow-list the other role's public half, a receiver expecting the senders' key."""
+    docs = _docs()
+    sts = _sts(docs, role)
+    daemon = _daemon(sts)
+    sec = _settings(docs, role).security
+    peer = "receiver" if role == "sender" else "sender"
+    assert sec.mode == "curve"
+    assert sec.key_file is not None and sec.allowed_keys_dir is not None
+    own = _volume_at(sts, daemon, os.path.dirname(sec.key_file))["secret"]
+    assert own["secretName"] == f"kvxferd-{role}-key"
+    assert own["items"] == [{"key": f"{role}.key_secret", "path": os.path.basename(sec.key_file)}]
+    assert own["defaultMode"] & 0o027 == 0, "the secret would be open to others"
+    allowed = _volume_at(sts, daemon, sec.allowed_keys_dir)["secret"]
+    assert allowed["secretName"] == f"kvxferd-{peer}-key"
+    assert [i["key"] for i in allowed["items"]] == [f"{peer}.key"], "only the public half"
+    engine_mounts = {m["mountPath"] for m in _engine(sts).get("volumeMounts", [])}
+    assert os.path.dirname(sec.key_file) not in engine_mounts, "the engine sees the secret"
+    if role == "receiver":
+        assert sec.sender_keys == {"*": f"{sec.allowed_keys_dir}/sender.key"}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_shipped_configs_run_curve(role: str) -> None:
+    """configs/<role>.toml runs CURVE with its keys under /etc/kvxferd/keys, and each systemd unit reloads the allow-list with SIGHUP."""
+    text = (ROOT / "configs" / f"{role}.toml").read_text()
+    sec = tomllib.loads(text)["security"]
+    assert sec["mode"] == "curve"
+    assert sec["key_file"] == f"/etc/kvxferd/keys/{role}.key_secret"
+    assert sec["allowed_keys_dir"] == "/etc/kvxferd/keys/allowed"
+    for unit in UNITS:
+        if _role_of(unit) == role:
+            assert _parse_unit(unit)["Service"]["ExecReload"] == "/bin/kill -HUP $MAINPID"
+
+
 def test_daemons_connect_only_where_the_policy_admits(tmp_path: Path) -> None:
     """Both daemons, run from the ConfigMap and the pods' env, move a request over connections each NetworkPolicy admits."""
     if not Path("/proc/self/net/tcp").exists():
@@ -905,14 +981,17 @@ def test_daemons_connect_only_where_the_policy_admits(tmp_path: Path) -> None:
 
     docs = _docs()
     ip = _host_ip()
+    keys = _pod_keys(docs, tmp_path)
     daemons: dict[str, _PodDaemon] = {}
     try:
         for role in ROLES:
             sts = _sts(docs, role)
             env = _pod_env(_daemon(sts), f"kvxferd-{role}-0", pod_ip=ip)
-            # Only what this host must change: its own sockets and free ports.
+            # Only what this host must change: its own sockets, free ports, and the key
+            # files where the pod's Secret volumes would put them.
             env["KVXFERD_SERVICE__ENGINE_SOCKET"] = f"ipc://{tmp_path}/{role}.sock"
             env["KVXFERD_SERVICE__PROBE_PORT"] = "0"
+            env.update(keys[role])
             if role == "sender":
                 env["KVXFERD_LISTEN"] = "tcp://0.0.0.0:0"
             else:

@@ -301,9 +301,9 @@ class Harness:
         sx = Sender(settings, dataplane=dp)
         handle = sx._handle
 
-        def hooked(frames: list[bytes], max_bytes: int) -> None:
+        def hooked(frames: list[bytes], max_bytes: int, *rest: Any) -> None:
             try:
-                handle(frames, max_bytes)
+                handle(frames, max_bytes, *rest)  # rest: the peer's identity
             finally:
                 with self.changed:
                     self.changed.notify_all()

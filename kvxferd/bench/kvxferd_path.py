@@ -36,6 +36,7 @@ class KvxTx(_Side):
             name=f"bench-tx-{plan.tag}",
             pool=plan.pool_settings().model_dump(),
             dataplane=dataplane.model_dump(),
+            security={"mode": "off"},  # loopback only (kvxferd.bench measures CURVE apart)
         )
         self.sender: Sender | None = Sender(settings).start()
         fill_source(_kv_array(self.sender.pool), plan)
@@ -121,6 +122,7 @@ class KvxRx(_Destination):
             name=f"bench-rx{index}-{plan.tag}",
             pool=plan.pool_settings().model_dump(),
             dataplane=dataplane.model_dump(),
+            security={"mode": "off"},  # loopback only (kvxferd.bench measures CURVE apart)
         )
         self.receiver: Receiver | None = Receiver(settings).start()
         self.endpoint = ""

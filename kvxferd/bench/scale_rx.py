@@ -49,6 +49,7 @@ class _RxServer:
                 name=f"scale-rx{k}",
                 pool=self.pool,
                 dataplane=self.dataplane.model_dump(),
+                security={"mode": "off"},  # loopback only
             )
             rx = Receiver(settings).start()
             self.receivers[k] = rx
@@ -239,6 +240,7 @@ class _RxServer:
                 name=f"scale-ltx{i}",
                 pool=self.pool,
                 dataplane=self.dataplane.model_dump(),
+                security={"mode": "off"},  # loopback only
             )
             snd = Sender(settings).start()
             self.tx.append(snd)
@@ -265,7 +267,10 @@ class _RxServer:
         from kvxferd.receiver import Receiver
 
         settings = load_receiver_settings(
-            name="scale-rx-links", pool=self.pool, dataplane=self.dataplane.model_dump()
+            name="scale-rx-links",
+            pool=self.pool,
+            dataplane=self.dataplane.model_dump(),
+            security={"mode": "off"},  # loopback only
         )
         rx = Receiver(settings).start()
         try:

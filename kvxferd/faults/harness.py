@@ -250,6 +250,8 @@ def fault_env(
     env["KVXFERD_SERVICE__PROBE_PORT"] = "0"
     if ucx_tls:
         env["KVXFERD_DATAPLANE__UCX_TLS"] = ucx_tls
+    # Loopback and ipc only: plaintext is accepted there (a caller across hosts passes keys).
+    env["KVXFERD_SECURITY__MODE"] = "off"
     env.update(extra)
     return env
 

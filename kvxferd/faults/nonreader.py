@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
         pool={**FAULT_POOL, "num_blocks": 256},
         deadlines=FAULT_DEADLINES,
         dataplane={"ucx_tls": ucx_tls} if ucx_tls != "-" else {},
+        security={"mode": "off"},  # loopback only, as the fault suite's daemons
     )
     rx = Receiver(settings).start()
     rx.result_endpoint = blackhole  # what Register will tell the sender
