@@ -36,6 +36,7 @@ without it (:func:`zap_handler`).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import itertools
 import logging
@@ -289,7 +290,7 @@ class Curve:
         """Make ``sock`` (not yet connected) a CURVE client that verifies the server's key."""
         key = server_key or self.server_key
         if not is_z85_key(key):
-            raise zmq.ZMQError(13, "no valid CURVE server key known for this endpoint")
+            raise zmq.ZMQError(errno.EACCES, "no valid CURVE server key known for this endpoint")
         sock.setsockopt(zmq.CURVE_SERVERKEY, key.encode("ascii"))
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public.encode("ascii"))
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret.encode("ascii"))
@@ -298,8 +299,9 @@ class Curve:
 def watch_server(sock: zmq.Socket[bytes], stats: Stats | None, domain: str = "") -> None:
     """Count the failed handshakes of server socket ``sock`` (call before it binds).
 
-    When ``sock`` closes, its ZAP ``domain`` is forgotten. The monitor's PAIR is connected here, on the owner's thread, so no event is lost
-    before the auth thread reads it; from then on only the auth thread touches it.
+    When ``sock`` closes, its ZAP ``domain`` is forgotten. The monitor's PAIR is connected
+    here, on the owner's thread, so no event is lost before the auth thread reads it; from
+    then on only the auth thread touches it.
     """
     if stats is None:
         return

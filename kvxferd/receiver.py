@@ -657,7 +657,8 @@ class Receiver:
             return
         link = self._link(rx.sender_endpoint)
         if isinstance(link, str):
-            self._fail(rx, Reason.BAD_ENDPOINT, link)
+            denied = link.startswith(Reason.NOT_AUTHORIZED)  # no allowed key for the sender
+            self._fail(rx, Reason.NOT_AUTHORIZED if denied else Reason.BAD_ENDPOINT, link)
         elif link.ready:
             self._send_request(link, rx)
         elif self._links.get(rx.sender_endpoint) is link:

@@ -525,3 +525,21 @@ def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
         assert metric(text, "kvxferd_gateway_handshakes_failed_total", 'kind="protocol"') >= 1
     finally:
         d.kill()
+
+
+def test_a_fetch_from_a_sender_without_a_known_key_fails_not_authorized(keys: Keyring) -> None:
+    """A CURVE receiver that knows no allowed key for a sender endpoint never dials it: the fetch fails not_authorized and is counted."""
+    rx = Receiver(
+        load_receiver_settings(
+            pool=POOL,
+            deadlines=DEADLINES,
+            security=keys.security(keys.rx, keys.allowed("rx-nokey", keys.tx)),
+        )
+    ).start()
+    try:
+        dst = np.arange(4, dtype=np.int64)
+        out = rx.fetch("r", "tcp://127.0.0.1:9", dst, want_aux=False).wait(WAIT_S)
+        assert out is not None and not out.ok and out.reason == Reason.NOT_AUTHORIZED, out
+        assert rx.stats.get("failed_not_authorized") == 1
+    finally:
+        rx.shutdown(3.0)
