@@ -28,18 +28,17 @@ and counted here from the client's socket monitor (one disconnect each) while th
 daemon's counters stay as they were.
 
 Variants: ``anonymous`` (security off on loopback, as today: every peer is the empty
-identity) runs. ``authenticated`` (a CURVE client whose key is allowed: its frames reach
+identity), ``authenticated`` (a CURVE client whose key is allowed: its frames reach
 the daemon and are counted as above) and ``unauthenticated`` (a plaintext client against
-a CURVE server: nothing reaches the daemon, the ZAP handshake failures are counted) are
-skipped until the daemons take ``security.mode`` and CURVE keys (issue 14, the ``auth``
-part): :class:`Keys` writes the certificates, :func:`hostile_socket` connects as either
-peer; :func:`security_env` (the daemons' settings) and ``HANDSHAKE_FAILURES`` (the
-counter families) are what is left to fill in.
+a CURVE server: nothing reaches the daemon, the failed handshakes are counted,
+``HANDSHAKE_FAILURES``). :class:`Keys` writes the certificates, :func:`hostile_socket`
+connects as either peer, :func:`security_env` gives the daemons their ``[security]``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -76,12 +75,8 @@ LAYERS, BLOCKS, BLOCK_BYTES, REQ_BLOCKS = 2, 64, 4096, 8
 MAX_FRAME = 4 << 20  # limits.max_frame_bytes (the default) = the listener's MAXMSGSIZE
 OVERSIZED_PER_SOCKET = 2
 
-WAITS_FOR_CURVE = (
-    "waits for CURVE in the daemons (issue 14, auth: the [security] settings - mode, key "
-    "files, the allow-list directory - and the ZAP/handshake counters); then fill in "
-    "security_env and HANDSHAKE_FAILURES and drop this skip"
-)
-HANDSHAKE_FAILURES: tuple[str, ...] = ()  # the metric families counting refused handshakes
+# the metric families counting refused handshakes (kvxferd/auth.py)
+HANDSHAKE_FAILURES: tuple[str, ...] = ("kvxferd_handshakes_failed",)
 
 
 @dataclass(frozen=True)
@@ -100,8 +95,8 @@ class Variant:
 
 VARIANTS = (
     Variant("anonymous", curve=False, allowed=False),
-    Variant("authenticated", curve=True, allowed=True, waits_for=WAITS_FOR_CURVE),
-    Variant("unauthenticated", curve=True, allowed=False, waits_for=WAITS_FOR_CURVE),
+    Variant("authenticated", curve=True, allowed=True),
+    Variant("unauthenticated", curve=True, allowed=False),
 )
 
 
@@ -119,7 +114,8 @@ class Keys:
         keys, allow = os.path.join(base, "keys"), os.path.join(base, "allow")
         os.makedirs(keys), os.makedirs(allow)
         for name in ("tx", "rx", "fz"):
-            public, _ = zmq.auth.create_certificates(keys, name)
+            public, secret = zmq.auth.create_certificates(keys, name)
+            os.chmod(secret, 0o600)  # the daemons refuse a key file others can read
             if name != "fz" or variant.allowed:
                 shutil.copy(public, allow)
         return cls(keys, allow)
@@ -136,7 +132,13 @@ def security_env(variant: Variant, keys: Keys, name: str) -> dict[str, str]:
     """The daemon ``name``'s security settings for ``variant`` (nothing while security is off)."""
     if not variant.curve:
         return {}
-    raise NotImplementedError(WAITS_FOR_CURVE)  # KVXFERD_SECURITY__MODE=curve, key files, allow dir
+    return {
+        "KVXFERD_SECURITY__MODE": "curve",
+        "KVXFERD_SECURITY__KEY_FILE": os.path.join(keys.dir, f"{name}.key_secret"),
+        "KVXFERD_SECURITY__ALLOWED_KEYS_DIR": keys.allow_dir,
+        # the receiver expects the sender's key at every sender endpoint
+        "KVXFERD_SECURITY__SENDER_KEYS": json.dumps({"*": os.path.join(keys.dir, "tx.key")}),
+    }
 
 
 def hostile_socket(
