@@ -61,6 +61,7 @@ class Daemon:
             **os.environ,
             "KVXFERD_SERVICE__ENGINE_SOCKET": f"ipc://{workdir}/{role}.sock",
             "KVXFERD_SERVICE__PROBE_PORT": "0",
+            "KVXFERD_SECURITY__MODE": "off",  # loopback and ipc only: plaintext is accepted
         }
         self.stderr = open(workdir / f"{role}.stderr", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(

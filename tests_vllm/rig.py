@@ -88,6 +88,7 @@ def spawn_daemon(
     if role == "sender":
         args += ["--listen", listen or "tcp://127.0.0.1:0"]
     env = {"KVXFERD_NUM_THREADS": str(threads)} if role == "sender" else {}
+    env["KVXFERD_SECURITY__MODE"] = "off"  # loopback and ipc only: plaintext is accepted
     return DaemonProcess(role, name, sock_dir, env, args)
 
 
