@@ -193,6 +193,7 @@ class Receiver:
         # Sender endpoints come from request data: only those the operator allows are dialled.
         self.dial_allow = DialAllow(settings.access.dial_allow)
         self.transport = Transport(settings.security, "receiver", self.stats)  # ZAP: a socket
+        self.public_key = self.transport.public_key  # what Publish/PoolInfo tell engines
         self.socket_limits = SocketLimits.of(
             settings.limits, settings.deadlines, self.transport.curve
         )
@@ -289,7 +290,7 @@ class Receiver:
                 want_aux,
                 timeout_ms,
                 token,
-                sender_key or self._expected_sender_key(sender_endpoint),
+                self._expected_sender_key(sender_endpoint, sender_key),
             )
         except RejectedError as e:
             self.stats.add(f"fetch_refused_{e.reason}")
@@ -884,13 +885,11 @@ class Receiver:
         link = self._by_socket.get(sock)
         return link is not None and link.dealer is sock and link.endpoint == rx.sender_endpoint
 
-    def _expected_sender_key(self, endpoint: str) -> str:
-        """The key a sender at ``endpoint`` must present when the fetch names none.
-
-        "" (the anonymous identity of security off) until the ``[security]`` settings
-        name keys per sender endpoint; then this returns the configured one.
-        """
-        return ""
+    def _expected_sender_key(self, endpoint: str, given: str = "") -> str:
+        """The key a sender at ``endpoint`` must present: ``security.sender_keys`` first,
+        else ``given`` (the fetch's), and in the allow-list (RejectedError not_authorized
+        otherwise); "" (the anonymous identity) with security off (auth.Transport)."""
+        return self.transport.server_key_for(endpoint, given)
 
     def _check_deadlines(self, now: float) -> None:
         refused_s = self.settings.deadlines.connect_refused_ms / 1000

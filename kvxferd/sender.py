@@ -207,6 +207,7 @@ class Sender:
             sockets_needed(settings.num_threads, settings.limits.max_peers)
         )  # before any socket
         self.transport = Transport(settings.security, "sender", self.stats)  # ZAP: a socket
+        self.public_key = self.transport.public_key  # what Publish/PoolInfo tell engines
         self.socket_limits = SocketLimits.of(
             settings.limits, settings.deadlines, self.transport.curve
         )

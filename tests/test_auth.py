@@ -527,8 +527,8 @@ def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
         d.kill()
 
 
-def test_a_fetch_from_a_sender_without_a_known_key_fails_not_authorized(keys: Keyring) -> None:
-    """A CURVE receiver that knows no allowed key for a sender endpoint never dials it: the fetch fails not_authorized and is counted."""
+def test_a_fetch_from_a_sender_without_a_known_key_is_not_authorized(keys: Keyring) -> None:
+    """A CURVE receiver that knows no allowed key for a sender endpoint refuses the fetch not_authorized (counted) and never dials it."""
     rx = Receiver(
         load_receiver_settings(
             pool=POOL,
@@ -538,8 +538,37 @@ def test_a_fetch_from_a_sender_without_a_known_key_fails_not_authorized(keys: Ke
     ).start()
     try:
         dst = np.arange(4, dtype=np.int64)
-        out = rx.fetch("r", "tcp://127.0.0.1:9", dst, want_aux=False).wait(WAIT_S)
-        assert out is not None and not out.ok and out.reason == Reason.NOT_AUTHORIZED, out
-        assert rx.stats.get("failed_not_authorized") == 1
+        for given in ("", keys.stranger.pair.public):  # none, or one outside the allow-list
+            with pytest.raises(RejectedError) as e:
+                rx.fetch("r", "tcp://127.0.0.1:9", dst, want_aux=False, sender_key=given)
+            assert e.value.reason == Reason.NOT_AUTHORIZED
+        assert rx.stats.get("fetch_refused_not_authorized") == 2
+        assert rx.stats.get("registers_sent") == 0
+        assert rx.public_key == keys.rx.pair.public
+    finally:
+        rx.shutdown(3.0)
+
+
+def test_the_key_published_with_the_request_is_the_key_dialled(pair: Pair, keys: Keyring) -> None:
+    """A receiver with no sender_keys fetches byte-exact with the sender's key as Publish gives it (Sender.public_key)."""
+    rx = Receiver(
+        load_receiver_settings(
+            pool=POOL,
+            deadlines=DEADLINES,
+            security=keys.security(keys.rx, keys.allowed("rx-published", keys.tx)),
+        )
+    ).start()
+    try:
+        src, dst = np.arange(4, dtype=np.int64), np.arange(20, 24, dtype=np.int64)
+        fill_request(pair.tx.pool, "published-key", src)
+        th = pair.tx.publish("published-key", src)
+        assert pair.tx.public_key == keys.tx.pair.public
+        h = rx.fetch(
+            "published-key", pair.tx.endpoint, dst, want_aux=False, sender_key=pair.tx.public_key
+        )
+        out = h.wait(WAIT_S)
+        assert out is not None and out.ok, out
+        assert check_request(rx.pool, "published-key", dst) == ""
+        th.close()
     finally:
         rx.shutdown(3.0)
