@@ -888,7 +888,7 @@ class Receiver:
     def _expected_sender_key(self, endpoint: str, given: str = "") -> str:
         """The key a sender at ``endpoint`` must present: ``security.sender_keys`` first,
         else ``given`` (the fetch's), and in the allow-list (RejectedError not_authorized
-        otherwise); "" (the anonymous identity) with security off (auth.Transport)."""
+        otherwise); with security off the fetch's key as given ("" when none)."""
         return self.transport.server_key_for(endpoint, given)
 
     def _check_deadlines(self, now: float) -> None:
