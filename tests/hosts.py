@@ -225,7 +225,13 @@ class HostNet:
         """A daemon's environment on ``host``: the fault suite's small pool and short
         deadlines, its own engine socket, UCX over TCP on the host's veth only, and CURVE
         (the hosts' addresses are not loopback, so plaintext is refused)."""
-        extra = {**UCX_ENV, "UCX_NET_DEVICES": host.dev, **self.security_env()}
+        extra = {
+            **UCX_ENV,
+            "UCX_NET_DEVICES": host.dev,
+            **self.security_env(),
+            # Receivers dial the senders of a fetch only on the hosts' network.
+            "KVXFERD_ACCESS__DIAL_ALLOW": json.dumps([f"{SUBNET}.0/24"]),
+        }
         return fault_env(self.workdir, name, "tcp", extra)
 
     def security_env(self) -> dict[str, str]:
