@@ -83,16 +83,18 @@ def test_save_is_planned_in_the_step_that_completes_the_prompt() -> None:
 
 
 def test_finished_prefill_returns_params_and_frees_its_blocks() -> None:
-    """A length-capped prefill returns kv_transfer_params naming its transfer; vLLM frees its blocks at once."""
+    """A length-capped prefill returns kv_transfer_params naming its transfer and its fetch token; vLLM frees its blocks at once."""
     s, m = producer()
     r = Req("r1", list(range(33)), {"do_remote_decode": True})
     m.blocks["r1"] = [1, 2]
     s.update_state_after_alloc(r, Blocks([1, 2]), 0)
-    tid = s.build_connector_meta(Out({"r1": 33})).saves[0].transfer_id
+    save = s.build_connector_meta(Out({"r1": 33})).saves[0]
     r.status = Status.FINISHED_LENGTH_CAPPED
     delay, params = s.request_finished(r)
     assert delay is False
-    assert RemoteKv.from_params(params) == RemoteKv(tid, SENDER, 33, 2)
+    # The fetch token the worker publishes with travels to the decode side in the params.
+    assert len(save.token) >= 16
+    assert RemoteKv.from_params(params) == RemoteKv(save.transfer_id, SENDER, 33, 2, save.token)
 
 
 def test_aborted_prefill_after_its_save_is_unpublished() -> None:

@@ -79,19 +79,21 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            sender = self._sender_endpoint() if producer else None
+            sender, key = self._sender_endpoint() if producer else (None, "")
             self._sched = SchedulerSide(
                 producer=producer,
                 consumer=consumer,
                 block_size=self.block_size,
                 sender=sender,
                 zero_copy=self.settings.zero_copy,
+                sender_key=key,
             )
         else:
             self._worker = WorkerSide(self.settings, producer=producer, consumer=consumer)
 
-    def _sender_endpoint(self) -> str:
-        """The sender daemon's listen endpoint, which decode instances fetch from."""
+    def _sender_endpoint(self) -> tuple[str, str]:
+        """The sender daemon's listen endpoint, which decode instances fetch from, and its
+        CURVE public key ("" with security off), which they must expect there."""
         client = Client(self.settings.engine_socket, timeout_s=self.settings.call_timeout_s)
         try:
             info = client.describe()
@@ -107,7 +109,7 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r} is a "
                 f"{info.role} daemon; a kv_producer needs a sender"
             )
-        return info.endpoint
+        return info.endpoint, info.public_key
 
     def stats(self) -> dict[str, int]:
         """The worker side's counters (loads, loaded_bytes, load_failures, ...) and free pool blocks."""

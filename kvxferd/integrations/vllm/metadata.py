@@ -7,7 +7,9 @@ kv_transfer_params (the standard vLLM P/D flow; a proxy forwards them unchanged)
                        "kvxferd_transfer_id": "...",   the request id on the sender daemon
                        "kvxferd_sender": "tcp://...",  the sender daemon's listen endpoint
                        "kvxferd_num_tokens": P,        prompt tokens whose KV was published
-                       "kvxferd_num_blocks": B}        vLLM blocks (ceil(P / block_size))
+                       "kvxferd_num_blocks": B,        vLLM blocks (ceil(P / block_size))
+                       "kvxferd_token": "...",         the fetch token the publish requires
+                       "kvxferd_sender_key": "..."}    the sender's CURVE key ("" when off)
     decode request    the prefill output's params, unchanged
 
 The scheduler side tells the worker side what to do in one :class:`StepPlan`
@@ -26,6 +28,8 @@ TRANSFER_ID = "kvxferd_transfer_id"
 SENDER = "kvxferd_sender"
 NUM_TOKENS = "kvxferd_num_tokens"
 NUM_BLOCKS = "kvxferd_num_blocks"
+TOKEN = "kvxferd_token"
+SENDER_KEY = "kvxferd_sender_key"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,8 @@ class RemoteKv:
     sender: str
     num_tokens: int
     num_blocks: int
+    token: str = ""  # the fetch token the sender requires for this transfer
+    sender_key: str = ""  # the sender daemon's CURVE public key (Z85); "" with security off
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> RemoteKv | None:
@@ -47,9 +53,10 @@ class RemoteKv:
             num_tokens, num_blocks = int(params[NUM_TOKENS]), int(params[NUM_BLOCKS])
         except (KeyError, TypeError, ValueError):
             return None
-        if not isinstance(tid, str) or not isinstance(sender, str):
+        token, key = params.get(TOKEN, ""), params.get(SENDER_KEY, "")
+        if not all(isinstance(v, str) for v in (tid, sender, token, key)):
             return None
-        return cls(tid, sender, num_tokens, num_blocks)
+        return cls(tid, sender, num_tokens, num_blocks, token, key)
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -59,6 +66,8 @@ class RemoteKv:
             SENDER: self.sender,
             NUM_TOKENS: self.num_tokens,
             NUM_BLOCKS: self.num_blocks,
+            TOKEN: self.token,
+            SENDER_KEY: self.sender_key,
         }
 
 
@@ -69,6 +78,7 @@ class Save:
     req_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
+    token: str = ""  # the fetch token to publish with (the decode side gets it in the params)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ Everything here runs on vLLM's scheduler thread; no lock is needed.
 from __future__ import annotations
 
 import logging
+import secrets
 import uuid
 from typing import Any
 
@@ -62,6 +63,7 @@ class SchedulerSide:
         block_size: int,
         sender: str | None,
         zero_copy: bool = False,
+        sender_key: str = "",
     ) -> None:
         if producer and sender is None:
             raise ValueError("a producer needs its sender daemon's endpoint")
@@ -69,6 +71,7 @@ class SchedulerSide:
         self.consumer = consumer
         self.block_size = block_size
         self.sender = sender
+        self.sender_key = sender_key
         self.zero_copy = zero_copy
         self._kv_cache_manager: Any = None
         self._to_save: dict[str, Any] = {}  # req id -> vLLM Request, prompt not yet complete
@@ -141,8 +144,12 @@ class SchedulerSide:
             num_blocks = blocks_for(num_tokens, self.block_size)
             block_ids = self._kv_cache_manager.get_block_ids(rid)[0][:num_blocks]
             assert self.sender is not None
-            remote = RemoteKv(transfer_id(rid), self.sender, num_tokens, num_blocks)
-            self._plan.saves.append(Save(rid, remote.transfer_id, tuple(block_ids)))
+            # A fetch token per transfer: only who holds this request's params may fetch it.
+            token = secrets.token_urlsafe(16)
+            remote = RemoteKv(
+                transfer_id(rid), self.sender, num_tokens, num_blocks, token, self.sender_key
+            )
+            self._plan.saves.append(Save(rid, remote.transfer_id, tuple(block_ids), token))
             self._published[rid] = remote
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:

@@ -513,7 +513,12 @@ class WorkerSide:
         cancel = self._cancel_event(s.transfer_id)
         try:
             try:
-                h = await self._client.publish(s.transfer_id, ids)
+                if s.token:
+                    h = (
+                        await self._client.publish_for(s.transfer_id, ids, token=s.token)
+                    ).handle_id
+                else:
+                    h = await self._client.publish(s.transfer_id, ids)
             except EngineRejected as e:
                 self.stats.add(save_failures=1)
                 log.error("request %s: publish refused: %s", s.req_id, e)
@@ -545,6 +550,8 @@ class WorkerSide:
                     ids,
                     timeout_ms=int(self.settings.transfer_timeout_s * 1000),
                     want_aux=False,
+                    token=r.token,
+                    sender_key=r.sender_key,
                 )
             except EngineRejected as e:
                 self._done.put(_Loaded(ld, d, ids, None, None, f"fetch refused: {e}"))
@@ -574,7 +581,9 @@ class WorkerSide:
 
     async def _release_remote(self, r: RemoteKv, d: _Daemon, ids: list[int]) -> None:
         try:
-            h = await self._client.fetch(r.transfer_id, r.sender, ids, want_aux=False)
+            h = await self._client.fetch(
+                r.transfer_id, r.sender, ids, want_aux=False, token=r.token, sender_key=r.sender_key
+            )
             await self._client.cancel(h)
         except EngineError as e:
             log.info("transfer %s not released: %s; the sender expires it", r.transfer_id, e)
