@@ -631,12 +631,14 @@ def run_demo(spec: Spec, json_path: str | None = None, out: IO[str] = sys.stdout
         "sender_slices_done": int(metrics.get('kvxferd_outcomes_total{outcome="done"}', -1)),
         "sender_bytes_written": int(metrics.get("kvxferd_bytes_total", -1)),
         "exit_codes": codes,
+        "security": "curve",
     }
     out.write(
         f"demo: {summary['requests']} requests, {shared.moved / 1e9:.2f} GB in {elapsed:.2f} s "
         f"({summary['gbps']:.2f} GB/s), p50 {summary['p50_ms']:.2f} ms, p99 {summary['p99_ms']:.2f} ms, "
         f"{summary['failures']} failures, {summary['mismatches']} mismatches, "
-        f"{spec.receivers} receiver daemon(s), daemon exit codes {codes}\n"
+        f"{spec.receivers} receiver daemon(s), control plane CURVE (a key pair per daemon), "
+        f"daemon exit codes {codes}\n"
     )
     for what in shared.first_failures:
         out.write(f"  {what}\n")

@@ -47,6 +47,7 @@ from kvxferd.faults.harness import (
     p99,
 )
 from kvxferd.pool import IdAllocator
+from kvxferd.workload import demo_keys
 
 THREAD_SLACK = 8  # threads a daemon may have gained over the run (UCX/ZMQ helpers come and go)
 FD_SLACK = 64  # open fds likewise (a connection per peer and transport)
@@ -241,12 +242,20 @@ class Cluster:
         listen = f"tcp://{'0.0.0.0' if n else '127.0.0.1'}:{self.port}"
         # Bound on both links' addresses; it advertises the first (receivers here are told
         # the address of their own link by the scenario, not by the sender).
-        adv = {"KVXFERD_SERVICE__ADVERTISE_HOST": n.addr["a"][0]} if n else None
-        tx = self._daemon("sender", "tx", ["--listen", listen], n.ns["tx"] if n else None, adv)
+        adv = {"KVXFERD_SERVICE__ADVERTISE_HOST": n.addr["a"][0]} if n else {}
+        # Across namespaces the endpoints are not loopback: CURVE, a key pair per daemon,
+        # and receivers may dial the links' networks (security off is loopback only).
+        keys = demo_keys(self.workdir / "keys", "tx", ["rx-a", "rx-b"]) if n else {}
+        dial = {"KVXFERD_ACCESS__DIAL_ALLOW": '["10.77.0.0/16"]'} if n else {}
+        tx = self._daemon(
+            "sender", "tx", ["--listen", listen], n.ns["tx"] if n else None,
+            {**adv, **keys.get("tx", {})},
+        )  # fmt: skip
         rxs = []
         for k in ("a", "b"):
             args = ["--result-endpoint", f"tcp://{n.addr[k][1]}:0"] if n else []
-            rxs.append(self._daemon("receiver", f"rx-{k}", args, n.ns[k] if n else None))
+            extra = {**keys.get(f"rx-{k}", {}), **dial}
+            rxs.append(self._daemon("receiver", f"rx-{k}", args, n.ns[k] if n else None, extra))
         by = time.monotonic() + READY_TIMEOUT_S
         for d in self.daemons:
             d.wait_ready(by)
