@@ -477,6 +477,13 @@ class Sender:
         last = frames[-1]
         identity = peer_identity(last) if isinstance(last, zmq.Frame) else ""
         routing_id, *body = [f.bytes if isinstance(f, zmq.Frame) else f for f in frames]
+        if identity and not self.transport.admits(identity):
+            # ZAP checks a key once, at the handshake: a key removed from the allow-list
+            # since then is refused here, message by message, on its open connection.
+            self.stats.add(f"rejected_{Reason.NOT_AUTHORIZED}")
+            detail = "this key is no longer in the allow-list"
+            self._reply(routing_id, wire.Reject(reason=Reason.NOT_AUTHORIZED, detail=detail))
+            return
         try:
             msg = wire.decode_to_sender(body, max_bytes)
         except ProtocolError as e:

@@ -1041,6 +1041,21 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_peer_whose_write_stalls_is_moved_to_a_fresh_connection",
         ),
     ),
+    Mutant(
+        "issue14-revoked-key-keeps-its-connection",
+        "a key removed from the allow-list keeps talking on the connection ZAP admitted",
+        (
+            Edit(
+                "kvxferd/sender.py",
+                "        if identity and not self.transport.admits(identity):",
+                "        if False:",
+            ),
+        ),
+        (
+            "tests/test_auth.py::TestRefusedAndCounted::"
+            "test_a_key_removed_from_the_allow_list_is_refused_on_its_open_connection",
+        ),
+    ),
 )
 
 

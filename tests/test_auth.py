@@ -383,6 +383,29 @@ class TestRefusedAndCounted:
             sock.close(linger=0)
         assert pair.tx.stats.get("auth_refused_unknown_key") == 0
 
+    def test_a_key_removed_from_the_allow_list_is_refused_on_its_open_connection(
+        self, pair: Pair, keys: Keyring
+    ) -> None:
+        """A client admitted at its handshake whose key is then removed (and the list re-read) gets not_authorized for its next message on the same connection, counted; the others are unaffected."""
+        allowed = keys.allowed("tx", keys.stranger)  # the sender's own allow-list directory
+        assert pair.tx.transport.allow is not None
+        pair.tx.transport.allow.reload()  # before the handshake: admitted
+        sock = raw_dealer(pair.tx.endpoint, Curve(keys.stranger.pair).client(keys.tx.pair.public))
+        try:
+            assert answered(sock, timeout_ms=int(WAIT_S * 1000))
+            first = wire.decode_to_receiver([sock.recv()], 1 << 20)
+            assert isinstance(first, wire.Reject) and first.reason == Reason.MALFORMED
+            (allowed / f"{keys.stranger.name}.key").unlink()
+            assert pair.tx.transport.allow is not None
+            pair.tx.transport.allow.reload()
+            assert answered(sock, timeout_ms=int(WAIT_S * 1000))  # the same connection
+            second = wire.decode_to_receiver([sock.recv()], 1 << 20)
+            assert isinstance(second, wire.Reject) and second.reason == Reason.NOT_AUTHORIZED
+            assert pair.tx.stats.get("rejected_not_authorized") == 1
+        finally:
+            sock.close(linger=0)
+        transfer_ok(pair, "after-revocation")
+
     def test_a_server_presenting_another_key_is_refused_and_counted(
         self, pair: Pair, keys: Keyring
     ) -> None:
