@@ -239,25 +239,53 @@ class TestRefusals:
         assert out.reason is Reason.INCOMPATIBLE and out.detail.startswith("block_bytes")
 
 
-def test_one_piece_failing_fails_the_fetch_and_cancels_the_rest(daemons: Daemons) -> None:
-    """2P1D where only rank 0 published: rank 1's piece ends first (expired/not published
-    in time is slow, so the fetch times out); the fetch is not done and its blocks settle."""
-    c = SWEEP["2P1D (TP2->TP1)"]
-    w = _World(c, 5)
-    ss = [daemons.sender(t, _pool(t, w.num_blocks[("p", t.rank)])) for t in w.prefill]
+def _two_prefill_ranks(daemons: Daemons) -> tuple[_World, list[Sender], Receiver]:
+    w = _World(SWEEP["2P1D (TP2->TP1)"], 5)
+    ss = []
+    for t in w.prefill:
+        s = daemons.sender(t, _pool(t, w.num_blocks[("p", t.rank)]))
+        w.fill("p", t, s.pool.kv_bytes_view())
+        ss.append(s)
     d = w.decode[0]
     r = daemons.receiver(d, _pool(d, w.num_blocks[("d", d.rank)]))
-    ss[0].publish("req-h", w.ids[("p", 0)].tolist())
-    t0 = time.monotonic()
+    w.fill("d", d, r.pool.kv_bytes_view())
+    return w, ss, r
+
+
+def test_done_only_when_every_piece_is_done(daemons: Daemons) -> None:
+    """2P1D with rank 1 publishing late: the fetch is not done while rank 1's piece is
+    missing, and once it is done every byte is the reference's."""
+    w, ss, r = _two_prefill_ranks(daemons)
+    ss[0].publish("req-late", w.ids[("p", 0)].tolist())
     h = r.fetch(
-        "req-h",
+        "req-late",
         ss[0].endpoint,
         w.ids[("d", 0)].tolist(),
         sender_endpoints=[s.endpoint for s in ss],
         want_aux=False,
-        timeout_ms=1500,
+    )
+    assert h.wait(1.0) is None, "done before rank 1's piece arrived"
+    ss[1].publish("req-late", w.ids[("p", 1)].tolist())
+    out = h.wait(WAIT_S)
+    assert out is not None and out.state is RxState.DONE, out
+    assert torch.equal(r.pool.kv_bytes_view(), w.want[0])
+
+
+def test_a_failed_piece_fails_the_fetch_and_cancels_the_rest(daemons: Daemons) -> None:
+    """Rank 0 refuses its piece (a fetch token is missing) while rank 1's piece waits parked:
+    the fetch fails at once with rank 0's reason, rank 1's piece is cancelled, and the
+    blocks are reusable long before the fetch's own deadline."""
+    w, ss, r = _two_prefill_ranks(daemons)
+    ss[0].publish("req-tok", w.ids[("p", 0)].tolist(), token="a-token-of-sixteen-chars")
+    h = r.fetch(
+        "req-tok",
+        ss[0].endpoint,
+        w.ids[("d", 0)].tolist(),
+        sender_endpoints=[s.endpoint for s in ss],
+        want_aux=False,
+        timeout_ms=30_000,
     )
     out = h.wait(WAIT_S)
-    assert out is not None and out.state is not RxState.DONE, out
-    assert time.monotonic() - t0 < WAIT_S
-    assert h.close(WAIT_S), "every piece's fence settles (the sender acknowledged)"
+    assert out is not None and out.state is RxState.FAILED, out
+    assert out.reason is Reason.NOT_AUTHORIZED and out.detail.startswith("piece 0"), out
+    assert h.close(5.0), "rank 1's piece was not cancelled: its fence waits for the deadline"
