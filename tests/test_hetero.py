@@ -11,7 +11,6 @@ reference's reshard. Refusals at REGISTER reach the fetch as a typed outcome.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
