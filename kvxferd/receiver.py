@@ -763,6 +763,8 @@ class Receiver:
                     sender_key=g.sender_keys[r],
                     on_end=self._journal_fetch,
                     on_change=g.piece_changed,
+                    prefill_rank=r,
+                    prefill_compat=rec.compat,
                 )
             )
         with self._lock:
@@ -896,6 +898,18 @@ class Receiver:
             self._fail(rx, Reason.PEER_LOST, "sender unreachable")
 
     def _send_request(self, link: _Link, rx: RxSession) -> None:
+        if rx.prefill_rank >= 0:  # a piece: its sender must be the rank it was planned for
+            rec = self._records.get(link.endpoint)
+            if rec is None or (rec.rank, rec.compat) != (rx.prefill_rank, rx.prefill_compat):
+                what = "declared no topology" if rec is None else f"is prefill rank {rec.rank}"
+                self.stats.add("topology_refused")
+                self._fail(
+                    rx,
+                    Reason.INCOMPATIBLE,
+                    f"sender at {link.endpoint} {what}; the fetch lists it as rank "
+                    f"{rx.prefill_rank} of the instance",
+                )
+                return
         left_s = rx.deadline - time.monotonic()
         msg = wire.RequestData(
             request_id=rx.request_id,

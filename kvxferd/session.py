@@ -467,6 +467,9 @@ class RxSession:
     on_end: Callable[[RxSession], None] | None = None
     # Told after every transition, without the lock (a group's piece: RxGroup.piece_changed).
     on_change: Callable[[RxSession], None] | None = None
+    # A group's piece: the prefill rank (and instance) its sender must be, else -1.
+    prefill_rank: int = -1
+    prefill_compat: str = ""
     fence_done: threading.Event = field(default_factory=threading.Event)
     # Set once blocks_reusable is true (maybe long after the outcome: an in-doubt fence resolved).
     reusable: threading.Event = field(default_factory=threading.Event)

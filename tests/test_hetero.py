@@ -214,6 +214,22 @@ class TestRefusals:
         reason, detail = _refused_fetch(s, r)
         assert reason is Reason.INCOMPATIBLE and "the instance has 2 ranks" in detail
 
+    def test_endpoints_out_of_rank_order_are_refused(self, daemons: Daemons) -> None:
+        """4P2D with ranks 1 and 2 swapped in the list: the piece planned for rank 1 is not
+        sent to rank 2's sender; the fetch fails incompatible naming the rank."""
+        w = _World(SWEEP["4P2D"], 3)
+        ss = [daemons.sender(t, _pool(t, w.num_blocks[("p", t.rank)])) for t in w.prefill]
+        for t, s in zip(w.prefill, ss, strict=True):
+            s.publish("req-o", w.ids[("p", t.rank)].tolist())
+        d = w.decode[0]
+        r = daemons.receiver(d, _pool(d, w.num_blocks[("d", 0)]))
+        eps = [ss[0].endpoint, ss[2].endpoint, ss[1].endpoint, ss[3].endpoint]
+        h = r.fetch("req-o", eps[0], w.ids[("d", 0)].tolist(), sender_endpoints=eps, want_aux=False)
+        out = h.wait(WAIT_S)
+        assert out is not None and out.state is RxState.FAILED, out
+        assert out.reason is Reason.INCOMPATIBLE and "is prefill rank 2" in out.detail, out
+        assert h.close(WAIT_S)
+
     def test_a_record_must_describe_the_pool(self, daemons: Daemons) -> None:
         """Declaring a record whose block size is not the pool's is refused incompatible."""
         c = SWEEP["1P2D (TP1->TP2)"]
