@@ -1187,6 +1187,9 @@ class Sender:
                         came,
                         s.expected_fetches,
                     )
+            elif s.lease_pending():  # a reader still writing at the lease: look again soon
+                with self._lock:
+                    heapq.heappush(self._ttl_heap, (now + 1.0, s.session_id))
         if now >= self._reap_at:
             self._reap_at = now + min(1.0, self.ownership.limits.orphan_ttl_s / 4)
             self._reclaim_orphans(now)

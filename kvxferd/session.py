@@ -378,15 +378,32 @@ class TxSession:
         return committed
 
     def expire(self, now: float) -> bool:
-        """Commit EXPIRED when the TTL passed and no fetch ever arrived."""
+        """Commit EXPIRED when the TTL passed and no fetch ever arrived, or (the readers'
+        lease) when only some of the expected readers came and none of them is still open."""
         with self._lock:
-            if self._slices or now < self.ttl_deadline:
+            if now < self.ttl_deadline:
                 return False
-            committed = self._commit_locked(
-                TxOutcome(TxState.EXPIRED, Reason.EXPIRED, "no receiver fetched it in time")
-            )
+            came = len(self._slices)
+            detail = "no receiver fetched it in time"
+            if came:
+                still_open = any(
+                    sl.state in (SliceState.QUEUED, SliceState.WRITING)
+                    for sl in self._slices.values()
+                )
+                if came >= self.expected_fetches or still_open:
+                    return False
+                detail = (
+                    f"{came} of {self.expected_fetches} expected readers came before the lease"
+                    " (publish_ttl_ms) ended"
+                )
+            committed = self._commit_locked(TxOutcome(TxState.EXPIRED, Reason.EXPIRED, detail))
         self._after(committed)
         return committed
+
+    def lease_pending(self) -> bool:
+        """Some but not all expected readers came and one is still open: ask again later."""
+        with self._lock:
+            return self._state not in TX_TERMINAL and 0 < len(self._slices) < self.expected_fetches
 
     def take_report(self, sl: Slice) -> SliceReport | None:
         """The slice's final result, once it has one and only the first time it is asked."""

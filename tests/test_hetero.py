@@ -56,9 +56,12 @@ class Daemons:
         self.senders: list[Sender] = []
         self.receivers: list[Receiver] = []
 
-    def sender(self, t: Topology | None, pool: dict[str, Any]) -> Sender:
+    def sender(self, t: Topology | None, pool: dict[str, Any], **deadlines: int) -> Sender:
         settings = load_sender_settings(
-            listen="tcp://127.0.0.1:0", deadlines=DEADLINES, pool=pool, num_threads=1
+            listen="tcp://127.0.0.1:0",
+            deadlines={**DEADLINES, **deadlines},
+            pool=pool,
+            num_threads=1,
         )
         s = Sender(settings, topology=t).start()
         self.senders.append(s)
@@ -304,3 +307,24 @@ def test_a_failed_piece_fails_the_fetch_and_cancels_the_rest(daemons: Daemons) -
     assert out is not None and out.state is RxState.FAILED, out
     assert out.reason is Reason.NOT_AUTHORIZED and out.detail.startswith("piece 0"), out
     assert h.close(5.0), "rank 1's piece was not cancelled: its fence waits for the deadline"
+
+
+def test_a_reader_that_never_comes_is_reclaimed_by_the_lease(daemons: Daemons) -> None:
+    """1P2D where only decode rank 0 reads: the request expires at the publish TTL (the
+    readers' lease), counted in reader_lease_expired, and rank 0's bytes are exact."""
+    w = _World(SWEEP["1P2D (TP1->TP2)"], 4)
+    p, d = w.prefill[0], w.decode[0]
+    s = daemons.sender(p, _pool(p, w.num_blocks[("p", 0)]), publish_ttl_ms=1500)
+    w.fill("p", p, s.pool.kv_bytes_view())
+    r = daemons.receiver(d, _pool(d, w.num_blocks[("d", 0)]))
+    w.fill("d", d, r.pool.kv_bytes_view())
+    tx = s.publish("req-l", w.ids[("p", 0)].tolist(), expected_fetches=readers_for(d, p))
+    h = r.fetch(
+        "req-l", s.endpoint, w.ids[("d", 0)].tolist(), sender_endpoints=[s.endpoint], want_aux=False
+    )
+    out = h.wait(WAIT_S)
+    assert out is not None and out.state is RxState.DONE, out
+    assert torch.equal(r.pool.kv_bytes_view(), w.want[0])
+    ended = tx.wait(WAIT_S)
+    assert ended is not None and ended.state is TxState.EXPIRED, ended
+    assert s.stats.get("reader_lease_expired") == 1
