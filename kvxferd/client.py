@@ -56,6 +56,7 @@ from kvxferd.auth import Curve
 from kvxferd.control import process_context
 from kvxferd.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.errors import KvxferdError, ProtocolError
+from kvxferd.topology import Topology
 
 log = logging.getLogger("kvxferd.client")
 
@@ -142,6 +143,8 @@ def _deadline_ms(bound_s: float) -> int:
 
 
 Build = Callable[[int, int], ep._Msg]  # (call id, deadline_unix_ms) -> the request
+# A prefill instance: (sender endpoints, tokens, sender keys), each indexed by prefill rank.
+Instance = tuple[Sequence[str], Sequence[str], Sequence[str]]
 
 
 def _publish_msg(
@@ -180,12 +183,17 @@ def _fetch_msg(
     want_aux: bool,
     token: str = "",
     sender_key: str = "",
+    instance: Instance = ((), (), ()),
 ) -> Build:
     lb, le = layers if layers is not None else (0, 0)
     blocks = _blocks(block_ids)
+    endpoints, tokens, keys = (list(x) for x in instance)
     return lambda call_id, deadline: ep.Fetch(
         token=token,
         sender_key=sender_key,
+        sender_endpoints=endpoints,
+        tokens=tokens,
+        sender_keys=keys,
         call_id=call_id,
         request_id=request_id,
         sender_endpoint=sender_endpoint,
@@ -269,9 +277,13 @@ class Client:
         self.close_client()
 
     # -- calls ---------------------------------------------------------------------------
-    def describe(self) -> PoolInfo:
-        """The daemon's role, pool layout, shared-memory name and endpoint."""
-        reply = self._call(lambda c, _: ep.Describe(call_id=c))
+    def describe(self, topology: Topology | None = None) -> PoolInfo:
+        """The daemon's role, pool layout, shared-memory name and endpoint.
+
+        ``topology``: declare this rank's record (kvxferd/topology.py) at attach; an
+        EngineRejected(incompatible) when it does not describe the daemon's pool.
+        """
+        reply = self._call(lambda c, _: ep.Describe(call_id=c, topology=topology))
         return _check(reply, ep.PoolInfo)  # type: ignore[no-any-return]
 
     def publish(
@@ -325,11 +337,18 @@ class Client:
         want_aux: bool = True,
         token: str = "",
         sender_key: str = "",
+        sender_endpoints: Sequence[str] = (),
+        tokens: Sequence[str] = (),
+        sender_keys: Sequence[str] = (),
     ) -> int:
         """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``; the handle id.
 
         Keyed by (request_id, sender_endpoint, layers): safe to retry like ``publish``.
         ``token`` and ``sender_key``: what the publish side's :class:`Published` said.
+        ``sender_endpoints``: the prefill instance, one endpoint per prefill rank (rank 0
+        first; pass rank 0's as ``sender_endpoint``), with per-rank ``tokens`` and
+        ``sender_keys`` if its Publishes gave them: the daemon reads from each rank what
+        the reshard mapping gives this rank (needs ``describe(topology=...)`` first).
         """
         reply = self._call(
             _fetch_msg(
@@ -341,6 +360,7 @@ class Client:
                 want_aux,
                 token,
                 sender_key,
+                (sender_endpoints, tokens, sender_keys),
             )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
@@ -648,8 +668,10 @@ class AsyncClient:
                 timer.cancel()
                 conn.pending.pop(call_id, None)
 
-    async def describe(self) -> PoolInfo:
-        return _check(await self._call(lambda c, _: ep.Describe(call_id=c)), ep.PoolInfo)  # type: ignore[no-any-return]
+    async def describe(self, topology: Topology | None = None) -> PoolInfo:
+        """See :meth:`Client.describe`."""
+        reply = await self._call(lambda c, _: ep.Describe(call_id=c, topology=topology))
+        return _check(reply, ep.PoolInfo)  # type: ignore[no-any-return]
 
     async def publish(
         self,
@@ -689,7 +711,11 @@ class AsyncClient:
         want_aux: bool = True,
         token: str = "",
         sender_key: str = "",
+        sender_endpoints: Sequence[str] = (),
+        tokens: Sequence[str] = (),
+        sender_keys: Sequence[str] = (),
     ) -> int:
+        """See :meth:`Client.fetch`."""
         reply = await self._call(
             _fetch_msg(
                 request_id,
@@ -700,6 +726,7 @@ class AsyncClient:
                 want_aux,
                 token,
                 sender_key,
+                (sender_endpoints, tokens, sender_keys),
             )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]

@@ -53,6 +53,7 @@ from kvxferd.protocol import (
     Text,
     decode_frame,
 )
+from kvxferd.topology import Topology
 
 ENGINE_PROTOCOL_VERSION = 3  # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch; 3: Wait.close
 MAGIC = b"KE"
@@ -140,10 +141,16 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=Tru
 
 
 # -- engine -> gateway ---------------------------------------------------------------------
-class Describe(_Msg, tag="describe", frozen=True):
-    """What the daemon serves: role, pool, endpoint."""
+class Describe(_Msg, tag="describe", frozen=True, omit_defaults=True):
+    """What the daemon serves: role, pool, endpoint.
+
+    ``topology``: the engine declares its rank's record at attach (kvxferd/topology.py;
+    once per daemon, the same record again is fine); Error(incompatible) when it does
+    not describe the pool or another record was declared. Not sent when absent.
+    """
 
     call_id: CallId
+    topology: Topology | None = None
 
 
 class Publish(_Msg, tag="publish", frozen=True, omit_defaults=True):
@@ -160,7 +167,8 @@ class Publish(_Msg, tag="publish", frozen=True, omit_defaults=True):
     request_id: RequestId
     block_ids: BlockIds
     aux: Aux | None = None
-    expected_fetches: Annotated[int, Meta(ge=1, le=65_536)] = 1
+    # Decode ranks that read this rank (reshard.readers_for); 0: released at once, unread.
+    expected_fetches: Annotated[int, Meta(ge=0, le=65_536)] = 1
     deadline_unix_ms: DeadlineMs = 0
     token: bool = False
     fetch_token: FetchToken = ""
@@ -172,6 +180,11 @@ class Fetch(_Msg, tag="fetch", frozen=True, omit_defaults=True):
 
     ``token`` and ``sender_key`` are what the publish side's Handle said (the engine
     passes them along with the endpoint, e.g. in vLLM's kv_transfer_params).
+
+    ``sender_endpoints``: the prefill instance, one endpoint per prefill rank (index =
+    rank); the daemon reads from each rank what the reshard mapping gives this rank
+    (needs a declared topology). ``sender_endpoint`` is then the key (rank 0's by
+    convention). ``tokens`` / ``sender_keys``: per rank (empty: none).
     """
 
     call_id: CallId
@@ -185,6 +198,9 @@ class Fetch(_Msg, tag="fetch", frozen=True, omit_defaults=True):
     deadline_unix_ms: DeadlineMs = 0
     token: FetchToken = ""
     sender_key: PublicKey = ""
+    sender_endpoints: Annotated[list[Endpoint], Meta(max_length=4096)] = []
+    tokens: Annotated[list[FetchToken], Meta(max_length=4096)] = []
+    sender_keys: Annotated[list[PublicKey], Meta(max_length=4096)] = []
 
 
 class Lookup(_Msg, tag="lookup", frozen=True):
@@ -263,6 +279,7 @@ class PoolInfo(_Msg, tag="pool_info", frozen=True, omit_defaults=True):
     endpoint: Endpoint | None = None  # sender: its listen endpoint; receiver: its result endpoint
     daemon_id: Annotated[str, Meta(max_length=128)] = ""
     public_key: PublicKey = ""
+    topology: Topology | None = None  # the rank's declared record, once declared
 
 
 class Handle(_Msg, tag="handle", frozen=True, omit_defaults=True):

@@ -402,8 +402,7 @@ class Gateway:
             self._reply(rid, _expired(msg.call_id, "it arrived"))
             return
         if isinstance(msg, ep.Describe):
-            assert self._pool_info is not None
-            self._reply(rid, msgspec.structs.replace(self._pool_info, call_id=msg.call_id))
+            self._reply(rid, self._describe(msg))
             return
         if isinstance(msg, ep.Poll):
             self._reply(rid, self._poll(rid, msg))
@@ -427,6 +426,18 @@ class Gateway:
         task = self._loop.create_task(self._call(rid, msg))
         self._calls[task] = msg.call_id
         task.add_done_callback(self._call_done)
+
+    def _describe(self, msg: ep.Describe) -> ep._Msg:
+        """PoolInfo; with a topology, the engine declares its rank's record first."""
+        assert self._pool_info is not None
+        if msg.topology is not None:
+            try:
+                self.service.declare_topology(msg.topology)
+            except RejectedError as e:
+                return self._refuse(msg.call_id, ep.EngineReason(e.reason.value), e.detail)
+        return msgspec.structs.replace(
+            self._pool_info, call_id=msg.call_id, topology=self.service.topology
+        )
 
     def _now(self, rid: bytes, msg: ep.ToGateway) -> ep._Msg | None:
         """The reply of a call that needs no wait, served inline; None: it needs a call task."""
@@ -710,6 +721,9 @@ class Gateway:
             timeout_ms=msg.timeout_ms or None,
             token=msg.token,
             sender_key=msg.sender_key,
+            sender_endpoints=msg.sender_endpoints,
+            tokens=msg.tokens,
+            sender_keys=msg.sender_keys,
         )
 
     def _refuse(self, call_id: int, reason: ep.EngineReason, detail: str) -> ep.Error:
@@ -762,6 +776,8 @@ def _digest(msg: ep.Publish | ep.Fetch) -> bytes:
         params = [msg.block_ids, msg.want_aux]
         if msg.token or msg.sender_key:
             params += [msg.token, msg.sender_key]
+        if msg.sender_endpoints:
+            params += [msg.sender_endpoints, msg.tokens, msg.sender_keys]
     return hashlib.blake2b(msgspec.msgpack.encode(params), digest_size=16).digest()
 
 

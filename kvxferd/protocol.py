@@ -25,8 +25,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from kvxferd.errors import ProtocolError, Reason
+from kvxferd.errors import ProtocolError, Reason, RejectedError
 from kvxferd.layout import Layout
+from kvxferd.reshard import check_pair
+from kvxferd.topology import Topology
 
 PROTOCOL_VERSION = 2
 MAGIC = b"KX"
@@ -75,8 +77,14 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=Tru
     pass
 
 
-class Register(_Msg, tag="register"):
-    """Receiver -> sender: who I am, where my results go, my NIXL agent and pool."""
+class Register(_Msg, tag="register", omit_defaults=True):
+    """Receiver -> sender: who I am, where my results go, my NIXL agent and pool.
+
+    ``topology``: the decode rank's record (kvxferd/topology.py), when its engine declared
+    one. With a record on both sides the sender checks the pair with the reshard mapping
+    instead of requiring an equal pool; without, the pools must be equal. Fields at their
+    default are not sent (an older sender still reads a Register without a record).
+    """
 
     receiver_id: PeerId
     result_endpoint: Endpoint
@@ -86,15 +94,21 @@ class Register(_Msg, tag="register"):
     aux_base: U63  # address of the receiver's aux region (slot 0)
     device: Literal["DRAM", "VRAM"] = "DRAM"
     device_id: Annotated[int, Meta(ge=0, le=1024)] = 0
+    topology: Topology | None = None
 
 
-class RegisterReply(_Msg, tag="register_reply"):
-    """Sender -> receiver: accepted, or refused with a reason."""
+class RegisterReply(_Msg, tag="register_reply", omit_defaults=True):
+    """Sender -> receiver: accepted, or refused with a reason.
+
+    ``topology``: the sender's (prefill rank's) record, when it has one: the receiver
+    plans its reads of the whole prefill instance from it (``instance_ranks``).
+    """
 
     ok: bool
     sender_id: PeerId
     reason: Reason | None = None
     detail: Text = ""
+    topology: Topology | None = None
 
 
 class RequestData(_Msg, tag="request_data", omit_defaults=True):
@@ -214,8 +228,35 @@ def decode_to_receiver(frames: list[bytes], max_bytes: int) -> ToReceiver:
     return decode_frame(_to_receiver, frames, max_bytes)  # type: ignore[return-value]
 
 
-def check_compatible(sender: Layout, receiver: WireLayout) -> str | None:
-    """Why a receiver's pool cannot take this sender's blocks, or None when it can."""
+def check_compatible(
+    sender: Layout,
+    receiver: WireLayout,
+    own: Topology | None = None,
+    theirs: Topology | None = None,
+) -> str | None:
+    """Why a receiver's pool cannot take this sender's blocks, or None when it can.
+
+    Without a topology record on both sides the pools must be equal (block size,
+    layer count, dtype). With both, the receiver's record must describe its pool and
+    the reshard mapping must serve the pair (``reshard.check_pair``: its refusal text).
+    """
+    if own is not None and theirs is not None:
+        if receiver.dtype != sender.dtype:
+            return f"dtype {receiver.dtype} != {sender.dtype}"
+        if (receiver.block_bytes, receiver.num_layers) != (
+            theirs.block_bytes,
+            theirs.num_stage_layers,
+        ):
+            return (
+                f"topology does not describe the registered pool: block_bytes "
+                f"{receiver.block_bytes}, num_layers {receiver.num_layers} != the record's "
+                f"{theirs.block_bytes}, {theirs.num_stage_layers}"
+            )
+        try:
+            check_pair(own, theirs)
+        except RejectedError as e:
+            return e.detail
+        return None
     if receiver.dtype != sender.dtype:
         return f"dtype {receiver.dtype} != {sender.dtype}"
     if receiver.block_bytes != sender.block_bytes:

@@ -88,8 +88,10 @@ from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
 from kvxferd.layout import check_blocks, check_layers
 from kvxferd.pool import IdAllocator, KvPool
-from kvxferd.session import Fence, RxOutcome, RxSession, RxState
+from kvxferd.reshard import plan_rank
+from kvxferd.session import Fence, RxGroup, RxOutcome, RxSession, RxState
 from kvxferd.stats import Stats
+from kvxferd.topology import Topology, instance_ranks
 from kvxferd.waiters import Once
 
 log = logging.getLogger("kvxferd.receiver")
@@ -100,6 +102,7 @@ _fetch_ids = itertools.count((int.from_bytes(os.urandom(6), "little") << 8) + 1)
 _monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
+_NO_RECORD = "sender at {} declared no topology: a fetch from a prefill instance needs one"
 _MONITORED = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | HANDSHAKE_FAILED
 )
@@ -124,7 +127,7 @@ class _Link:
 class RxHandle:
     """The engine's handle on one fetch."""
 
-    def __init__(self, receiver: Receiver, session: RxSession) -> None:
+    def __init__(self, receiver: Receiver, session: RxSession | RxGroup) -> None:
         self._receiver = receiver
         self.session = session
 
@@ -168,6 +171,7 @@ class Receiver:
         *,
         pool: KvPool | None = None,
         dataplane: DataPlane | None = None,
+        topology: Topology | None = None,
     ) -> None:
         # What senders are told (Register.result_endpoint): never a wildcard, which would
         # point them at themselves. Checked before anything is set up.
@@ -186,6 +190,11 @@ class Receiver:
         self.receiver_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
         self.pool = pool or KvPool(settings.pool, owner="rx")
         self._owns_pool = pool is None
+        # This decode rank's record (topology.py): sent in every Register; needed for a
+        # fetch that names a prefill instance (sender_endpoints). Set once.
+        self.topology: Topology | None = None
+        if topology is not None:
+            self.declare_topology(topology)
         self.dataplane: DataPlane = dataplane or NixlDataPlane(
             self.receiver_id, settings.dataplane, self.pool
         )
@@ -214,6 +223,11 @@ class Receiver:
         self._links: dict[str, _Link] = {}  # io thread only
         self._by_socket: dict[zmq.Socket[bytes], _Link] = {}  # io thread only: dealers, monitors
         self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
+        # Instance fetches: each sender's record from its RegisterReply, the groups waiting
+        # for one (io thread only), and the groups not planned yet (``_lock``).
+        self._records: dict[str, Topology] = {}
+        self._resolving: dict[str, list[RxGroup]] = {}
+        self._unplanned: dict[int, RxGroup] = {}
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._shutdown_once: Once[RxShutdownReport] = Once()
@@ -260,6 +274,13 @@ class Receiver:
         return self.aux_slots.free, self._aux_quarantined
 
     # -- engine API --------------------------------------------------------------------
+    def declare_topology(self, topology: Topology) -> None:
+        """Set this rank's record (once; the same again is fine); INCOMPATIBLE if it does not
+        describe the pool. Declare it before the first fetch: Registers carry it."""
+        from kvxferd.sender import declare_topology
+
+        declare_topology(self, topology)
+
     def fetch(
         self,
         request_id: str,
@@ -271,8 +292,17 @@ class Receiver:
         timeout_ms: int | None = None,
         token: str = "",
         sender_key: str = "",
+        sender_endpoints: Sequence[str] = (),
+        tokens: Sequence[str] = (),
+        sender_keys: Sequence[str] = (),
     ) -> RxHandle:
         """Ask ``sender_endpoint`` to write ``request_id`` into ``block_ids``; returns at once.
+
+        ``sender_endpoints``: the prefill instance, one sender endpoint per prefill rank
+        (index = rank); this receiver then reads what the reshard mapping gives it from
+        each rank it needs (one RequestData per piece) and the fetch is done when every
+        piece is. ``tokens`` / ``sender_keys``: per rank, as each rank's Publish said
+        (empty: none). Needs this receiver's topology.
 
         ``token``: the fetch token the publisher issued (passed on in RequestData).
         ``sender_key``: the sender's public key (Z85) from the publish side; its Results
@@ -282,6 +312,17 @@ class Receiver:
         caller's thread.
         """
         try:
+            if sender_endpoints:
+                return self._fetch_instance(
+                    request_id,
+                    list(sender_endpoints),
+                    block_ids,
+                    layers,
+                    want_aux,
+                    timeout_ms,
+                    list(tokens),
+                    list(sender_keys),
+                )
             return self._fetch(
                 request_id,
                 sender_endpoint,
@@ -362,6 +403,86 @@ class Receiver:
         if aux_slot >= 0:
             self.aux_slots.give_back([aux_slot])
         raise refusal
+
+    def _fetch_instance(
+        self,
+        request_id: str,
+        endpoints: list[str],
+        block_ids: Sequence[int] | np.ndarray,
+        layers: tuple[int, int] | None,
+        want_aux: bool,
+        timeout_ms: int | None,
+        tokens: list[str],
+        keys: list[str],
+    ) -> RxHandle:
+        """A fetch from a prefill instance: planned on the io thread once a record is known."""
+        if self.topology is None:
+            raise RejectedError(
+                Reason.INCOMPATIBLE,
+                "a fetch from a prefill instance needs this receiver's topology (declare it)",
+            )
+        if self._draining.is_set():
+            raise RejectedError(Reason.DRAINING, "receiver is draining")
+        if not _REQUEST_ID.match(request_id):
+            raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
+        for what, extra in (("tokens", tokens), ("sender_keys", keys)):
+            if extra and len(extra) != len(endpoints):
+                raise RejectedError(
+                    Reason.MALFORMED, f"{len(extra)} {what} for {len(endpoints)} sender endpoints"
+                )
+        for ep_ in endpoints:
+            problem = connect_problem(ep_)
+            if problem is not None:
+                raise RejectedError(Reason.BAD_ENDPOINT, problem)
+            problem = self.dial_allow.problem(ep_)
+            if problem is not None:
+                self.stats.add("endpoints_refused")
+                raise RejectedError(Reason.NOT_AUTHORIZED, problem)
+        keys = [
+            self._expected_sender_key(e, keys[i] if keys else "") for i, e in enumerate(endpoints)
+        ]
+        blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if blocks.size > self.settings.limits.max_blocks_per_request:
+            raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")
+        check_blocks(self.pool.layout, blocks, "destination blocks")
+        lb, le = layers or (0, self.pool.layout.num_layers)
+        check_layers(self.pool.layout, lb, le)
+        aux_slot = int(self.aux_slots.take(1)[0]) if want_aux else -1
+        timeout_ms = timeout_ms or self.settings.deadlines.kv_transfer_timeout_ms
+        group = RxGroup(
+            next(_fetch_ids),
+            request_id,
+            endpoints,
+            blocks,
+            lb,
+            le,
+            aux_slot,
+            time.monotonic() + timeout_ms / 1000,
+            tokens,
+            keys,
+            self._cancel_pieces,
+        )
+        with self._lock:
+            if self._draining.is_set():  # atomic with the drain's start, as in _fetch
+                refusal = RejectedError(Reason.DRAINING, "receiver is draining")
+            elif len(self._fetches) + len(self._unplanned) >= (
+                self.settings.limits.max_fetches_in_flight
+            ):
+                refusal = RejectedError(Reason.BUSY, "max_fetches_in_flight reached")
+            else:
+                self._unplanned[group.fetch_id] = group
+                self._commands.append(("group", group))
+                os.eventfd_write(self._wake, 1)
+                self.stats.add("instance_fetches")
+                return RxHandle(self, group)
+        if aux_slot >= 0:
+            self.aux_slots.give_back([aux_slot])
+        raise refusal
+
+    def _cancel_pieces(self, pieces: list[RxSession]) -> None:
+        """A piece of a group ended without its bytes: the others are cancelled (io thread)."""
+        for p in pieces:
+            self._command(("cancel_piece", p))
 
     def _journal_fetch(self, rx: RxSession) -> None:
         """Record how a fetch ended (its one log line; see journal.py)."""
@@ -455,6 +576,12 @@ class Receiver:
                 continue
             elif kind == "fetch":
                 self._start_fetch(rx)
+            elif kind == "group":
+                self._start_group(rx)
+            elif kind == "cancel_piece":
+                self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "another piece ended first")
+            elif isinstance(rx, RxGroup):  # the engine cancels (or the drain ends) a group
+                self._end_group(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
             elif kind == "drain":  # shutdown: the drain deadline passed
                 self._drain_end(rx, "still open at the drain deadline (drain_timeout_ms)")
             elif self._draining.is_set():  # an engine lets go because it is stopping too
@@ -548,6 +675,7 @@ class Receiver:
             aux_base=self.pool.aux_base,
             device="VRAM" if self.pool.mem_type == "VRAM" else "DRAM",
             device_id=self.pool.device_id,
+            topology=self.topology,
         )
         try:
             send_bounded(link.dealer, wire.encode(reg))
@@ -575,6 +703,99 @@ class Receiver:
         self.stats.add("links_dropped")
         for rx in waiting:
             self._fail(rx, reason, detail)
+        for g in self._resolving.pop(link.endpoint, []):
+            self._fail_group(g, reason, f"{link.endpoint}: {detail}")
+
+    # -- fetches from a prefill instance ----------------------------------------------
+    def _start_group(self, g: RxGroup) -> None:
+        """Plan ``g`` now if its instance's record is known, else register to learn it."""
+        if g.ended:
+            return self._forget_group(g)
+        ep0 = g.sender_endpoints[0]
+        if ep0 in self._records:
+            return self._plan_group(g)
+        link = self._link(ep0)
+        if isinstance(link, str):
+            denied = link.startswith(Reason.NOT_AUTHORIZED)
+            return self._fail_group(
+                g, Reason.NOT_AUTHORIZED if denied else Reason.BAD_ENDPOINT, link
+            )
+        if link.ready:  # registered, and its reply carried no record
+            return self._fail_group(g, Reason.INCOMPATIBLE, _NO_RECORD.format(ep0))
+        self._resolving.setdefault(ep0, []).append(g)
+        return None
+
+    def _plan_group(self, g: RxGroup) -> None:
+        """Plan ``g`` against the instance (derived from rank 0's record) and start its pieces."""
+        own, rec = self.topology, self._records[g.sender_endpoints[0]]
+        assert own is not None
+        n = rec.tp_size * rec.pp_size
+        if rec.rank != 0 or len(g.sender_endpoints) != n:
+            return self._fail_group(
+                g,
+                Reason.INCOMPATIBLE,
+                f"sender_endpoints lists {len(g.sender_endpoints)} endpoints, the first one "
+                f"being prefill rank {rec.rank}: the instance has {n} ranks, rank 0 first",
+            )
+        try:
+            plan = plan_rank(own, instance_ranks(rec))
+        except RejectedError as e:
+            self.stats.add("topology_refused")
+            return self._fail_group(g, e.reason, e.detail)
+        lb, le = own.layer_begin + g.layer_begin, own.layer_begin + g.layer_end  # absolute
+        pieces: list[RxSession] = []
+        for piece in plan.pieces:
+            p_lb, p_le = max(lb, piece.layer_begin), min(le, piece.layer_end)
+            if p_lb >= p_le:
+                continue
+            r = piece.prefill_rank
+            pieces.append(
+                RxSession(
+                    fetch_id=next(_fetch_ids),
+                    request_id=g.request_id,
+                    sender_endpoint=g.sender_endpoints[r],
+                    dst_blocks=g.dst_blocks,
+                    layer_begin=p_lb - own.layer_begin,  # layers of our pool, as always
+                    layer_end=p_le - own.layer_begin,
+                    aux_slot=g.aux_slot if not pieces else -1,
+                    deadline=g.deadline,
+                    token=g.tokens[r] if g.tokens else "",
+                    sender_key=g.sender_keys[r],
+                    on_end=self._journal_fetch,
+                    on_change=g.piece_changed,
+                    prefill_rank=r,
+                    prefill_compat=rec.compat,
+                )
+            )
+        with self._lock:
+            self._unplanned.pop(g.fetch_id, None)
+            if not g.plan(pieces):
+                return None
+            for p in pieces:
+                self._fetches[p.fetch_id] = p
+        self.stats.add("instance_pieces", len(pieces))
+        for p in pieces:
+            self._start_fetch(p)
+        return None
+
+    def _fail_group(self, g: RxGroup, reason: Reason, detail: str) -> None:
+        if g.fail(reason, detail):
+            self.stats.add("instance_fetches_failed")
+        self._forget_group(g)
+
+    def _end_group(self, g: RxGroup, state: RxState, reason: Reason, detail: str) -> None:
+        """Cancel (or time out) a group: its open pieces are cancelled, each with its fence."""
+        for p in g.end_locally(state, reason, detail):
+            self._cancel(p, state, reason, detail)
+        self._forget_group(g)
+
+    def _forget_group(self, g: RxGroup) -> None:
+        """An ended group not planned gives its aux slot back (a planned one's piece holds it)."""
+        with self._lock:
+            gone = self._unplanned.pop(g.fetch_id, None) is not None
+        if gone and not g.planned and g.aux_slot >= 0:
+            self.aux_slots.give_back([g.aux_slot])
+            g.aux_slot = -1
 
     def _on_monitor(self, link: _Link) -> None:
         """libzmq's connection events of one link: reconnects register again."""
@@ -624,6 +845,15 @@ class Receiver:
             self._drop_link(link, msg.reason or Reason.INCOMPATIBLE, msg.detail)
             return
         link.ready = True
+        if msg.topology is not None:
+            self._records[link.endpoint] = msg.topology
+        for g in self._resolving.pop(link.endpoint, []):
+            if g.ended:
+                self._forget_group(g)
+            elif msg.topology is None:
+                self._fail_group(g, Reason.INCOMPATIBLE, _NO_RECORD.format(link.endpoint))
+            else:
+                self._plan_group(g)
         waiting, link.waiting = link.waiting, []
         for rx in waiting:
             if not rx.ended:
@@ -668,6 +898,18 @@ class Receiver:
             self._fail(rx, Reason.PEER_LOST, "sender unreachable")
 
     def _send_request(self, link: _Link, rx: RxSession) -> None:
+        if rx.prefill_rank >= 0:  # a piece: its sender must be the rank it was planned for
+            rec = self._records.get(link.endpoint)
+            if rec is None or (rec.rank, rec.compat) != (rx.prefill_rank, rx.prefill_compat):
+                what = "declared no topology" if rec is None else f"is prefill rank {rec.rank}"
+                self.stats.add("topology_refused")
+                self._fail(
+                    rx,
+                    Reason.INCOMPATIBLE,
+                    f"sender at {link.endpoint} {what}; the fetch lists it as rank "
+                    f"{rx.prefill_rank} of the instance",
+                )
+                return
         left_s = rx.deadline - time.monotonic()
         msg = wire.RequestData(
             request_id=rx.request_id,
@@ -906,6 +1148,11 @@ class Receiver:
                 self._drop_link(link, Reason.TIMEOUT, f"no REGISTER reply from {link.endpoint}")
         with self._lock:
             fetches = list(self._fetches.values())
+            late = [g for g in self._unplanned.values() if now >= g.deadline]
+        for g in late:
+            self._end_group(
+                g, RxState.TIMED_OUT, Reason.TIMEOUT, "the instance's record never came"
+            )
         for rx in fetches:
             if not rx.ended and now >= rx.deadline:
                 self._cancel(rx, RxState.TIMED_OUT, Reason.TIMEOUT, "kv_transfer_timeout passed")
@@ -952,6 +1199,9 @@ class Receiver:
         with self._lock:  # fetch() admits under this lock: no fetch slips past this list
             self._draining.set()
             open_fetches = list(self._fetches.values())
+            unplanned = list(self._unplanned.values())
+        for g in unplanned:  # no piece started: nothing can land
+            self._fail_group(g, Reason.SHUTTING_DOWN, "receiver shut down before it was planned")
         waiting = sum(1 for rx in open_fetches if not rx.ended)
         if waiting:
             log.info(

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.topology import Topology
+from kvxferd.topology import Topology, instance_ranks
 
 IdArray = npt.NDArray[np.int64]
 Descs = npt.NDArray[np.int64]  # shape (n, 3): address, length, device id
@@ -347,3 +347,30 @@ def prepared_indices(
     layers = np.arange(lb - piece.layer_begin, le - piece.layer_begin, dtype=np.int64)
     idx = (layers[:, None, None] * num_blocks + blocks[None, :, None]) * nr
     return (idx + np.arange(nr, dtype=np.int64)[None, None, :]).ravel()
+
+
+def piece_for(decode: Topology, prefill: Topology) -> Piece | None:
+    """What ``decode`` reads from the one prefill rank ``prefill`` (None: nothing).
+
+    The sender's side of the plan: the decode rank plans against the whole prefill
+    instance, derived from this one record (``instance_ranks``), so both sides agree.
+    """
+    for piece in plan_rank(decode, instance_ranks(prefill)).pieces:
+        if piece.prefill_rank == prefill.rank:
+            return piece
+    return None
+
+
+def readers_for(decode: Topology, prefill: Topology) -> int:
+    """How many ranks of ``decode``'s instance read the prefill rank ``prefill``.
+
+    A prefill rank publishes each request with this as ``expected_fetches`` (0: no
+    decode rank reads it; the request is released at publish without a read). Both
+    instances are derived from one record each (``instance_ranks``); cached per pair.
+    """
+    return _readers_cached(decode, prefill)
+
+
+@functools.lru_cache(maxsize=1024)
+def _readers_cached(decode: Topology, prefill: Topology) -> int:
+    return InstancePlan(instance_ranks(decode), instance_ranks(prefill)).readers(prefill.rank)

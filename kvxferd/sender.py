@@ -84,6 +84,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import zmq
@@ -108,8 +109,10 @@ from kvxferd.journal import Ending, Journal
 from kvxferd.layout import check_blocks, check_layers
 from kvxferd.ownership import IdentityLimits, Ownership, nixl_agent_name
 from kvxferd.pool import IdAllocator, KvPool
+from kvxferd.reshard import piece_for
 from kvxferd.session import Slice, SliceState, TxOutcome, TxSession, TxState
 from kvxferd.stats import Stats
+from kvxferd.topology import Topology
 from kvxferd.waiters import Once
 from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, ReplyTask, Worker, WriteTask
 
@@ -136,6 +139,7 @@ class _Pending:
     dst: np.ndarray  # msg.dst_blocks, already converted and checked
     deadline: float  # parked until then
     fetch_deadline: float  # no write starts after it (see Sender._fetch_deadline)
+    layers: tuple[int, int]  # the layers to write, checked (absolute ids for a mapped peer)
     parked_at: float = field(default_factory=time.monotonic)  # for /debug/state
 
 
@@ -176,6 +180,7 @@ class Sender:
         *,
         pool: KvPool | None = None,
         dataplane: DataPlane | None = None,
+        topology: Topology | None = None,
     ) -> None:
         # What receivers and engines are told (PoolInfo, the ready line): never a wildcard.
         svc = settings.service
@@ -195,6 +200,11 @@ class Sender:
         self._heard: dict[str, float] = {}
         self.pool = pool or KvPool(settings.pool, owner="tx")
         self._owns_pool = pool is None
+        # This prefill rank's record (topology.py), from the constructor or the engine's
+        # attach (declare_topology); set once. None: receivers need an equal pool.
+        self.topology: Topology | None = None
+        if topology is not None:
+            self.declare_topology(topology)
         self.dataplane: DataPlane = dataplane or NixlDataPlane(
             self.sender_id,
             settings.dataplane,
@@ -297,6 +307,14 @@ class Sender:
             return len(self._sessions)
 
     # -- engine API --------------------------------------------------------------------
+    def declare_topology(self, topology: Topology) -> None:
+        """Set this rank's record (once; the same record again is fine); INCOMPATIBLE if not.
+
+        The record must describe the pool (block bytes, the stage's layer count): the
+        receivers' descriptors are computed from it.
+        """
+        declare_topology(self, topology)
+
     def publish(
         self,
         request_id: str,
@@ -319,8 +337,8 @@ class Sender:
             raise RejectedError(Reason.DRAINING, "sender is draining")
         if not _REQUEST_ID.match(request_id):
             raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
-        if expected_fetches < 1:
-            raise RejectedError(Reason.MALFORMED, "expected_fetches must be >= 1")
+        if expected_fetches < 0:
+            raise RejectedError(Reason.MALFORMED, "expected_fetches must be >= 0")
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if blocks.size > self.settings.limits.max_blocks_per_request:
             raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")
@@ -367,7 +385,7 @@ class Sender:
                     self.ownership.count(p.peer.receiver_id, "parked", -1)
                 # Attach under the same lock: a CANCEL must find each fetch parked or attached.
                 attached = [
-                    self._attach_locked(session, p.peer, p.msg, p.dst, p.fetch_deadline)
+                    self._attach_locked(session, p.peer, p.msg, p.dst, p.fetch_deadline, p.layers)
                     for p in parked
                 ]
                 for task in attached:  # queued under the lock too: an ack never overtakes it
@@ -379,6 +397,8 @@ class Sender:
             self.stats.add(f"rejected_{error.reason}")
             raise error
         self.stats.add("published")
+        if expected_fetches == 0 and session.release_unread():
+            self.stats.add("released_unread")
         for p, outcome in zip(parked, attached, strict=True):
             if isinstance(outcome, wire.Result):  # sent by the pair's worker, never from here
                 self.stats.add(f"rejected_{outcome.reason}")
@@ -543,9 +563,14 @@ class Sender:
         why = connect_problem(msg.result_endpoint)
         if why:
             return refuse(Reason.BAD_ENDPOINT, f"result_endpoint {why}")
-        why = wire.check_compatible(self.pool.layout, msg.layout)
+        why = wire.check_compatible(self.pool.layout, msg.layout, self.topology, msg.topology)
         if why:
+            if self.topology is not None and msg.topology is not None:
+                self.stats.add("topology_refused")
             return refuse(Reason.INCOMPATIBLE, why)
+        piece = None
+        if self.topology is not None and msg.topology is not None:
+            piece = piece_for(msg.topology, self.topology)  # None: it reads nothing here
         # Read the NIXL agent's name before NIXL loads anything: loading an impostor's
         # metadata under the owner's name would replace the owner's connection details.
         agent = nixl_agent_name(msg.agent_metadata)
@@ -555,7 +580,11 @@ class Sender:
         with self._lock:
             known = self._peers.get(routing_id)
             why = self._register_problem_locked(routing_id, msg, identity, agent)
-            again = known is not None and known.receiver_id == msg.receiver_id
+            again = (
+                known is not None
+                and known.receiver_id == msg.receiver_id
+                and known.topology == msg.topology
+            )
             if why is None and not again:
                 # Only one process can bind a result endpoint: a new receiver id there (or
                 # on this route) means the old process is gone; what it held is released.
@@ -588,7 +617,7 @@ class Sender:
         if again:
             self._peer_seen[routing_id] = time.monotonic()
             self.stats.add("registers_accepted")
-            self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
+            self._reply(routing_id, self._accepted())
             return
         for old in replaced:
             if old.receiver_id == msg.receiver_id:
@@ -626,13 +655,16 @@ class Sender:
                 self.stats.add("peer_removals_cancelled")
             self._gone.pop(nixl_name, None)
         layout = msg.layout.to_layout()
+        prepped = False
         try:
-            prepped = self.dataplane.prepare_peer(
-                nixl_name, layout, msg.kv_base, msg.device, msg.device_id
-            )
+            # A peer read through the reshard mapping gets descriptors per request (prepared
+            # lists per piece are a later speed step, docs/topology.md).
+            if msg.topology is None or self.topology is None:
+                prepped = self.dataplane.prepare_peer(
+                    nixl_name, layout, msg.kv_base, msg.device, msg.device_id
+                )
         except Exception:  # the protocol says False, never raises; a bug costs only speed
             log.exception("preparing descriptors for %s failed", msg.receiver_id)
-            prepped = False
         peer = Peer(
             msg.receiver_id,
             routing_id,
@@ -645,6 +677,8 @@ class Sender:
             msg.device_id,
             prepped,
             identity,  # also the key its result ROUTER presents (CURVE)
+            msg.topology if self.topology is not None else None,
+            piece,
         )
         with self._lock:
             self._peers[routing_id] = peer
@@ -657,7 +691,11 @@ class Sender:
         self.stats.add("peers_registered")
         self.stats.add("registers_accepted")
         log.info("receiver %s registered (results at %s)", msg.receiver_id, msg.result_endpoint)
-        self._reply(routing_id, wire.RegisterReply(ok=True, sender_id=self.sender_id))
+        self._reply(routing_id, self._accepted())
+
+    def _accepted(self) -> wire.RegisterReply:
+        """The reply to an accepted Register: it carries this rank's record, if any."""
+        return wire.RegisterReply(ok=True, sender_id=self.sender_id, topology=self.topology)
 
     def _register_problem_locked(
         self, routing_id: bytes, msg: wire.Register, identity: str, agent: str | None
@@ -876,9 +914,13 @@ class Sender:
             if dst.size > self.settings.limits.max_blocks_per_request:
                 raise RejectedError(Reason.TOO_LARGE, "too many blocks")
             check_blocks(peer.layout, dst, "destination blocks")
-            check_layers(
-                self.pool.layout, msg.layer_begin, msg.layer_end or self.pool.layout.num_layers
-            )
+            if peer.topology is not None:
+                layers = piece_layers(peer, msg.layer_begin, msg.layer_end)
+            else:
+                check_layers(
+                    self.pool.layout, msg.layer_begin, msg.layer_end or self.pool.layout.num_layers
+                )
+                layers = (msg.layer_begin, msg.layer_end or self.pool.layout.num_layers)
             if msg.aux_slot >= peer.layout.aux_slots:
                 raise RejectedError(Reason.BAD_BLOCKS, "aux slot outside the receiver's pool")
         except RejectedError as e:
@@ -900,7 +942,7 @@ class Sender:
                 refusal: tuple[Reason, str] | None = (Reason.DUPLICATE, "fetch id in use")
             elif (session := self._live.get(msg.request_id)) is not None:
                 refusal = None  # while draining too: the drain waits for published requests
-                outcome = self._attach_locked(session, peer, msg, dst, fetch_deadline)
+                outcome = self._attach_locked(session, peer, msg, dst, fetch_deadline, layers)
             elif self._draining.is_set():  # nothing can be published here any more
                 refusal = (Reason.DRAINING, "sender is draining: request not published here")
             elif self._pending_count >= self.settings.limits.max_pending_fetches:
@@ -911,7 +953,7 @@ class Sender:
                 refusal = None
                 ttl = self.settings.deadlines.pending_fetch_ttl_ms / 1000
                 self._pending.setdefault(msg.request_id, []).append(
-                    _Pending(peer, msg, dst, min(now + ttl, fetch_deadline), fetch_deadline)
+                    _Pending(peer, msg, dst, min(now + ttl, fetch_deadline), fetch_deadline, layers)
                 )
                 self._parked_keys.add(key)
                 self._pending_count += 1
@@ -963,19 +1005,20 @@ class Sender:
         msg: wire.RequestData,
         dst: np.ndarray,
         deadline: float,
+        layers: tuple[int, int],
     ) -> WriteTask | wire.Result:
         """Attach a fetch to a published session (registry lock held); a task, or the refusal.
 
-        ``dst`` is ``msg.dst_blocks`` as the listener converted and checked it (once).
+        ``dst`` is ``msg.dst_blocks`` and ``layers`` its layer range, as the listener
+        converted and checked them (once).
         """
-        layer_end = msg.layer_end or self.pool.layout.num_layers
         sl = Slice(
             peer.receiver_id,
             msg.fetch_id,
             peer.result_endpoint,
             dst,
-            msg.layer_begin,
-            layer_end,
+            layers[0],
+            layers[1],
             msg.aux_slot,
             deadline,
         )
@@ -1142,6 +1185,18 @@ class Sender:
         for s in due:  # a session fetched before its TTL refuses to expire; its entry is gone
             if s.expire(now):
                 self.stats.add("sessions_expired")
+                came = len(s.slices())
+                if came and came < s.expected_fetches:  # the TTL is the lease of late readers
+                    self.stats.add("reader_lease_expired")
+                    log.warning(
+                        "request %s expired with %d of %d expected readers",
+                        s.request_id,
+                        came,
+                        s.expected_fetches,
+                    )
+            elif s.lease_pending():  # a reader still writing at the lease: look again soon
+                with self._lock:
+                    heapq.heappush(self._ttl_heap, (now + 1.0, s.session_id))
         if now >= self._reap_at:
             self._reap_at = now + min(1.0, self.ownership.limits.orphan_ttl_s / 4)
             self._reclaim_orphans(now)
@@ -1338,6 +1393,58 @@ class Sender:
         )
         log.info("sender shutdown: %s", report)
         return report
+
+
+def declare_topology(service: Sender | Any, topology: Topology) -> None:
+    """Set a daemon's own record once (sender or receiver); INCOMPATIBLE when it cannot be.
+
+    The record must describe the pool: its block bytes and its stage's layer count.
+    A second declaration must be the same record (peers were checked against the first).
+    """
+    layout = service.pool.layout
+    if (layout.block_bytes, layout.num_layers) != (topology.block_bytes, topology.num_stage_layers):
+        raise RejectedError(
+            Reason.INCOMPATIBLE,
+            f"topology does not describe this pool: block_bytes {layout.block_bytes}, "
+            f"num_layers {layout.num_layers} != the record's {topology.block_bytes}, "
+            f"{topology.num_stage_layers}",
+        )
+    if service.topology is not None and service.topology != topology:
+        raise RejectedError(
+            Reason.INCOMPATIBLE, "a different topology is already declared (set once per daemon)"
+        )
+    service.topology = topology
+
+
+def piece_layers(peer: Peer, layer_begin: int, layer_end: int) -> tuple[int, int]:
+    """The absolute layers a mapped peer's fetch writes: its piece's, inside the asked range.
+
+    RequestData names layers of the receiver's pool (0 as the end: all of them), as
+    always; its record says where they lie in the model. RejectedError when this rank
+    holds nothing the peer reads in that range.
+    """
+    t = peer.topology
+    assert t is not None
+    num = t.num_stage_layers
+    end = layer_end or num
+    if not 0 <= layer_begin < end <= num:
+        raise RejectedError(
+            Reason.BAD_BLOCKS, f"layer range [{layer_begin}, {end}) outside [0, {num})"
+        )
+    piece = peer.piece
+    if piece is None:
+        raise RejectedError(
+            Reason.INCOMPATIBLE, f"receiver {peer.receiver_id} reads nothing from this prefill rank"
+        )
+    lb = max(t.layer_begin + layer_begin, piece.layer_begin)
+    le = min(t.layer_begin + end, piece.layer_end)
+    if lb >= le:
+        raise RejectedError(
+            Reason.INCOMPATIBLE,
+            f"the receiver's layers [{layer_begin}, {end}) hold nothing of this rank's "
+            f"[{piece.layer_begin}, {piece.layer_end})",
+        )
+    return lb, le
 
 
 def _bytes_tensor(data: bytes):  # type: ignore[no-untyped-def]

@@ -49,6 +49,19 @@ The destination blocks are safe to reuse once the fence is NONE or RELEASED; a
 fence that passes its deadline without an acknowledgement ends IN_DOUBT, and
 an in-doubt fence is resolved (RELEASED) as soon as the sender answers that no
 write toward the fetch is in flight, however late (the receiver keeps asking).
+
+A fetch from a prefill instance (several sender ranks, the reshard mapping) is
+one :class:`RxGroup` over one RxSession per piece read::
+
+    REQUESTED --every piece DONE--> DONE        (nbytes summed, aux from the piece that has it)
+        |-- a piece ends otherwise --> its state, "prefill rank r: ..." (the others are cancelled)
+        |-- cancel / the record never came / planning refused --> CANCELLED / TIMED_OUT / FAILED
+
+    lock: ``RxGroup._lock`` guards its state and pieces; a piece's lock is never held
+    while the group's is taken (pieces report after their own ``_publish``).
+
+Its fence is its pieces': reusable only when every piece's blocks are; in doubt
+when any piece is in doubt. Each piece keeps its own fence and in-doubt rules.
 """
 
 from __future__ import annotations
@@ -330,6 +343,16 @@ class TxSession:
                     committed = self._commit_locked(TxOutcome(TxState.COMPLETE))
         self._after(committed)
 
+    def release_unread(self) -> bool:
+        """``expected_fetches == 0``: no decode rank reads this prefill rank's copy (GQA or
+        MLA replication); the request is complete at once and its blocks free."""
+        with self._lock:
+            committed = self.expected_fetches == 0 and self._commit_locked(
+                TxOutcome(TxState.COMPLETE, None, "released without a read (no expected reader)")
+            )
+        self._after(committed)
+        return committed
+
     def fail_slice(self, sl: Slice, reason: Reason, detail: str) -> None:
         """A slice fails before any write of it was admitted (e.g. its peer is gone)."""
         with self._lock:
@@ -355,15 +378,32 @@ class TxSession:
         return committed
 
     def expire(self, now: float) -> bool:
-        """Commit EXPIRED when the TTL passed and no fetch ever arrived."""
+        """Commit EXPIRED when the TTL passed and no fetch ever arrived, or (the readers'
+        lease) when only some of the expected readers came and none of them is still open."""
         with self._lock:
-            if self._slices or now < self.ttl_deadline:
+            if now < self.ttl_deadline:
                 return False
-            committed = self._commit_locked(
-                TxOutcome(TxState.EXPIRED, Reason.EXPIRED, "no receiver fetched it in time")
-            )
+            came = len(self._slices)
+            detail = "no receiver fetched it in time"
+            if came:
+                still_open = any(
+                    sl.state in (SliceState.QUEUED, SliceState.WRITING)
+                    for sl in self._slices.values()
+                )
+                if came >= self.expected_fetches or still_open:
+                    return False
+                detail = (
+                    f"{came} of {self.expected_fetches} expected readers came before the lease"
+                    " (publish_ttl_ms) ended"
+                )
+            committed = self._commit_locked(TxOutcome(TxState.EXPIRED, Reason.EXPIRED, detail))
         self._after(committed)
         return committed
+
+    def lease_pending(self) -> bool:
+        """Some but not all expected readers came and one is still open: ask again later."""
+        with self._lock:
+            return self._state not in TX_TERMINAL and 0 < len(self._slices) < self.expected_fetches
 
     def take_report(self, sl: Slice) -> SliceReport | None:
         """The slice's final result, once it has one and only the first time it is asked."""
@@ -442,6 +482,11 @@ class RxSession:
     completion: Completion[RxOutcome] = field(default_factory=Completion)
     # Told once, without the lock, after the outcome is committed (the receiver's journal).
     on_end: Callable[[RxSession], None] | None = None
+    # Told after every transition, without the lock (a group's piece: RxGroup.piece_changed).
+    on_change: Callable[[RxSession], None] | None = None
+    # A group's piece: the prefill rank (and instance) its sender must be, else -1.
+    prefill_rank: int = -1
+    prefill_compat: str = ""
     fence_done: threading.Event = field(default_factory=threading.Event)
     # Set once blocks_reusable is true (maybe long after the outcome: an in-doubt fence resolved).
     reusable: threading.Event = field(default_factory=threading.Event)
@@ -470,6 +515,8 @@ class RxSession:
             self.fence_done.set()
         if self.blocks_reusable:
             self.reusable.set()
+        if self.on_change is not None:
+            self.on_change(self)
 
     def mark_sent(self, sender_id: str = "") -> None:
         with self._lock:
@@ -548,3 +595,118 @@ class RxSession:
             self.fence = Fence.IN_DOUBT
         self._publish(False)
         return True
+
+
+class RxGroup:
+    """One fetch from a prefill instance: a piece (RxSession) per prefill rank read.
+
+    Created unplanned (the instance's record may not be known yet); ``plan`` gives it
+    its pieces once, or it ends before that (``fail`` / ``end_locally``). See the
+    module docstring for the states.
+    """
+
+    def __init__(
+        self,
+        fetch_id: int,
+        request_id: str,
+        sender_endpoints: list[str],
+        dst_blocks: np.ndarray,
+        layer_begin: int,
+        layer_end: int,
+        aux_slot: int,
+        deadline: float,
+        tokens: list[str],
+        sender_keys: list[str],
+        on_failed: Callable[[list[RxSession]], None],
+    ) -> None:
+        self.fetch_id = fetch_id
+        self.request_id = request_id
+        self.sender_endpoints = sender_endpoints
+        self.sender_endpoint = sender_endpoints[0]
+        self.dst_blocks = dst_blocks
+        self.layer_begin, self.layer_end = layer_begin, layer_end  # local to this rank's pool
+        self.aux_slot = aux_slot  # handed to the piece that fetches aux when planned
+        self.deadline = deadline
+        self.tokens, self.sender_keys = tokens, sender_keys
+        self.started = time.monotonic()
+        self.state = RxState.REQUESTED
+        self.outcome: RxOutcome | None = None
+        self.pieces: list[RxSession] = []
+        self.planned = False
+        self._on_failed = on_failed  # cancels the pieces still open (the receiver's io thread)
+        self._lock = threading.Lock()
+        self.completion: Completion[RxOutcome] = Completion()
+        self.fence_done = threading.Event()
+        self.reusable = threading.Event()
+
+    @property
+    def ended(self) -> bool:
+        return self.state in RX_TERMINAL
+
+    @property
+    def fence(self) -> Fence:
+        """IN_DOUBT if a piece is, FENCED if a piece is, else RELEASED (or NONE: no piece)."""
+        fences = {p.fence for p in self.pieces}
+        for f in (Fence.IN_DOUBT, Fence.FENCED, Fence.RELEASED):
+            if f in fences:
+                return f
+        return Fence.NONE
+
+    @property
+    def blocks_reusable(self) -> bool:
+        """True once no write of any piece can still land in our blocks."""
+        return self.ended and all(p.blocks_reusable for p in self.pieces)
+
+    def plan(self, pieces: list[RxSession]) -> bool:
+        """Give the group its pieces (once); False if it ended meanwhile (start none)."""
+        with self._lock:
+            if self.ended or self.planned:
+                return False
+            self.pieces, self.planned = pieces, True
+            if pieces:
+                self.aux_slot = -1  # now owned by the piece that carries it
+        if not pieces:  # the asked layers hold nothing to read: done at once
+            self._commit(RxOutcome(RxState.DONE))
+        return True
+
+    def fail(self, reason: Reason, detail: str) -> bool:
+        """End before or instead of planning (no piece was started by it)."""
+        return self._commit(RxOutcome(RxState.FAILED, reason, detail))
+
+    def end_locally(self, state: RxState, reason: Reason, detail: str) -> list[RxSession]:
+        """Cancel or time out the group; the pieces still open (for the receiver to cancel)."""
+        if not self._commit(RxOutcome(state, reason, detail)):
+            return []
+        return [p for p in self.pieces if not p.ended]
+
+    def piece_changed(self, piece: RxSession) -> None:
+        """A piece moved (outcome or fence): maybe the group's outcome, maybe its fence."""
+        with self._lock:
+            pieces = list(self.pieces)
+        if not self.ended and piece.outcome is not None:
+            if piece.state is not RxState.DONE:
+                o = piece.outcome
+                rank = pieces.index(piece) if piece in pieces else -1
+                where = f"piece {rank} ({piece.sender_endpoint})"
+                if self._commit(RxOutcome(o.state, o.reason, f"{where}: {o.detail}"[:1024])):
+                    self._on_failed([p for p in pieces if not p.ended])
+            elif pieces and all(p.state is RxState.DONE for p in pieces):
+                outs = [p.outcome for p in pieces if p.outcome is not None]
+                aux = next((o.aux for o in outs if o.aux is not None), None)
+                self._commit(RxOutcome(RxState.DONE, None, "", sum(o.nbytes for o in outs), aux))
+        self._settle()
+
+    def _commit(self, outcome: RxOutcome) -> bool:
+        with self._lock:
+            if self.ended:
+                return False
+            self.state, self.outcome = outcome.state, outcome
+        self.completion.set(outcome)
+        self._settle()
+        return True
+
+    def _settle(self) -> None:
+        if self.ended and all(p.ended and p.fence_done.is_set() for p in self.pieces):
+            self.fence_done.set()
+        if self.blocks_reusable:
+            self.reusable.set()

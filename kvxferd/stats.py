@@ -182,6 +182,31 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         _S,
         "Parked fetches not told about the shutdown because its deadline was near",
     ),
+    _c(
+        "released_unread",
+        _S,
+        "Requests published with expected_fetches 0 (no decode rank reads this prefill rank's"
+        " copy): released at publish",
+    ),
+    _c(
+        "reader_lease_expired",
+        _S,
+        "Published requests some but not all of whose expected readers came before"
+        " publish_ttl_ms (the readers' lease): reclaimed, logged with the counts",
+    ),
+    _c(
+        "topology_refused",
+        _SERVICE,
+        "Topology pairs the reshard mapping cannot serve (sender: at REGISTER, refused"
+        " incompatible; receiver: planning a fetch from a prefill instance)",
+    ),
+    _c("instance_fetches", _R, "Fetches from a prefill instance (several sender ranks)"),
+    _c("instance_pieces", _R, "Pieces (one RequestData each) those fetches were planned into"),
+    _c(
+        "instance_fetches_failed",
+        _R,
+        "Fetches from a prefill instance ended before planning (no record, refused, unreachable)",
+    ),
     # -- sender: peers and handshakes ----------------------------------------------------
     _c("registers_accepted", _S, "REGISTERs answered ok (new peers and repeats)"),
     _c("registers_refused", _S, "REGISTERs refused (reason in kvxferd_rejections_total)"),

@@ -75,8 +75,10 @@ from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
 from kvxferd.layout import Layout, aux_descriptors, write_descriptors
 from kvxferd.pool import KvPool
+from kvxferd.reshard import Piece, piece_descriptors
 from kvxferd.session import Slice, SliceState, TxSession
 from kvxferd.stats import Stats
+from kvxferd.topology import Topology
 
 log = logging.getLogger("kvxferd.sender")
 jlog = logging.getLogger("kvxferd.journal")  # per-request lines: fields in extra (logs.py)
@@ -101,6 +103,10 @@ class Peer:
     device_id: int
     prepped: bool = False  # the data plane holds a prepared list of its KV pool (post_blocks)
     identity: str = ""  # the authenticated key that registered it ("" with security off)
+    # Both sides declared a topology: the receiver's record and what it reads from this
+    # rank (None: nothing); writes then follow the reshard mapping (reshard.py).
+    topology: Topology | None = None
+    piece: Piece | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +402,23 @@ class Worker:
     def _build(self, task: WriteTask, kind: str) -> tuple[np.ndarray, np.ndarray, str, str, int]:
         host, s, sl, peer = self.host, task.session, task.slice, task.peer
         pool = host.pool
+        if kind == "kv" and peer.topology is not None:
+            assert peer.piece is not None  # a fetch without a piece is refused at attach
+            src, dst = piece_descriptors(
+                peer.piece,
+                peer.topology,
+                pool.kv_base,
+                pool.layout.num_blocks,
+                s.block_ids,
+                peer.kv_base,
+                peer.layout.num_blocks,
+                sl.dst_blocks,
+                sl.layer_begin,
+                sl.layer_end,
+                src_dev=pool.device_id,
+                dst_dev=peer.device_id,
+            )
+            return src, dst, pool.mem_type, peer.mem_type, int(src[:, 1].sum())
         if kind == "kv":
             src, dst = write_descriptors(
                 pool.layout,

@@ -639,8 +639,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/sender.py",
-                "min(now + ttl, fetch_deadline), fetch_deadline)",
-                "now + ttl, fetch_deadline)",
+                "min(now + ttl, fetch_deadline), fetch_deadline, layers",
+                "now + ttl, fetch_deadline, layers",
             ),
         ),
         (TXRACES + "test_a_parked_fetch_keeps_the_receivers_deadline",),
