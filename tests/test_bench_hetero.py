@@ -50,6 +50,7 @@ def test_a_tiny_run_reports_every_case_and_its_ratio_to_equal_tp() -> None:
         assert f["verified_requests"] >= 1
         assert len(doc["reps"][name]) == TINY["reps"]
         assert (f["prefill_tp"], f["decode_tp"]) == CASES[name]
+        assert len(f["descriptors_per_piece"]) == {"1P1D": 1, "1P2D": 2, "2P1D": 2}[name]
     base = doc["cases"][BASELINE]
     assert set(doc["ratio"]) == {"1P2D", "2P1D"}
     for name, r in doc["ratio"].items():
@@ -94,7 +95,7 @@ def test_a_wrong_byte_fails_the_check() -> None:
     try:
         c.verified_request(time.monotonic() + 30)  # intact: passes
         view = c.senders[1].pool.kv_bytes_view()
-        view[0, 0, 0] ^= 0xFF
+        view[0, c.ids(0)[0], 0] ^= 0xFF
         with pytest.raises(BenchError, match="2P1D: decode rank 0 differs"):
             c.verified_request(time.monotonic() + 30)
     finally:

@@ -21,6 +21,12 @@ prefill rank publishes it (``expected_fetches`` from ``readers_for``), each deco
 rank fetches it; the request ends when every decode rank's fetch is done (its
 latency: from the first publish to the last decode rank's completion).
 
+A request's blocks are scattered over the pool (a fixed random permutation, as an
+engine's block allocator leaves them; ``scattered=False``: contiguous ids, which
+lets 1P1D merge whole layers into one descriptor). The report names each case's
+NIXL descriptors per piece (one decode rank's read of one prefill rank): a
+heterogeneous case reads a slice of every block, so it has more, smaller ones.
+
 Before the timed repetitions each case runs one untimed request into destination
 blocks filled with poison and compares every decode rank's blocks, byte for byte,
 with the torch reference's reshard (the prefill pools hold the packed reference);
@@ -37,12 +43,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvxferd.bench.workload import BenchError
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.receiver import Receiver, RxHandle
-from kvxferd.reshard import readers_for
+from kvxferd.reshard import piece_descriptors, plan_rank, readers_for
 from kvxferd.sender import Sender, TxHandle
 from kvxferd.session import RxState, TxState
 from kvxferd.topology import LayoutKind, Topology, compat_hash, instance_ranks, make_topology
@@ -61,6 +68,7 @@ class HeteroOptions:
     tokens_per_block: int = 16
     blocks: int = 16  # blocks per request
     layout: LayoutKind = "heads_major"
+    scattered: bool = True  # a request's blocks scattered over the pool, as an engine's are
     requests: int = 64  # requests per repetition
     window: int = 4  # requests in flight
     reps: int = 7  # repetitions per case, alternating
@@ -141,6 +149,10 @@ class _Case:
         self.receivers: list[Receiver] = []
         self.slots = o.window
         n = o.blocks
+        order = torch.arange(n * self.slots)
+        if o.scattered:
+            order = torch.randperm(n * self.slots, generator=torch.Generator().manual_seed(o.seed))
+        self.slot_ids = [order[k * n : (k + 1) * n].tolist() for k in range(self.slots)]
         try:
             for t in self.prefill:
                 s = Sender(
@@ -156,7 +168,7 @@ class _Case:
                 view = s.pool.kv_bytes_view()
                 ref = packed(t, full, n)
                 for k in range(self.slots):
-                    view[:, k * n : (k + 1) * n] = ref
+                    view[:, self.slot_ids[k]] = ref
             for d in self.decode:
                 r = Receiver(
                     load_receiver_settings(pool=_pool(d, n * self.slots), security=OFF),
@@ -170,10 +182,20 @@ class _Case:
         self.readers = [readers_for(self.decode[0], t) for t in self.prefill]
         self.endpoints = [s.endpoint for s in self.senders]
         self.seq = 0
+        self.descriptors = self._descriptors()
+
+    def _descriptors(self) -> list[int]:
+        """NIXL descriptors per request, per piece (a decode rank's read of one prefill rank)."""
+        ids = np.asarray(self.ids(0), dtype=np.int64)
+        nb = self.o.blocks * self.slots
+        return [
+            len(piece_descriptors(p, d, 0, nb, ids, 0, nb, ids, 0, self.o.layers)[0])
+            for d in self.decode
+            for p in plan_rank(d, self.prefill).pieces
+        ]
 
     def ids(self, slot: int) -> list[int]:
-        n = self.o.blocks
-        return list(range(slot * n, (slot + 1) * n))
+        return self.slot_ids[slot]
 
     def issue(self, slot: int) -> tuple[float, list[TxHandle], list[RxHandle]]:
         """Publish the next request on every prefill rank and fetch it on every decode rank."""
@@ -293,6 +315,7 @@ def run_hetero(o: HeteroOptions) -> dict[str, Any]:
             "p50_ms": _pct(lat, 0.5),
             "p99_ms": _pct(lat, 0.99),
             "verified_requests": verified[name],
+            "descriptors_per_piece": cases[name].descriptors,
         }
     base = figures[BASELINE]
     ratio = {
@@ -335,7 +358,8 @@ def format_hetero(doc: dict[str, Any]) -> str:
     for name, f in doc["cases"].items():
         lines.append(
             f"{name:<14}{f['gbps']:>9.3f}{f['requests_per_s']:>10.1f}{f['p50_ms']:>10.2f}"
-            f"{f['p99_ms']:>10.2f}{f['verified_requests']:>10}"
+            f"{f['p99_ms']:>10.2f}{f['verified_requests']:>10}  "
+            f"{' + '.join(str(n) for n in f['descriptors_per_piece'])}"
         )
     for name, r in doc["ratio"].items():
         label = f"{name}/{doc['baseline']}"
