@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--hetero",
         action="store_true",
         help="heterogeneous TP (1P2D, 2P1D) next to equal TP (1P1D) on real daemons over NIXL, "
-        "same bytes per request, alternating repetitions, ratios to 1P1D; --reps, --json (~1 min)",
+        "same bytes per request, alternating repetitions, ratios to 1P1D; --reps, --json (~15 s)",
     )
     p.add_argument(
         "--scale-peers",
