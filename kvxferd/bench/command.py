@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "off in the same run, and curve/plain; --reps sets the repetitions (~10 s)",
     )
     p.add_argument(
+        "--hetero",
+        action="store_true",
+        help="heterogeneous TP (1P2D, 2P1D) next to equal TP (1P1D) on real daemons over NIXL, "
+        "same bytes per request, alternating repetitions, ratios to 1P1D; --reps, --json (~15 s)",
+    )
+    p.add_argument(
         "--scale-peers",
         dest="scale_peers",
         default="1,8,32,64",
@@ -115,6 +121,8 @@ def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
         return 2
     if getattr(args, "curve_cost", False):
         return main_curve_cost(args)
+    if getattr(args, "hetero", False):
+        return main_hetero(args)
     if getattr(args, "curves", False):
         return main_curves(args, child_module)
     if getattr(args, "scale", False):
@@ -202,6 +210,29 @@ def main_curve_cost(args: argparse.Namespace) -> int:
         print(f"kvxferd bench: {e}", file=sys.stderr)
         return 1
     sys.stdout.write(format_curve_cost(doc))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+def main_hetero(args: argparse.Namespace) -> int:
+    """``kvxferd bench --hetero``: 1P2D and 2P1D next to 1P1D, its table, --json. 0 ok, 1 failed, 2 bad usage."""
+    from kvxferd.bench.hetero import HeteroOptions, format_hetero, run_hetero
+
+    if args.quick or args.only or args.plot_path or args.curves or args.scale:
+        print(
+            "kvxferd bench: --hetero takes none of --quick, --only, --plot, --curves, --scale",
+            file=sys.stderr,
+        )
+        return 2
+    extra: dict[str, Any] = {} if args.reps is None else {"reps": args.reps}
+    try:
+        doc = run_hetero(HeteroOptions(seed=args.seed, timeout_s=args.timeout_s, **extra))
+    except BenchError as e:
+        print(f"kvxferd bench: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_hetero(doc))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(doc, f, indent=1)
