@@ -544,8 +544,20 @@ def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
             assert c.describe().role == "sender"
         with Client(endpoint, timeout_s=0.5) as plain, pytest.raises(EngineUnavailable):
             plain.describe()
-        text = metrics(d.probe_port)
-        assert metric(text, "kvxferd_gateway_handshakes_failed_total", 'kind="protocol"') >= 1
+        # The auth thread counts the failed handshake from the socket's monitor (its poll).
+        wait_until(
+            lambda: (
+                metric(
+                    metrics(d.probe_port),
+                    "kvxferd_gateway_handshakes_failed_total",
+                    'kind="protocol"',
+                )
+                >= 1
+            ),
+            WAIT_S,
+            "the plaintext engine's failed handshake counted",
+            poll=0.1,
+        )
     finally:
         d.kill()
 
