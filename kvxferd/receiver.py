@@ -281,6 +281,18 @@ class Receiver:
 
         declare_topology(self, topology)
 
+    def _check_dialable(self, endpoint: str) -> None:
+        """Refuse a sender endpoint from request data before anything dials it: one libzmq
+        would read otherwise (``bad_endpoint``), or one ``access.dial_allow`` does not admit
+        (``not_authorized``, counted ``endpoints_refused``)."""
+        problem = connect_problem(endpoint)
+        if problem is not None:
+            raise RejectedError(Reason.BAD_ENDPOINT, problem)
+        problem = self.dial_allow.problem(endpoint)
+        if problem is not None:
+            self.stats.add("endpoints_refused")
+            raise RejectedError(Reason.NOT_AUTHORIZED, problem)
+
     def fetch(
         self,
         request_id: str,
@@ -352,13 +364,7 @@ class Receiver:
             raise RejectedError(Reason.DRAINING, "receiver is draining")
         if not _REQUEST_ID.match(request_id):
             raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
-        problem = connect_problem(sender_endpoint)
-        if problem is not None:
-            raise RejectedError(Reason.BAD_ENDPOINT, problem)
-        problem = self.dial_allow.problem(sender_endpoint)
-        if problem is not None:
-            self.stats.add("endpoints_refused")
-            raise RejectedError(Reason.NOT_AUTHORIZED, problem)
+        self._check_dialable(sender_endpoint)
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if blocks.size > self.settings.limits.max_blocks_per_request:
             raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")
@@ -431,13 +437,7 @@ class Receiver:
                     Reason.MALFORMED, f"{len(extra)} {what} for {len(endpoints)} sender endpoints"
                 )
         for ep_ in endpoints:
-            problem = connect_problem(ep_)
-            if problem is not None:
-                raise RejectedError(Reason.BAD_ENDPOINT, problem)
-            problem = self.dial_allow.problem(ep_)
-            if problem is not None:
-                self.stats.add("endpoints_refused")
-                raise RejectedError(Reason.NOT_AUTHORIZED, problem)
+            self._check_dialable(ep_)
         keys = [
             self._expected_sender_key(e, keys[i] if keys else "") for i, e in enumerate(endpoints)
         ]

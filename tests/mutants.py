@@ -269,7 +269,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/receiver.py",
-                "problem = connect_problem(sender_endpoint)",
+                "problem = connect_problem(endpoint)",
                 "problem = None",
             ),
         ),
