@@ -302,19 +302,29 @@ def send_all(aims: list[Aim], budget_s: float) -> float:
 def send_oversized(
     variant: Variant, endpoint: str, header: bytes, max_bytes: int, keys: Keys | None, server: str
 ) -> int:
-    """Send oversized frames, each on a connection of its own; the disconnects libzmq made."""
+    """Send oversized frames, each on a connection of its own; the connections that ended.
+
+    A connection ends in a disconnect (libzmq dropped the oversized frame with it) or, for
+    a peer whose handshake the daemon refuses, possibly in the failed handshake first.
+    """
+    ended_by = (
+        zmq.EVENT_DISCONNECTED
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
     disconnects = 0
     for _ in range(OVERSIZED_PER_SOCKET):
         sock = hostile_socket(variant, endpoint, keys, server)
-        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | ended_by)
         try:
             deadline = time.monotonic() + CALL_S
-            seen: set[int] = set()
+            ended = False
             sock.send_multipart(hostile.oversized(max_bytes, header), zmq.NOBLOCK)
-            while zmq.EVENT_DISCONNECTED not in seen and time.monotonic() < deadline:
+            while not ended and time.monotonic() < deadline:
                 if mon.poll(100):
-                    seen.add(recv_monitor_message(mon)["event"])
-            disconnects += zmq.EVENT_DISCONNECTED in seen
+                    ended = bool(recv_monitor_message(mon)["event"] & ended_by)
+            disconnects += ended
         finally:
             sock.disable_monitor()
             mon.close(linger=0)
