@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.topology import Topology, instance_ranks
+from kvxferd.topology import LAYOUT_ORDER, Topology, instance_ranks
 
 IdArray = npt.NDArray[np.int64]
 Descs = npt.NDArray[np.int64]  # shape (n, 3): address, length, device id
@@ -108,8 +108,8 @@ def check_pair(prefill: Topology, decode: Topology) -> None:
             f"compat hash: prefill {prefill.compat} != decode {decode.compat} "
             "(protocol version, model or dtype differ)"
         )
-    lp, ld = prefill.effective_layout(), decode.effective_layout()
-    if lp is not None and ld is not None and lp != ld:
+    if prefill.effective_order(decode) != decode.effective_order(prefill):
+        lp, ld = prefill.layout, decode.layout
         raise refuse(
             f"layout: prefill {lp} -> decode {ld} is not served "
             f"(one descriptor per plane, head and token; permute after the transfer instead)"
@@ -216,11 +216,8 @@ class InstancePlan:
 
 def _rows(t: Topology, head0: int, heads: IdArray, planes: IdArray, tokens: IdArray) -> IdArray:
     """Index of the head_size-long row (plane, head0 + head, token) in ``t``'s block."""
-    T, H = t.tokens_per_block, t.kv_heads
-    h = head0 + heads
-    if t.layout == "heads_major":
-        return (planes * H + h) * T + tokens
-    return (planes * T + tokens) * H + h
+    st = t.row_strides()
+    return planes * st["P"] + (head0 + heads) * st["H"] + tokens * st["T"]
 
 
 def block_ranges(
@@ -233,13 +230,11 @@ def block_ranges(
     a head slice is one range per plane (heads-major) or one per plane and token
     (tokens-major: ``planes * tokens`` ranges).
     """
-    P, T = dst.kv_planes, dst.tokens_per_block
-    if dst.layout == "heads_major":
-        grid = np.meshgrid(np.arange(P), np.arange(heads), np.arange(T), indexing="ij")
-        p, h, t = (a.ravel().astype(np.int64) for a in grid)
-    else:
-        grid = np.meshgrid(np.arange(P), np.arange(T), np.arange(heads), indexing="ij")
-        p, t, h = (a.ravel().astype(np.int64) for a in grid)
+    sizes = {"P": dst.kv_planes, "H": heads, "T": dst.tokens_per_block}
+    order = LAYOUT_ORDER[dst.layout]
+    grid = np.meshgrid(*(np.arange(sizes[d]) for d in order), indexing="ij")
+    idx = {d: a.ravel().astype(np.int64) for d, a in zip(order, grid, strict=True)}
+    p, h, t = idx["P"], idx["H"], idx["T"]
     s, d = _rows(src, src_head, h, p, t), _rows(dst, dst_head, h, p, t)
     starts = np.flatnonzero(np.concatenate(([True], (np.diff(s) != 1) | (np.diff(d) != 1))))
     row = dst.head_size * dst.elem_bytes

@@ -4,10 +4,20 @@ A :class:`Topology` is the record a rank declares (at attach, and in REGISTER):
 its TP rank and size, its PP stage and that stage's layer range, the KV heads it
 holds out of the model's total, the head size, tokens per block, element size,
 the number of KV planes (2: K and V; 1: MLA's latent) and the layout of one
-layer's block:
+layer's block: the order of its planes (P), heads (H) and tokens (T) dimensions,
+outermost first, ``head_size`` always innermost and the block dense:
 
-* ``heads_major``:  ``[planes, heads, tokens, head_size]``
-* ``tokens_major``: ``[planes, tokens, heads, head_size]``
+* ``heads_major``         ``[planes, heads, tokens, head_size]``  (PHT)
+* ``tokens_major``        ``[planes, tokens, heads, head_size]``  (PTH)
+* ``heads_planes_tokens`` ``[heads, planes, tokens, head_size]``  (HPT: vLLM's CPU backend)
+* ``heads_tokens_planes`` ``[heads, tokens, planes, head_size]``  (HTP: vLLM's ``[H, N, 2 * D]``
+  block with K and V side by side in the last dimension, as FlashAttention reads it)
+* ``tokens_heads_planes`` ``[tokens, heads, planes, head_size]``  (THP: the same, ``LBNHC``)
+* ``tokens_planes_heads`` ``[tokens, planes, heads, head_size]``  (TPH)
+
+Two layouts are the same bytes when they order their dimensions of size above 1
+alike (:meth:`Topology.effective_order`): one head, one token or one plane make
+some of them coincide.
 
 The record is self-consistent or it does not exist: ``__post_init__`` checks it
 both when built here and when msgspec decodes it from the wire (a peer's
@@ -29,12 +39,29 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Literal, Protocol, cast
 
 import msgspec
 from msgspec import Meta
 
-LayoutKind = Literal["heads_major", "tokens_major"]
+LayoutKind = Literal[
+    "heads_major",
+    "tokens_major",
+    "heads_planes_tokens",
+    "heads_tokens_planes",
+    "tokens_heads_planes",
+    "tokens_planes_heads",
+]
+
+# Each layout's (planes, heads, tokens) order inside a block, outermost first.
+LAYOUT_ORDER: dict[str, str] = {
+    "heads_major": "PHT",
+    "tokens_major": "PTH",
+    "heads_planes_tokens": "HPT",
+    "heads_tokens_planes": "HTP",
+    "tokens_heads_planes": "THP",
+    "tokens_planes_heads": "TPH",
+}
 
 _Small = Annotated[int, Meta(ge=0, le=4095)]
 _Count = Annotated[int, Meta(ge=1, le=4096)]
@@ -154,11 +181,25 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def num_stage_layers(self) -> int:
         return self.layer_end - self.layer_begin
 
-    def effective_layout(self) -> LayoutKind | None:
-        """The layout, or None when both orders are the same bytes (one head or one token)."""
-        if self.kv_heads == 1 or self.tokens_per_block == 1:
-            return None
-        return self.layout
+    def row_strides(self) -> dict[str, int]:
+        """Stride of the plane (P), head (H) and token (T) index, in rows of ``head_size``."""
+        sizes = self.sizes()
+        strides, step = {}, 1
+        for dim in reversed(LAYOUT_ORDER[self.layout]):
+            strides[dim] = step
+            step *= sizes[dim]
+        return strides
+
+    def sizes(self) -> dict[str, int]:
+        """The block's plane (P), head (H) and token (T) counts."""
+        return {"P": self.kv_planes, "H": self.kv_heads, "T": self.tokens_per_block}
+
+    def effective_order(self, other: Topology | None = None) -> str:
+        """The layout's order of its dimensions of size above 1 (here and in ``other``):
+        "PT" for a one-head heads-major block. Equal effective orders are the same bytes."""
+        mine = self.sizes()
+        theirs = other.sizes() if other is not None else mine
+        return "".join(d for d in LAYOUT_ORDER[self.layout] if mine[d] > 1 and theirs[d] > 1)
 
 
 def _inconsistency(t: Topology) -> str:
@@ -282,7 +323,7 @@ def layout_of(
 
     ``tensor``'s logical shape must end in ``[planes, heads, tokens, head_size]``
     (leading dimensions such as layers and blocks are allowed); its strides say
-    whether memory runs heads-major or tokens-major. One block must be dense, and
+    which of the layouts memory runs in. One block must be dense, and
     blocks must not overlap. Anything else (a padded, transposed or otherwise
     strided view) raises ``ValueError``: the mapping would move the wrong bytes
     (vLLM #37703: a backend that ignored the requested layout broke head slicing).
@@ -296,36 +337,30 @@ def layout_of(
     p_s, h_s, t_s, d_s = strides[-4:]
     block = kv_planes * kv_heads * tokens * head_size
 
-    def fits(order: dict[str, int], expected: dict[str, int]) -> bool:
-        # A dimension of size 1 may carry any stride.
-        return all(
-            order[k] == expected[k] for k in order if dict(zip("PHTD", want, strict=True))[k] > 1
-        )
+    sizes = dict(zip("PHTD", want, strict=True))
+    got = dict(zip("PHTD", (p_s, h_s, t_s, d_s), strict=True))
 
-    got = {"P": p_s, "H": h_s, "T": t_s, "D": d_s}
-    heads_major = {
-        "D": 1,
-        "T": head_size,
-        "H": tokens * head_size,
-        "P": kv_heads * tokens * head_size,
-    }
-    tokens_major = {
-        "D": 1,
-        "H": head_size,
-        "T": kv_heads * head_size,
-        "P": tokens * kv_heads * head_size,
-    }
-    kind: LayoutKind | None = None
-    if fits(got, heads_major):
-        kind = "heads_major"
-    elif fits(got, tokens_major):
-        kind = "tokens_major"
-    if kind is None:
+    def expected(kind: str) -> dict[str, int]:
+        out, step = {"D": 1}, head_size
+        for dim in reversed(LAYOUT_ORDER[kind]):
+            out[dim] = step
+            step *= sizes[dim]
+        return out
+
+    # A dimension of size 1 may carry any stride; of the layouts that fit, the first
+    # named wins (they are then the same bytes: see Topology.effective_order).
+    fitting = [
+        k
+        for k in LAYOUT_ORDER
+        if all(got[d] == e for d, e in expected(k).items() if sizes[d] > 1)
+    ]
+    if not fitting:
+        shown = ", ".join(f"{k} {[expected(k)[d] for d in 'PHTD']}" for k in LAYOUT_ORDER)
         raise ValueError(
             f"KV tensor strides {list(strides[-4:])} for [planes, heads, tokens, head_size] "
-            f"{list(want)} are neither heads-major {[heads_major[k] for k in 'PHTD']} "
-            f"nor tokens-major {[tokens_major[k] for k in 'PHTD']} (dense)"
+            f"{list(want)} match no dense layout ({shown})"
         )
+    kind = cast(LayoutKind, fitting[0])
     for size, stride in zip(shape[:-4], strides[:-4], strict=True):
         if size > 1 and (stride < block or stride % block):
             raise ValueError(

@@ -138,6 +138,8 @@ DAEMON_CASES: list[tuple[str, LayoutKind]] = [
     ("1P2D (TP1->TP2)", "heads_major"),
     ("1P2D (TP1->TP2)", "tokens_major"),
     ("2P1D (TP2->TP1)", "heads_major"),
+    ("2P1D (TP2->TP1)", "heads_planes_tokens"),  # vLLM's CPU backend
+    ("1P2D (TP1->TP2)", "heads_tokens_planes"),  # vLLM's [H, N, 2 * D] blocks
     ("2P4D", "tokens_major"),
     ("4P2D", "heads_major"),
     ("PP2->PP1", "heads_major"),

@@ -207,6 +207,23 @@ class TestLayoutOf:
         assert layout_of(mem, self.P, 1, self.T, self.D) == "heads_major"
 
     @pytest.mark.parametrize(
+        ("memory", "kind"),
+        [
+            ("HPT", "heads_planes_tokens"),
+            ("HTP", "heads_tokens_planes"),
+            ("THP", "tokens_heads_planes"),
+            ("TPH", "tokens_planes_heads"),
+        ],
+    )
+    def test_planes_inside_heads_or_tokens(self, memory: str, kind: str) -> None:
+        """Memory with K and V inside each head or token (vLLM's [H, N, 2 * D] blocks) is named by its order."""
+        sizes = {"P": self.P, "H": self.H, "T": self.T}
+        mem = torch.zeros(10, *(sizes[d] for d in memory), self.D)
+        view = mem.permute(0, *(1 + memory.index(d) for d in "PHT"), 4)
+        assert view.shape[-4:] == (self.P, self.H, self.T, self.D)
+        assert layout_of(view, self.P, self.H, self.T, self.D) == kind
+
+    @pytest.mark.parametrize(
         "make",
         [
             # head_size not innermost
@@ -222,7 +239,7 @@ class TestLayoutOf:
     def test_neither_is_refused(self, make: object) -> None:
         """Strides that are neither dense order raise, naming what they are."""
         t = make(self.P, self.H, self.T, self.D)  # type: ignore[operator]
-        with pytest.raises(ValueError, match="neither|whole number"):
+        with pytest.raises(ValueError, match="no dense layout|whole number"):
             layout_of(t, self.P, self.H, self.T, self.D)
 
     def test_wrong_shape(self) -> None:

@@ -33,7 +33,14 @@ from kvxferd.reshard import (
     prepared_indices,
     prepared_list,
 )
-from kvxferd.topology import LayoutKind, Topology, compat_hash, instance_ranks, make_topology
+from kvxferd.topology import (
+    LAYOUT_ORDER,
+    LayoutKind,
+    Topology,
+    compat_hash,
+    instance_ranks,
+    make_topology,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,6 +109,9 @@ SWEEP = {
 LAYOUTS: list[tuple[LayoutKind, LayoutKind]] = [
     ("heads_major", "heads_major"),
     ("tokens_major", "tokens_major"),
+    ("heads_planes_tokens", "heads_planes_tokens"),  # vLLM's CPU backend
+    ("heads_tokens_planes", "heads_tokens_planes"),  # vLLM's [H, N, 2 * D], K and V side by side
+    ("tokens_heads_planes", "tokens_heads_planes"),  # the same, LBNHC
 ]
 
 
@@ -117,10 +127,8 @@ def _packed(t: Topology, full: torch.Tensor) -> torch.Tensor:
     h0, h1 = t.head_range
     x = full[t.layer_begin : t.layer_end, :, h0:h1]  # [L, P, h, n*T, D]
     x = x.reshape(x.shape[0], t.kv_planes, h1 - h0, REQ_BLOCKS, TOKENS, HEAD_SIZE)
-    if t.layout == "heads_major":
-        x = x.permute(0, 3, 1, 2, 4, 5)  # [L, n, P, h, T, D]
-    else:
-        x = x.permute(0, 3, 1, 4, 2, 5)  # [L, n, P, T, h, D]
+    dims = {"P": 1, "H": 2, "T": 4}  # [L, P, h, n, T, D] -> [L, n, <its order>, D]
+    x = x.permute(0, 3, *(dims[d] for d in LAYOUT_ORDER[t.layout]), 5)
     return x.contiguous().view(torch.uint8).reshape(x.shape[0], REQ_BLOCKS, -1)
 
 

@@ -52,7 +52,14 @@ from kvxferd.receiver import Receiver, RxHandle
 from kvxferd.reshard import piece_descriptors, plan_rank, readers_for
 from kvxferd.sender import Sender, TxHandle
 from kvxferd.session import RxState, TxState
-from kvxferd.topology import LayoutKind, Topology, compat_hash, instance_ranks, make_topology
+from kvxferd.topology import (
+    LAYOUT_ORDER,
+    LayoutKind,
+    Topology,
+    compat_hash,
+    instance_ranks,
+    make_topology,
+)
 
 ELEM = 2  # float16
 CASES: dict[str, tuple[int, int]] = {"1P1D": (1, 1), "1P2D": (1, 2), "2P1D": (2, 1)}
@@ -120,10 +127,8 @@ def packed(t: Topology, full: torch.Tensor, blocks: int) -> torch.Tensor:
     h0, h1 = t.head_range
     x = full[t.layer_begin : t.layer_end, :, h0:h1]
     x = x.reshape(x.shape[0], t.kv_planes, h1 - h0, blocks, t.tokens_per_block, t.head_size)
-    if t.layout == "heads_major":
-        x = x.permute(0, 3, 1, 2, 4, 5)  # [L, n, P, h, T, D]
-    else:
-        x = x.permute(0, 3, 1, 4, 2, 5)  # [L, n, P, T, h, D]
+    dims = {"P": 1, "H": 2, "T": 4}  # [L, P, h, n, T, D] -> [L, n, <its order>, D]
+    x = x.permute(0, 3, *(dims[d] for d in LAYOUT_ORDER[t.layout]), 5)
     return x.contiguous().view(torch.uint8).reshape(x.shape[0], blocks, -1)
 
 
