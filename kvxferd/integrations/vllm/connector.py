@@ -6,7 +6,10 @@ class only routes vLLM's calls to :class:`SchedulerSide` or :class:`WorkerSide`
 and checks at start that the deployment is one it serves:
 
 * ``kv_role`` ``kv_producer`` (a sender daemon) or ``kv_consumer`` (a receiver daemon);
-* one KV cache group of full attention, tensor and pipeline parallel size 1;
+* one KV cache group of full attention (no MLA yet); with tensor or pipeline
+  parallelism one daemon per worker (``{rank}`` in ``engine_socket``);
+* every worker declares its rank's topology record (geometry.KvGeometry.topology) to
+  its daemon, so prefill and decode may shard differently (docs/topology.md);
 * the daemon's ``[pool]`` fits the KV tensors vLLM allocated (else ConfigError naming
   the values; ``python -m kvxferd.integrations.vllm pool-config`` prints them);
   with ``zero_copy`` it holds them: vLLM's KV cache is seated on the pool.
@@ -26,7 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvxferd.client import Client, EngineError
 from kvxferd.errors import ConfigError
-from kvxferd.integrations.vllm.geometry import blocks_for
+from kvxferd.integrations.vllm.geometry import ModelShard, blocks_for
 from kvxferd.integrations.vllm.metadata import StepPlan
 from kvxferd.integrations.vllm.scheduler import SchedulerSide
 from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
@@ -39,13 +42,15 @@ __all__ = ["KvxferdConnector"]
 
 
 class SenderMoved(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker -> scheduler: the sender daemon restarted on another listen endpoint."""
+    """Worker -> scheduler: sender daemons that restarted on another listen endpoint, by rank."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
+    def __init__(self, moved: dict[int, str]) -> None:
+        self.moved = moved
 
     def aggregate(self, other: Any) -> Any:
-        return other  # the latest move wins
+        if isinstance(other, SenderMoved):  # every worker's move; the latest per rank wins
+            return SenderMoved({**self.moved, **other.moved})
+        return self
 
 
 class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -64,10 +69,17 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "with a sender daemon) or kv_consumer (decode, with a receiver daemon)"
             )
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+        self.tp_size: int = par.tensor_parallel_size
+        self.pp_size: int = par.pipeline_parallel_size
+        if self.tp_size * self.pp_size > 1 and "{rank}" not in self.settings.engine_socket:
             raise ConfigError(
-                "the kvxferd connector supports tensor_parallel_size = pipeline_parallel_size = 1"
+                f"tensor_parallel_size {self.tp_size} x pipeline_parallel_size {self.pp_size}: "
+                "each vLLM worker needs its own kvxferd daemon; put {rank} in "
+                "kv_connector_extra_config['engine_socket'] (e.g. "
+                "'ipc:///run/kvxferd/engine-{rank}.sock')"
             )
+        if vllm_config.model_config.use_mla:
+            raise ConfigError("MLA models are not supported by the kvxferd vLLM connector yet")
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError(
                 "the kvxferd connector supports one KV cache group (full attention) only"
@@ -79,34 +91,46 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            sender, key = self._sender_endpoint() if producer else (None, "")
+            senders = (
+                [self._sender_endpoint(r) for r in range(self.tp_size * self.pp_size)]
+                if producer
+                else []
+            )
             self._sched = SchedulerSide(
                 producer=producer,
                 consumer=consumer,
                 block_size=self.block_size,
-                sender=sender,
+                sender=senders[0][0] if senders else None,
                 zero_copy=self.settings.zero_copy,
-                sender_key=key,
+                sender_key=senders[0][1] if senders else "",
+                senders=[e for e, _ in senders],
+                sender_keys=[k for _, k in senders],
             )
         else:
-            self._worker = WorkerSide(self.settings, producer=producer, consumer=consumer)
+            self._worker = WorkerSide(
+                self.settings,
+                producer=producer,
+                consumer=consumer,
+                shard=_model_shard(vllm_config, self.settings),
+            )
 
-    def _sender_endpoint(self) -> tuple[str, str]:
-        """The sender daemon's listen endpoint, which decode instances fetch from, and its
-        CURVE public key ("" with security off), which they must expect there."""
-        client = Client(self.settings.engine_socket, timeout_s=self.settings.call_timeout_s)
+    def _sender_endpoint(self, rank: int) -> tuple[str, str]:
+        """Rank ``rank``'s sender daemon's listen endpoint, which decode instances fetch
+        from, and its CURVE public key ("" with security off), which they must expect there."""
+        socket = self.settings.engine_socket_of(rank)
+        client = Client(socket, timeout_s=self.settings.call_timeout_s)
         try:
             info = client.describe()
         except EngineError as e:
             raise ConfigError(
-                f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r}: "
+                f"kv_connector_extra_config['engine_socket'] = {socket!r} (rank {rank}): "
                 f"no kvxferd sender daemon answers ({e})"
             ) from None
         finally:
             client.close_client()
         if info.role != "sender" or not info.endpoint:
             raise ConfigError(
-                f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r} is a "
+                f"kv_connector_extra_config['engine_socket'] = {socket!r} is a "
                 f"{info.role} daemon; a kv_producer needs a sender"
             )
         return info.endpoint, info.public_key
@@ -149,8 +173,10 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return r.finished_sending or None, r.finished_recving or None
 
     def build_connector_worker_meta(self) -> Any:
-        moved = self._worker.take_moved_endpoint() if self._worker is not None else None
-        return None if moved is None else SenderMoved(moved)
+        w = self._worker
+        moved = w.take_moved_endpoint() if w is not None else None
+        rank = w.shard.rank if w is not None and w.shard is not None else 0
+        return None if moved is None else SenderMoved({rank: moved})
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -195,4 +221,44 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._sched.update_connector_output(connector_output.finished_recving)
         moved = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(moved, SenderMoved) and self._sched.producer:
-            self._sched.sender = moved.endpoint  # params of later prefills name it
+            for rank, endpoint in moved.moved.items():  # params of later prefills name it
+                self._sched.sender_moved(rank, endpoint)
+
+
+def _model_shard(vllm_config: Any, settings: ConnectorSettings) -> ModelShard:
+    """What vLLM says of the model and of this worker's rank (a worker process)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.distributed.utils import get_pp_indices
+
+    mc, par = vllm_config.model_config, vllm_config.parallel_config
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    tp_rank = pp_stage = 0
+    if tp > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
+    if pp > 1:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp_stage = get_pp_group().rank_in_group
+    layers = mc.get_total_num_hidden_layers()
+    bounds = [get_pp_indices(layers, s, pp)[0] for s in range(pp)] + [layers]
+    try:
+        backend = get_current_attn_backends(vllm_config)[0].get_name()
+    except Exception as e:  # noqa: BLE001 - the name only enters the compat hash
+        raise ConfigError(f"cannot tell vLLM's attention backend: {e}") from None
+    return ModelShard(
+        model_id=settings.model_id or str(mc.model),
+        backend=str(backend),
+        num_layers=layers,
+        kv_heads_total=mc.get_total_num_kv_heads(),
+        kv_heads=mc.get_num_kv_heads(par),
+        head_size=mc.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+        tp_rank=tp_rank,
+        tp_size=tp,
+        pp_stage=pp_stage,
+        pp_size=pp,
+        pp_layer_bounds=tuple(bounds),
+        zero_copy=settings.zero_copy,
+    )

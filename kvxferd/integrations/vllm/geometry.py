@@ -42,6 +42,15 @@ import torch
 
 from kvxferd.engine_protocol import PoolInfo
 from kvxferd.errors import ConfigError
+from kvxferd.protocol import PROTOCOL_VERSION
+from kvxferd.topology import (
+    DTYPE_BYTES,
+    LayoutKind,
+    Topology,
+    compat_hash,
+    even_layer_bounds,
+    make_topology,
+)
 
 _POOL_DTYPES: dict[torch.dtype, str] = {
     torch.float16: "float16",
@@ -61,6 +70,30 @@ _CONFIG_DTYPES = {
     "float32": "float32",
     "float": "float32",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShard:
+    """What vLLM says of the model and of this worker's shard of it (the record's inputs)."""
+
+    model_id: str  # the model's identity both instances must share (in the compat hash)
+    backend: str  # the attention backend's name (its reading of a block is in the hash)
+    num_layers: int  # attention layers of the whole model
+    kv_heads_total: int
+    kv_heads: int  # this worker's KV heads
+    head_size: int
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_stage: int = 0
+    pp_size: int = 1
+    pp_layer_bounds: tuple[int, ...] = ()  # every stage's first layer, then num_layers
+    zero_copy: bool = False
+
+    @property
+    def rank(self) -> int:
+        """The worker's rank in its instance: ``pp_stage * tp_size + tp_rank``."""
+        return self.pp_stage * self.tp_size + self.tp_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +259,79 @@ class KvGeometry:
                 f"Set in its configuration:\n{need.toml(max(lay.num_blocks, blocks_per_request))}"
                 f"(python -m kvxferd.integrations.vllm pool-config prints this section)"
             )
+
+    # -- the topology record ------------------------------------------------------------
+    def topology(self, model: ModelShard) -> Topology:
+        """This worker's record (kvxferd/topology.py): how its pool holds its shard of the KV.
+
+        vLLM's KV tensor of a layer is ``[blocks, kv_heads, block_size, 2 * head_size]``
+        (vLLM's logical ``[B, H, N, C]``), whatever its memory order. In copy mode a pool
+        block is that block in logical order ``[H, N, C]``; in zero copy it is the block
+        in memory order (``[H, N, C]`` or ``[N, H, C]``, read from the strides). What
+        ``C`` holds is the attention backend's choice: the CPU backend reads each head's
+        ``[N, 2 * D]`` as ``[2, N, D]`` (K rows, then V rows), the others split ``C`` into
+        K and V side by side. ConfigError when the tensors are not of that shape.
+        """
+        lay = self.layers[0]
+        want = (model.kv_heads, model.block_size, 2 * model.head_size)
+        if lay.block_dim != 0 or tuple(lay.kv.shape[1:]) != want:
+            raise ConfigError(
+                f"vLLM's KV tensor {lay.name} {tuple(lay.kv.shape)} (blocks on dim "
+                f"{lay.block_dim}) is not [blocks, kv_heads, block_size, 2 * head_size] = "
+                f"[{self.num_blocks}, {want[0]}, {want[1]}, {want[2]}]: no topology record"
+            )
+        heads_outer = True
+        if model.zero_copy:
+            _, inner = _planes(lay)
+            if inner != self.block_elems:
+                raise ConfigError(
+                    f"zero_copy: vLLM's KV tensor {lay.name} strides {lay.kv.stride()} split a "
+                    "block over pool layers: no topology record"
+                )
+            heads_outer = lay.kv.stride(1) > lay.kv.stride(2)
+        layout: LayoutKind
+        if model.backend == "CPU_ATTN":
+            if not heads_outer:
+                raise ConfigError("the CPU attention backend needs heads outermost in a block")
+            layout = "heads_planes_tokens"
+        else:
+            layout = "heads_tokens_planes" if heads_outer else "tokens_heads_planes"
+        bounds = model.pp_layer_bounds or even_layer_bounds(model.num_layers, model.pp_size)
+        first, end = bounds[model.pp_stage], bounds[model.pp_stage + 1]
+        if end - first != len(self.layers):
+            raise ConfigError(
+                f"pipeline stage {model.pp_stage} holds layers [{first}, {end}) by vLLM's "
+                f"partition, but {len(self.layers)} KV tensors were registered"
+            )
+        name = str(self.torch_dtype).removeprefix("torch.")
+        dtype = name if name in DTYPE_BYTES else self.shape.dtype
+        compat = compat_hash(
+            PROTOCOL_VERSION,
+            f"vllm:{model.model_id}:{model.backend}",
+            dtype,
+            model.num_layers,
+            model.kv_heads_total,
+            model.head_size,
+            2,
+        )
+        try:
+            return make_topology(
+                compat=compat,
+                tp_rank=model.tp_rank,
+                tp_size=model.tp_size,
+                pp_stage=model.pp_stage,
+                pp_size=model.pp_size,
+                num_layers=model.num_layers,
+                kv_heads_total=model.kv_heads_total,
+                head_size=model.head_size,
+                tokens_per_block=model.block_size,
+                elem_bytes=self.torch_dtype.itemsize,
+                kv_planes=2,
+                layout=layout,
+                pp_layer_bounds=bounds,
+            )
+        except ValueError as e:
+            raise ConfigError(f"vLLM's parallel layout has no topology record: {e}") from None
 
     # -- copies (the engine thread; the pool blocks are the connector's own) ----------------
     def save(self, pool: torch.Tensor, block_ids: list[int], pool_ids: list[int]) -> None:

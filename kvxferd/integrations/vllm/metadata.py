@@ -9,8 +9,17 @@ kv_transfer_params (the standard vLLM P/D flow; a proxy forwards them unchanged)
                        "kvxferd_num_tokens": P,        prompt tokens whose KV was published
                        "kvxferd_num_blocks": B,        vLLM blocks (ceil(P / block_size))
                        "kvxferd_token": "...",         the fetch token the publish requires
-                       "kvxferd_sender_key": "..."}    the sender's CURVE key ("" when off)
+                       "kvxferd_sender_key": "...",    the sender's CURVE key ("" when off)
+                       "kvxferd_senders": [...],       every prefill rank's sender endpoint,
+                                                       rank order (rank 0 = kvxferd_sender)
+                       "kvxferd_sender_keys": [...]}   their CURVE keys, same order
     decode request    the prefill output's params, unchanged
+
+Every worker declares its rank's topology to its daemon; a decode worker fetches
+naming the whole prefill instance (``kvxferd_senders``) and its daemon reads from
+each prefill rank what the reshard mapping gives it (docs/topology.md). Params
+without ``kvxferd_senders`` (an older connector) are fetched from ``kvxferd_sender``
+alone, which serves equal parallelism only.
 
 The scheduler side tells the worker side what to do in one :class:`StepPlan`
 per engine step (vLLM's connector metadata); the worker reports completions
@@ -30,6 +39,9 @@ NUM_TOKENS = "kvxferd_num_tokens"
 NUM_BLOCKS = "kvxferd_num_blocks"
 TOKEN = "kvxferd_token"
 SENDER_KEY = "kvxferd_sender_key"
+SENDERS = "kvxferd_senders"
+SENDER_KEYS = "kvxferd_sender_keys"
+MAX_RANKS = 4096  # prefill ranks a params may list
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +54,8 @@ class RemoteKv:
     num_blocks: int
     token: str = ""  # the fetch token the sender requires for this transfer
     sender_key: str = ""  # the sender daemon's CURVE public key (Z85); "" with security off
+    senders: tuple[str, ...] = ()  # every prefill rank's endpoint (a topology was declared)
+    sender_keys: tuple[str, ...] = ()  # their keys, same order
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> RemoteKv | None:
@@ -54,9 +68,16 @@ class RemoteKv:
         except (KeyError, TypeError, ValueError):
             return None
         token, key = params.get(TOKEN, ""), params.get(SENDER_KEY, "")
+        senders, keys = params.get(SENDERS, []), params.get(SENDER_KEYS, [])
         if not all(isinstance(v, str) for v in (tid, sender, token, key)):
             return None
-        return cls(tid, sender, num_tokens, num_blocks, token, key)
+        if not (isinstance(senders, list | tuple) and isinstance(keys, list | tuple)):
+            return None
+        if len(senders) > MAX_RANKS or not all(isinstance(v, str) for v in (*senders, *keys)):
+            return None
+        if senders and (senders[0] != sender or len(keys) != len(senders)):
+            return None
+        return cls(tid, sender, num_tokens, num_blocks, token, key, tuple(senders), tuple(keys))
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -68,6 +89,11 @@ class RemoteKv:
             NUM_BLOCKS: self.num_blocks,
             TOKEN: self.token,
             SENDER_KEY: self.sender_key,
+            **(
+                {SENDERS: list(self.senders), SENDER_KEYS: list(self.sender_keys)}
+                if self.senders
+                else {}
+            ),
         }
 
 

@@ -64,6 +64,8 @@ class SchedulerSide:
         sender: str | None,
         zero_copy: bool = False,
         sender_key: str = "",
+        senders: list[str] | None = None,
+        sender_keys: list[str] | None = None,
     ) -> None:
         if producer and sender is None:
             raise ValueError("a producer needs its sender daemon's endpoint")
@@ -72,6 +74,9 @@ class SchedulerSide:
         self.block_size = block_size
         self.sender = sender
         self.sender_key = sender_key
+        # Every prefill rank's sender endpoint and key, rank order (rank 0: sender).
+        self.senders = list(senders or ([sender] if sender else []))
+        self.sender_keys = list(sender_keys or [sender_key] * len(self.senders))
         self.zero_copy = zero_copy
         self._kv_cache_manager: Any = None
         self._to_save: dict[str, Any] = {}  # req id -> vLLM Request, prompt not yet complete
@@ -147,7 +152,14 @@ class SchedulerSide:
             # A fetch token per transfer: only who holds this request's params may fetch it.
             token = secrets.token_urlsafe(16)
             remote = RemoteKv(
-                transfer_id(rid), self.sender, num_tokens, num_blocks, token, self.sender_key
+                transfer_id(rid),
+                self.sender,
+                num_tokens,
+                num_blocks,
+                token,
+                self.sender_key,
+                tuple(self.senders),
+                tuple(self.sender_keys),
             )
             self._plan.saves.append(Save(rid, remote.transfer_id, tuple(block_ids), token))
             self._published[rid] = remote
@@ -172,6 +184,13 @@ class SchedulerSide:
             return self.zero_copy, published.to_params()
         self._plan.unpublish.append(published.transfer_id)
         return self.zero_copy, None
+
+    def sender_moved(self, rank: int, endpoint: str) -> None:
+        """Rank ``rank``'s sender daemon restarted on ``endpoint``: later params name it."""
+        if 0 <= rank < len(self.senders):
+            self.senders[rank] = endpoint
+        if rank == 0:
+            self.sender = endpoint
 
     def update_connector_output(self, finished_recving: set[str] | None) -> None:
         for rid in finished_recving or ():

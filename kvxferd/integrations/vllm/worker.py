@@ -57,10 +57,12 @@ import torch
 
 from kvxferd.client import AsyncClient, Client, EngineError, EngineRejected, attach_pool
 from kvxferd.engine_protocol import EngineReason, Outcome, PoolInfo
-from kvxferd.errors import ConfigError
-from kvxferd.integrations.vllm.geometry import KvGeometry
+from kvxferd.errors import ConfigError, RejectedError
+from kvxferd.integrations.vllm.geometry import KvGeometry, ModelShard
 from kvxferd.integrations.vllm.metadata import Load, RemoteKv, Save, StepPlan
 from kvxferd.integrations.vllm.settings import ConnectorSettings
+from kvxferd.reshard import readers_for
+from kvxferd.topology import Topology, make_topology
 
 log = logging.getLogger("kvxferd.integrations.vllm")
 
@@ -161,13 +163,30 @@ class _Sent:
 
 
 class WorkerSide:
-    """The connector's worker half for one vLLM worker (TP = 1, one daemon per worker)."""
+    """The connector's worker half for one vLLM worker (one daemon per worker).
 
-    def __init__(self, settings: ConnectorSettings, *, producer: bool, consumer: bool) -> None:
+    ``shard``: what vLLM says of the model and of this worker's rank; the worker
+    declares its topology record (``KvGeometry.topology``) to its daemon at start, a
+    producer publishes each request for the decode ranks that read this rank
+    (``readers_for``), a consumer fetches naming the prefill instance.
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        *,
+        producer: bool,
+        consumer: bool,
+        shard: ModelShard | None = None,
+    ) -> None:
         self.settings = settings
         self.producer = producer
         self.consumer = consumer
         self.role = "sender" if producer else "receiver"
+        self.shard = shard
+        self.engine_socket = settings.engine_socket_of(shard.rank if shard else 0)
+        self.topology: Topology | None = None
+        self.readers = 1  # producers: decode ranks reading each request of this rank
         self.stats = Stats()
         self.geometry: KvGeometry | None = None
         self.zero_copy = settings.zero_copy
@@ -196,7 +215,7 @@ class WorkerSide:
         self._posted_id = ""  # loop only: the daemon incarnation last handed to the engine thread
         self._confirmed_id, self._confirmed_at = "", 0.0  # loop only: last describe() that matched
         self._loop = asyncio.new_event_loop()
-        self._client = AsyncClient(settings.engine_socket, timeout_s=settings.call_timeout_s)
+        self._client = AsyncClient(self.engine_socket, timeout_s=settings.call_timeout_s)
         self._io = threading.Thread(
             target=self._loop.run_forever, name="kvxferd-vllm-io", daemon=True
         )
@@ -212,34 +231,76 @@ class WorkerSide:
             self.geometry.check_resident(info, self.role)
         else:
             self.geometry.check_pool(info, blocks_per_request, self.role)
+        if self.shard is not None:
+            self.topology = self.geometry.topology(self.shard)
+            if self.producer:
+                self.readers = self._readers(self.topology)
+            info = self._describe_once(self.topology)
         self._daemon = self._attach(info)
         if self.zero_copy:
             self.geometry.seat(self._daemon.pool, info.layout.num_blocks)
         self._blocks_per_request = blocks_per_request
         self._io.start()
+        t = self.topology
         log.info(
-            "kvxferd connector (%s, %s) on %s: %s; pool of %d blocks",
+            "kvxferd connector (%s, %s) on %s: %s; pool of %d blocks; %s",
             "producer" if self.producer else "consumer",
             "zero copy" if self.zero_copy else "copy",
-            self.settings.engine_socket,
+            self.engine_socket,
             self.geometry.describe(),
             info.layout.num_blocks,
+            "no topology record"
+            if t is None
+            else f"rank {t.rank} (TP {t.tp_rank}/{t.tp_size}, PP {t.pp_stage}/{t.pp_size}), "
+            f"layers [{t.layer_begin}, {t.layer_end}), heads {list(t.head_range)}, {t.layout}"
+            + (f", {self.readers} decode reader(s) per request" if self.producer else ""),
         )
 
-    def _describe_once(self) -> PoolInfo:
-        client = Client(self.settings.engine_socket, timeout_s=self.settings.call_timeout_s)
+    def _readers(self, mine: Topology) -> int:
+        """How many decode ranks read each request of this prefill rank (the decode instance
+        is ``decode_tp_size`` x ``decode_pp_size`` ranks of the same model and layout)."""
+        s = self.settings
         try:
-            info = client.describe()
+            decode = make_topology(
+                compat=mine.compat,
+                tp_rank=0,
+                tp_size=s.decode_tp_size or mine.tp_size,
+                pp_size=s.decode_pp_size,
+                num_layers=mine.num_layers,
+                kv_heads_total=mine.kv_heads_total,
+                head_size=mine.head_size,
+                tokens_per_block=mine.tokens_per_block,
+                elem_bytes=mine.elem_bytes,
+                kv_planes=mine.kv_planes,
+                layout=mine.layout,
+            )
+            return readers_for(decode, mine)
+        except (ValueError, RejectedError) as e:
+            raise ConfigError(
+                f"kv_connector_extra_config decode_tp_size / decode_pp_size: no decode instance "
+                f"of that shape can read this one: {e}"
+            ) from None
+
+    def _describe_once(self, topology: Topology | None = None) -> PoolInfo:
+        """The daemon's description (and, with ``topology``, declare this rank's record)."""
+        client = Client(self.engine_socket, timeout_s=self.settings.call_timeout_s)
+        try:
+            info = client.describe(topology=topology)
+        except EngineRejected as e:
+            raise ConfigError(
+                f"the {self.role} daemon at {self.engine_socket!r} refused this worker's "
+                f"topology record: {e}"
+            ) from None
         except EngineError as e:
             raise ConfigError(
-                f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r}: "
+                f"kv_connector_extra_config['engine_socket'] = {self.engine_socket!r}: "
                 f"no kvxferd {self.role} daemon answers ({e})"
             ) from None
         finally:
             client.close_client()
         if info.role != self.role:
             raise ConfigError(
-                f"kv_connector_extra_config['engine_socket'] = {self.settings.engine_socket!r} is a "
+                f"kv_connector_extra_config['engine_socket'] = {self.engine_socket!r} is a "
                 f"{info.role} daemon; a {'kv_producer' if self.producer else 'kv_consumer'} needs a {self.role}"
             )
         return info
@@ -515,10 +576,14 @@ class WorkerSide:
             try:
                 if s.token:
                     h = (
-                        await self._client.publish_for(s.transfer_id, ids, token=s.token)
+                        await self._client.publish_for(
+                            s.transfer_id, ids, token=s.token, expected_fetches=self.readers
+                        )
                     ).handle_id
                 else:
-                    h = await self._client.publish(s.transfer_id, ids)
+                    h = await self._client.publish(
+                        s.transfer_id, ids, expected_fetches=self.readers
+                    )
             except EngineRejected as e:
                 self.stats.add(save_failures=1)
                 log.error("request %s: publish refused: %s", s.req_id, e)
@@ -552,6 +617,7 @@ class WorkerSide:
                     want_aux=False,
                     token=r.token,
                     sender_key=r.sender_key,
+                    **self._instance(r),
                 )
             except EngineRejected as e:
                 self._done.put(_Loaded(ld, d, ids, None, None, f"fetch refused: {e}"))
@@ -582,7 +648,13 @@ class WorkerSide:
     async def _release_remote(self, r: RemoteKv, d: _Daemon, ids: list[int]) -> None:
         try:
             h = await self._client.fetch(
-                r.transfer_id, r.sender, ids, want_aux=False, token=r.token, sender_key=r.sender_key
+                r.transfer_id,
+                r.sender,
+                ids,
+                want_aux=False,
+                token=r.token,
+                sender_key=r.sender_key,
+                **self._instance(r),
             )
             await self._client.cancel(h)
         except EngineError as e:
@@ -591,6 +663,17 @@ class WorkerSide:
             return
         self.stats.add(releases=1)
         await self._close(h, d, ids)
+
+    def _instance(self, r: RemoteKv) -> dict[str, Any]:
+        """Fetch arguments naming the prefill instance, when both sides declared a record."""
+        if self.topology is None or not r.senders:
+            return {}
+        n = len(r.senders)
+        return {
+            "sender_endpoints": r.senders,
+            "tokens": [r.token] * n if r.token else [],
+            "sender_keys": r.sender_keys if any(r.sender_keys) else [],
+        }
 
     async def _until_end(
         self, h: int, cancel: asyncio.Event, budget: float | None
@@ -711,6 +794,12 @@ class WorkerSide:
         except ConfigError as e:
             log.error("the restarted %s daemon's pool does not fit: %s", self.role, e)
             return
+        if self.topology is not None:  # a new daemon knows no record: declare it again
+            try:
+                info = await self._client.describe(topology=self.topology)
+            except EngineError as e:
+                log.error("the restarted %s daemon refused this rank's topology: %s", self.role, e)
+                return
         log.warning("the %s daemon restarted (%s); mapping its new pool", self.role, info.daemon_id)
         self._posted_id = info.daemon_id
         self._done.put(self._attach(info))

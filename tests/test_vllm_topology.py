@@ -1,0 +1,321 @@
+"""The vLLM connector's worker side passes its topology through: prefill TP != decode TP, byte-exact.
+
+vLLM's TP > 1 does not run on this machine's CPU backend, so vLLM itself is not
+here: each rank is the connector's real :class:`WorkerSide` (the code vLLM's
+workers run) over vLLM-shaped KV tensors (``[blocks, kv_heads, block_size,
+2 * head_size]`` per layer, each backend's reading of a block), in front of a real
+Sender or Receiver behind a real Gateway (real ZMQ, real NIXL). Each worker
+derives its record from its tensors and what vLLM would say of the model
+(:class:`ModelShard`), declares it at attach, producers publish for the decode
+ranks that read them, consumers fetch naming the whole prefill instance from the
+kv_transfer_params. Every decode tensor is then compared, block by block, with the
+reference: the model's whole KV cache built with torch and laid out as each
+rank's backend holds its heads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvxferd.client import Client
+from kvxferd.errors import ConfigError
+from kvxferd.integrations.vllm.geometry import KvGeometry, ModelShard
+from kvxferd.integrations.vllm.metadata import Load, RemoteKv, Save, StepPlan
+from kvxferd.integrations.vllm.settings import load_settings
+from kvxferd.integrations.vllm.worker import WorkerSide
+from kvxferd.topology import layout_of
+from tests.conditions import wait_until
+from tests.test_gateway import (  # noqa: F401 - fixtures
+    CALL_S,
+    Started,
+    sock_dir,
+    start_gateway,
+)
+from tests.test_hetero import Daemons
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+LAYERS, HEADS, HEAD_SIZE, BLOCK = 2, 4, 16, 4
+VLLM_BLOCKS = 12  # vLLM's blocks per worker
+POOL_BLOCKS = 16  # the daemon's (the connector's staging blocks in copy mode)
+REQ_BLOCKS = 3
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def daemons() -> Iterator[Daemons]:
+    d = Daemons()
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _full(seed: int) -> torch.Tensor:
+    """The model's whole KV of one request: [layers, K/V, heads, tokens, head_size]."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYERS, 2, HEADS, REQ_BLOCKS * BLOCK, HEAD_SIZE)
+    return torch.randint(-(2**15), 2**15, shape, generator=g, dtype=torch.int16).view(torch.float16)
+
+
+def _blocks_of(full: torch.Tensor, layer: int, h0: int, h1: int, backend: str) -> torch.Tensor:
+    """Heads [h0, h1) of ``layer`` as vLLM blocks: [request blocks, heads, block_size, 2 * D].
+
+    CPU_ATTN reads a head's ``[block_size, 2 * D]`` as ``[2, block_size, D]`` (K rows,
+    then V rows); the other backends put K and V side by side in the last dimension.
+    """
+    x = full[layer, :, h0:h1].reshape(2, h1 - h0, REQ_BLOCKS, BLOCK, HEAD_SIZE)
+    if backend == "CPU_ATTN":  # [n, h, 2, T, D]
+        x = x.permute(2, 1, 0, 3, 4)
+    else:  # [n, h, T, 2, D]
+        x = x.permute(2, 1, 3, 0, 4)
+    return x.reshape(REQ_BLOCKS, h1 - h0, BLOCK, 2 * HEAD_SIZE)
+
+
+@dataclass
+class Rank:
+    worker: WorkerSide
+    kv: dict[str, torch.Tensor]
+    shard: ModelShard
+
+
+def _shard(tp_rank: int, tp: int, backend: str, model: str = "m") -> ModelShard:
+    return ModelShard(
+        model_id=model,
+        backend=backend,
+        num_layers=LAYERS,
+        kv_heads_total=HEADS,
+        kv_heads=HEADS // tp,
+        head_size=HEAD_SIZE,
+        block_size=BLOCK,
+        tp_rank=tp_rank,
+        tp_size=tp,
+        pp_layer_bounds=(0, LAYERS),
+    )
+
+
+def _kv(heads: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (VLLM_BLOCKS, heads, BLOCK, 2 * HEAD_SIZE)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).half()
+        for i in range(LAYERS)
+    }
+
+
+class Instance:
+    """One vLLM instance of ``tp`` workers: a daemon, a gateway and a WorkerSide per rank."""
+
+    def __init__(
+        self,
+        daemons: Daemons,
+        start: Callable[..., Started],
+        sock_dir: str,
+        side: str,
+        tp: int,
+        backend: str,
+        decode_tp: int | None = None,
+        model: str = "m",
+    ) -> None:
+        self.tp, self.side = tp, side
+        self.ranks: list[Rank] = []
+        producer = side == "p"
+        settings = load_settings(
+            {
+                "engine_socket": f"ipc://{sock_dir}/run/{side}{{rank}}.sock",
+                "transfer_timeout_s": 10.0,
+                "call_timeout_s": 5.0,
+                **({"decode_tp_size": decode_tp} if decode_tp else {}),
+            }
+        )
+        pool = dict(
+            num_layers=LAYERS,
+            num_blocks=POOL_BLOCKS,
+            block_elems=2 * (HEADS // tp) * BLOCK * HEAD_SIZE,
+            dtype="float16",
+            aux_slots=2,
+            aux_slot_bytes=64,
+        )
+        for r in range(tp):
+            service = daemons.sender(None, pool) if producer else daemons.receiver(None, pool)
+            start(service, f"{side}{r}")
+            shard = _shard(r, tp, backend, model)
+            w = WorkerSide(settings, producer=producer, consumer=not producer, shard=shard)
+            kv = _kv(HEADS // tp, seed=100 * (side == "p") + r)
+            w.register(kv, VLLM_BLOCKS, REQ_BLOCKS)
+            self.ranks.append(Rank(w, kv, shard))
+        self.endpoints = [r.worker._daemon.info.endpoint for r in self.ranks]  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.worker.shutdown()
+
+
+@pytest.fixture
+def instances() -> Iterator[list[Instance]]:
+    made: list[Instance] = []
+    yield made
+    for i in made:
+        i.close()
+
+
+def _transfer(
+    prefill: Instance, decode: Instance, full: torch.Tensor, backend: str, req: str = "req-1"
+) -> tuple[set[str], set[str]]:
+    """Publish ``full`` from every prefill rank, load it on every decode rank; the decode
+    ranks' (finished, failed) request ids."""
+    p_ids = [5, 0, 9]
+    for r in prefill.ranks:
+        h0 = r.shard.tp_rank * r.shard.kv_heads
+        for i, t in enumerate(r.kv.values()):
+            t[p_ids] = _blocks_of(full, i, h0, h0 + r.shard.kv_heads, backend)
+    tid, token = f"t-{req}", f"token-of-{req}-0123456789"
+    eps = prefill.endpoints
+    remote = RemoteKv(
+        tid, eps[0], REQ_BLOCKS * BLOCK, REQ_BLOCKS, token, "", tuple(eps), ("",) * len(eps)
+    )
+    params = RemoteKv.from_params(remote.to_params())  # what the decode request carries
+    assert params == remote
+    for r in prefill.ranks:
+        r.worker.save(StepPlan(saves=[Save(req, tid, tuple(p_ids), token)]))
+    d_ids = (7, 2, 11)
+    for r in decode.ranks:
+        r.worker.start_step(StepPlan(loads=[Load(req, params, d_ids)]))
+    done: list[set[str]] = [set() for _ in decode.ranks]
+    failed: set[str] = set()
+
+    def ended() -> bool:
+        for i, r in enumerate(decode.ranks):
+            _, fin, bad = r.worker.results()
+            done[i] |= fin
+            failed.update(bad)
+        return all(req in d for d in done)
+
+    wait_until(ended, WAIT_S, "every decode rank's load ended")
+    return set.intersection(*done), failed
+
+
+def _check_decode(decode: Instance, full: torch.Tensor, backend: str) -> None:
+    d_ids = [7, 2, 11]
+    for r in decode.ranks:
+        h0 = r.shard.tp_rank * r.shard.kv_heads
+        for i, t in enumerate(r.kv.values()):
+            want = _blocks_of(full, i, h0, h0 + r.shard.kv_heads, backend)
+            assert torch.equal(t[d_ids].view(torch.int16), want.view(torch.int16)), (
+                f"decode rank {r.shard.tp_rank} layer {i}"
+            )
+
+
+CASES = [(1, 2, "CPU_ATTN"), (2, 1, "CPU_ATTN"), (2, 4, "FLASH_ATTN"), (4, 2, "FLASH_ATTN")]
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "backend"), CASES, ids=lambda x: str(x))
+def test_prefill_and_decode_shard_differently(
+    daemons: Daemons,
+    start_gateway: Callable[..., Started],  # noqa: F811
+    sock_dir: str,  # noqa: F811
+    instances: list[Instance],
+    p_tp: int,
+    d_tp: int,
+    backend: str,
+) -> None:
+    """Every decode rank's vLLM blocks hold exactly its heads of the prefill instance's KV,
+    each rank's record reaching its daemon, and every prefill rank's staging blocks come back."""
+    prefill = Instance(daemons, start_gateway, sock_dir, "p", p_tp, backend, decode_tp=d_tp)
+    decode = Instance(daemons, start_gateway, sock_dir, "d", d_tp, backend)
+    instances += [prefill, decode]
+    for inst in (prefill, decode):
+        for r in inst.ranks:
+            t = r.worker.topology
+            assert t is not None and t.tp_size == inst.tp and t.tp_rank == r.shard.tp_rank
+            c = Client(r.worker.engine_socket, timeout_s=CALL_S)
+            try:
+                assert c.describe().topology == t, "the daemon holds the worker's record"
+            finally:
+                c.close_client()
+    readers = [r.worker.readers for r in prefill.ranks]
+    assert readers == [max(1, d_tp // p_tp)] * p_tp
+    full = _full(seed=p_tp * 10 + d_tp)
+    finished, failed = _transfer(prefill, decode, full, backend)
+    assert failed == set() and finished == {"req-1"}
+    _check_decode(decode, full, backend)
+    for r in prefill.ranks:  # every reader came: each publish ended and gave its blocks back
+        wait_until(
+            lambda w=r.worker: w.pool_free() == POOL_BLOCKS, WAIT_S, "prefill staging blocks back"
+        )
+    for r in decode.ranks:
+        assert r.worker.stats.snapshot()["loads"] == 1
+
+
+def test_a_decode_instance_of_another_model_is_refused_not_garbled(
+    daemons: Daemons,
+    start_gateway: Callable[..., Started],  # noqa: F811
+    sock_dir: str,  # noqa: F811
+    instances: list[Instance],
+) -> None:
+    """Records with different model identities do not pair: the load fails (and vLLM
+    recomputes) instead of landing another model's bytes."""
+    prefill = Instance(daemons, start_gateway, sock_dir, "p", 2, "CPU_ATTN", decode_tp=1)
+    decode = Instance(daemons, start_gateway, sock_dir, "d", 1, "CPU_ATTN", model="other")
+    instances += [prefill, decode]
+    before = [t.clone() for t in decode.ranks[0].kv.values()]
+    finished, failed = _transfer(prefill, decode, _full(seed=3), "CPU_ATTN")
+    assert failed == {"req-1"} and finished == {"req-1"}
+    assert all(torch.equal(a, b) for a, b in zip(before, decode.ranks[0].kv.values(), strict=True))
+    assert decode.ranks[0].worker.stats.snapshot()["load_failures"] == 1
+    refused = sum(s.stats.get("topology_refused") for s in daemons.senders)
+    assert refused >= 1, "refused at registration, for the record's compat hash"
+
+
+# -- the record a worker derives ------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("backend", "memory", "zero_copy", "layout"),
+    [
+        ("CPU_ATTN", "HNC", False, "heads_planes_tokens"),
+        ("FLASH_ATTN", "HNC", False, "heads_tokens_planes"),
+        ("FLASH_ATTN", "NHC", False, "heads_tokens_planes"),  # copy mode: logical order
+        ("FLASH_ATTN", "NHC", True, "tokens_heads_planes"),  # zero copy: memory order
+        ("FLASH_ATTN", "HNC", True, "heads_tokens_planes"),
+    ],
+)
+def test_record_from_vllm_tensors(backend: str, memory: str, zero_copy: bool, layout: str) -> None:
+    """The layout in the record is the block's order as the backend reads it, and it is
+    the order the bytes really have (layout_of over the same memory agrees)."""
+    sizes = {"H": 2, "N": BLOCK, "C": 2 * HEAD_SIZE}
+    mem = torch.zeros(VLLM_BLOCKS, *(sizes[d] for d in memory))
+    view = mem.permute(0, *(1 + memory.index(d) for d in "HNC"))  # logical [B, H, N, C]
+    geo = KvGeometry({f"model.layers.{i}.attn": view for i in range(LAYERS)}, VLLM_BLOCKS)
+    shard = ModelShard("m", backend, LAYERS, HEADS, 2, HEAD_SIZE, BLOCK, 1, 2, zero_copy=zero_copy)
+    t = geo.topology(shard)
+    assert (t.layout, t.tp_rank, t.kv_heads, t.head_range) == (layout, 1, 2, (2, 4))
+    assert t.block_bytes == geo.block_bytes
+    # What a block of the pool holds, seen as [planes, heads, tokens, head_size]:
+    block = view[0] if not zero_copy else mem[0]
+    if backend == "CPU_ATTN":
+        pht = block.reshape(2, 2, BLOCK, HEAD_SIZE).transpose(0, 1)
+    elif zero_copy and memory == "NHC":
+        pht = block.reshape(BLOCK, 2, 2, HEAD_SIZE).permute(2, 1, 0, 3)
+    else:
+        pht = block.contiguous().reshape(2, BLOCK, 2, HEAD_SIZE).permute(2, 0, 1, 3)
+    assert layout_of(pht, 2, 2, BLOCK, HEAD_SIZE) == layout
+
+
+def test_records_need_vllms_block_shape() -> None:
+    """Tensors not shaped [blocks, kv_heads, block_size, 2 * head_size] get no record, with
+    a ConfigError naming the shape expected; so do heads the TP size cannot split."""
+    kv = {"l.0": torch.zeros(2, VLLM_BLOCKS, BLOCK, 2, HEAD_SIZE)}  # an old K/V-first layout
+    geo = KvGeometry(kv, VLLM_BLOCKS)
+    with pytest.raises(ConfigError, match=r"not \[blocks, kv_heads, block_size, 2 \* head_size\]"):
+        geo.topology(ModelShard("m", "X", 1, 2, 2, HEAD_SIZE, BLOCK))
+    geo = KvGeometry({"l.0": torch.zeros(VLLM_BLOCKS, 2, BLOCK, 2 * HEAD_SIZE)}, VLLM_BLOCKS)
+    with pytest.raises(ConfigError, match="stage 0 holds layers"):
+        geo.topology(ModelShard("m", "X", 3, 2, 2, HEAD_SIZE, BLOCK))
+    bad = ModelShard("m", "X", 1, 3, 2, HEAD_SIZE, BLOCK, tp_rank=0, tp_size=2)
+    with pytest.raises(ConfigError, match="no topology record"):
+        geo.topology(bad)
+    assert math.prod(geo.block_shape) == geo.block_elems
