@@ -350,9 +350,7 @@ def layout_of(
     # A dimension of size 1 may carry any stride; of the layouts that fit, the first
     # named wins (they are then the same bytes: see Topology.effective_order).
     fitting = [
-        k
-        for k in LAYOUT_ORDER
-        if all(got[d] == e for d, e in expected(k).items() if sizes[d] > 1)
+        k for k in LAYOUT_ORDER if all(got[d] == e for d, e in expected(k).items() if sizes[d] > 1)
     ]
     if not fitting:
         shown = ", ".join(f"{k} {[expected(k)[d] for d in 'PHTD']}" for k in LAYOUT_ORDER)

@@ -115,7 +115,7 @@ class Instance:
         self,
         daemons: Daemons,
         start: Callable[..., Started],
-        sock_dir: str,
+        sock_dir: str,  # noqa: F811
         side: str,
         tp: int,
         backend: str,
@@ -319,3 +319,41 @@ def test_records_need_vllms_block_shape() -> None:
     with pytest.raises(ConfigError, match="no topology record"):
         geo.topology(bad)
     assert math.prod(geo.block_shape) == geo.block_elems
+
+
+# -- kv_transfer_params ---------------------------------------------------------------------
+def test_params_name_every_prefill_rank_and_refuse_malformed_lists() -> None:
+    """The params carry every prefill rank's endpoint and key in rank order; lists that do
+    not start with the rank-0 sender, differ in length or hold non-strings are not ours."""
+    r = RemoteKv("t", "tcp://a:1", 8, 2, "tok", "k0", ("tcp://a:1", "tcp://b:1"), ("k0", "k1"))
+    params = r.to_params()
+    assert params["kvxferd_senders"] == ["tcp://a:1", "tcp://b:1"]
+    assert RemoteKv.from_params(params) == r
+    for bad in (
+        {"kvxferd_senders": ["tcp://b:1", "tcp://a:1"]},  # rank 0 is not kvxferd_sender
+        {"kvxferd_sender_keys": ["k0"]},  # one key for two ranks
+        {"kvxferd_senders": ["tcp://a:1", 5]},
+        {"kvxferd_senders": "tcp://a:1"},
+    ):
+        assert RemoteKv.from_params({**params, **bad}) is None, bad
+    old = RemoteKv("t", "tcp://a:1", 8, 2).to_params()  # an older connector: one sender
+    assert "kvxferd_senders" not in old
+    assert RemoteKv.from_params(old) == RemoteKv("t", "tcp://a:1", 8, 2)
+
+
+def test_a_restarted_rank_is_named_in_later_params() -> None:
+    """A sender daemon of rank 1 that restarted on another endpoint replaces rank 1's entry."""
+    from kvxferd.integrations.vllm.scheduler import SchedulerSide
+
+    s = SchedulerSide(
+        producer=True,
+        consumer=False,
+        block_size=BLOCK,
+        sender="tcp://a:1",
+        senders=["tcp://a:1", "tcp://b:1"],
+        sender_keys=["", ""],
+    )
+    s.sender_moved(1, "tcp://b:2")
+    assert (s.sender, s.senders) == ("tcp://a:1", ["tcp://a:1", "tcp://b:2"])
+    s.sender_moved(0, "tcp://a:2")
+    assert (s.sender, s.senders) == ("tcp://a:2", ["tcp://a:2", "tcp://b:2"])

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvxferd.client import Client
 from tests.conditions import wait_until
 from tests_vllm.conftest import PD, POOL_BLOCKS
 from tests_vllm.rig import MODEL_LAYERS, VOCAB, counter, sessions
@@ -84,6 +85,23 @@ def test_disaggregated_equals_monolithic(pd: PD) -> None:
     assert stats["load_failures"] == 0, stats
     want = sum(-(-n // BLOCK) for n in LENGTHS) * MODEL_LAYERS * BLOCK_BYTES
     assert counter(rx_port, "kvxferd_bytes") - bytes_before == want
+
+
+def test_each_worker_declared_its_topology(pd: PD) -> None:
+    """Both engines' workers declared their rank's record to their daemons (the CPU
+    backend's [heads, K/V, tokens, head_size] block), and the records pair."""
+    records = []
+    for daemon in (pd.sender, pd.receiver):
+        c = Client(daemon.engine_socket, timeout_s=10)
+        try:
+            records.append(c.describe().topology)
+        finally:
+            c.close_client()
+    tx, rx = records
+    assert tx is not None and rx is not None, records
+    assert (tx.tp_size, tx.num_layers, tx.tokens_per_block) == (1, MODEL_LAYERS, BLOCK)
+    assert tx.layout == "heads_planes_tokens" and tx.block_bytes == BLOCK_BYTES
+    assert tx.compat == rx.compat and tx.layout == rx.layout
 
 
 def test_corrupted_block_changes_tokens(pd: PD) -> None:

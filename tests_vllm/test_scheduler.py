@@ -94,7 +94,10 @@ def test_finished_prefill_returns_params_and_frees_its_blocks() -> None:
     assert delay is False
     # The fetch token the worker publishes with travels to the decode side in the params.
     assert len(save.token) >= 16
-    assert RemoteKv.from_params(params) == RemoteKv(save.transfer_id, SENDER, 33, 2, save.token)
+    assert RemoteKv.from_params(params) == RemoteKv(
+        save.transfer_id, SENDER, 33, 2, save.token, "", (SENDER,), ("",)
+    )
+    assert params is not None and params["kvxferd_senders"] == [SENDER]
 
 
 def test_aborted_prefill_after_its_save_is_unpublished() -> None:
