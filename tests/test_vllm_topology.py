@@ -15,9 +15,12 @@ rank's backend holds its heads.
 
 from __future__ import annotations
 
+import json
 import math
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -357,3 +360,24 @@ def test_a_restarted_rank_is_named_in_later_params() -> None:
     assert (s.sender, s.senders) == ("tcp://a:1", ["tcp://a:1", "tcp://b:2"])
     s.sender_moved(0, "tcp://a:2")
     assert (s.sender, s.senders) == ("tcp://a:2", ["tcp://a:2", "tcp://b:2"])
+
+
+def test_pool_config_per_worker(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """pool-config for TP 2 x PP 2 prints one [pool] per stage: each worker's KV heads and
+    its stage's layers as vLLM partitions them (5 layers: 3 then 2)."""
+    from kvxferd.integrations.vllm.__main__ import main
+
+    cfg = {
+        "num_hidden_layers": 5,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "hidden_size": 128,
+        "torch_dtype": "float16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["pool-config", "--model", str(tmp_path), "--block-size", "16", "--num-blocks", "10"]
+    assert main([*argv, "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]) == 0
+    sections = capsys.readouterr().out.split("\n# ")
+    pools = [tomllib.loads(s if s.startswith("#") else "# " + s)["pool"] for s in sections]
+    assert [(p["num_layers"], p["block_elems"]) for p in pools] == [(3, 1024), (2, 1024)]
+    assert main([*argv, "--tensor-parallel-size", "3"]) == 2, "3 ranks cannot split 4 KV heads"

@@ -6,7 +6,9 @@ refuses to start against a pool that differs (and its error names the values).
 With ``--zero-copy`` (kv_connector_extra_config ``zero_copy``), ``--num-blocks`` is
 vLLM's block count (pin it with ``num_gpu_blocks_override``) and the pool gets
 that many plus one longest request of scratch; ``--planes 2`` for CUDA backends
-that put K and V first (FlashAttention's ``[2, blocks, ...]``); ``--device cuda``. ``proxy --prefill URL --decode URL``
+that put K and V first (FlashAttention's ``[2, blocks, ...]``); ``--device cuda``;
+``--tensor-parallel-size`` / ``--pipeline-parallel-size``: one worker's pool (one
+section per stage). ``proxy --prefill URL --decode URL``
 runs the example P/D proxy (proxy.py).
 """
 
@@ -44,6 +46,15 @@ def _parser() -> argparse.ArgumentParser:
         "--planes", type=int, default=1, help="zero copy: planes per layer (2: K/V-first layouts)"
     )
     pc.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    pc.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="vLLM's TP: one daemon per worker"
+    )
+    pc.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's PP: a [pool] per stage (its layers differ when they do not divide)",
+    )
     px = sub.add_parser("proxy", help="the example P/D proxy (docs/vllm.md)")
     px.add_argument("--prefill", action="append", required=True, help="a prefill server URL")
     px.add_argument("--decode", action="append", required=True, help="a decode server URL")
@@ -65,15 +76,30 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        shape = model_pool_shape(args.model, args.block_size, args.dtype)
-    except ConfigError as e:
-        print(f"kvxferd: configuration error: {e}", file=sys.stderr)
-        return 2
-    comment = (
-        f"kvxferd [pool] for {args.model}, vLLM block size {args.block_size} "
-        "(the same on the sender and the receiver)"
-    )
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    out = []
+    for stage in range(max(1, pp)):
+        try:
+            shape = model_pool_shape(
+                args.model, args.block_size, args.dtype, tp_size=tp, pp_size=pp, pp_stage=stage
+            )
+        except ConfigError as e:
+            print(f"kvxferd: configuration error: {e}", file=sys.stderr)
+            return 2
+        comment = f"kvxferd [pool] for {args.model}, vLLM block size {args.block_size}"
+        if tp * pp > 1:
+            ranks = f"{stage * tp}..{stage * tp + tp - 1}" if tp > 1 else f"{stage * tp}"
+            comment += (
+                f"; TP {tp} x PP {pp}: the daemon of each worker of stage {stage} (ranks {ranks})"
+            )
+        else:
+            comment += " (the same on the sender and the receiver when both run TP 1)"
+        out.append(_section(args, shape, comment))
+    sys.stdout.write("\n".join(out))
+    return 0
+
+
+def _section(args: argparse.Namespace, shape: PoolShape, comment: str) -> str:
     num_blocks = args.num_blocks
     if args.zero_copy:
         shape = PoolShape(
@@ -88,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     text = shape.toml(num_blocks, comment)
     if args.device == "cuda":
         text += 'device = "cuda"\ncuda_device = 0\n'
-    sys.stdout.write(text)
-    return 0
+    return text
 
 
 if __name__ == "__main__":

@@ -393,8 +393,18 @@ def _block_dim(name: str, t: torch.Tensor, num_blocks: int) -> int:
 
 
 # -- the [pool] a model needs, from its config.json (no vLLM needed) -----------------------
-def model_pool_shape(model_dir: str | Path, block_size: int, dtype: str | None = None) -> PoolShape:
-    """The pool shape for a Hugging Face model directory (its config.json) and a vLLM block size."""
+def model_pool_shape(
+    model_dir: str | Path,
+    block_size: int,
+    dtype: str | None = None,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    pp_stage: int = 0,
+) -> PoolShape:
+    """The pool shape for a Hugging Face model directory (its config.json) and a vLLM block
+    size, for one worker of an instance of ``tp_size`` x ``pp_size`` (its KV heads, its
+    stage's layers as vLLM partitions them by default)."""
     path = Path(model_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -418,7 +428,19 @@ def model_pool_shape(model_dir: str | Path, block_size: int, dtype: str | None =
     if name not in _CONFIG_DTYPES and name not in ("uint8", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
         raise ConfigError(f"--dtype {name!r}: not a KV cache dtype kvxferd moves")
     pool_dtype = _CONFIG_DTYPES.get(name, "uint8")
-    return PoolShape(layers, 2 * kv_heads * block_size * head_dim, pool_dtype)
+    if tp_size < 1 or (tp_size <= kv_heads and kv_heads % tp_size):
+        raise ConfigError(f"--tensor-parallel-size {tp_size} does not split {kv_heads} KV heads")
+    if tp_size > kv_heads and tp_size % kv_heads:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp_size} above {kv_heads} KV heads must be a multiple of it"
+        )
+    try:
+        bounds = even_layer_bounds(layers, pp_size)
+    except ValueError as e:
+        raise ConfigError(f"--pipeline-parallel-size: {e}") from None
+    stage_layers = bounds[pp_stage + 1] - bounds[pp_stage]
+    heads = max(1, kv_heads // tp_size)
+    return PoolShape(stage_layers, 2 * heads * block_size * head_dim, pool_dtype)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
