@@ -767,12 +767,24 @@ class Receiver:
                     prefill_compat=rec.compat,
                 )
             )
+        limit = self.settings.limits.max_fetches_in_flight
         with self._lock:
-            self._unplanned.pop(g.fetch_id, None)
-            if not g.plan(pieces):
-                return None
-            for p in pieces:
-                self._fetches[p.fetch_id] = p
+            # Each piece is a fetch in flight: the group's one slot becomes len(pieces).
+            room = limit - len(self._fetches) - (len(self._unplanned) - 1)
+            if len(pieces) <= room:
+                self._unplanned.pop(g.fetch_id, None)
+                if not g.plan(pieces):
+                    return None
+                for p in pieces:
+                    self._fetches[p.fetch_id] = p
+        if len(pieces) > room:
+            self.stats.add("instance_fetches_busy")
+            return self._fail_group(
+                g,
+                Reason.BUSY,
+                f"max_fetches_in_flight {limit}: this fetch reads {len(pieces)} pieces, "
+                f"room for {max(0, room)}",
+            )
         self.stats.add("instance_pieces", len(pieces))
         for p in pieces:
             self._start_fetch(p)

@@ -203,6 +203,11 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     _c("instance_fetches", _R, "Fetches from a prefill instance (several sender ranks)"),
     _c("instance_pieces", _R, "Pieces (one RequestData each) those fetches were planned into"),
     _c(
+        "instance_fetches_busy",
+        _R,
+        "Instance fetches failed busy at planning: their pieces would pass max_fetches_in_flight",
+    ),
+    _c(
         "instance_fetches_failed",
         _R,
         "Fetches from a prefill instance ended before planning (no record, refused, unreachable)",
