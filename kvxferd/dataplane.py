@@ -831,8 +831,10 @@ class NixlDataPlane:
             lists = self._prep_lists(path, peer, args)
         with self._lock:
             self._loaded.add(key)
-            if lists is not None:
+            if lists is not None and peer in self._peers and not self._closed:
                 self._remote[key] = lists
+            elif lists is not None:  # removed (or closed) meanwhile: nobody will post with them
+                free.extend(lists.handles(agent))
         return args is None or lists is not None
 
     def _count_reconnect(self, peer: str, path: _Path, what: str, fresh: bool) -> None:
