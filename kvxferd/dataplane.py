@@ -22,8 +22,19 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   not measured here; pools over ``MAX_PREPPED_DESCS``; a failed prep) the
   caller falls back to ``post_write`` with descriptors it built. AUX payloads
   are shorter than a slot, so they always use ``post_write``.
-* A peer's prepared list is retired when the peer is removed or prepared again,
-  and released as soon as no write made from it holds a handle (each
+* A peer read through the reshard mapping (``prepare_piece``: it reads a slice of
+  each block, :mod:`kvxferd.reshard`) gets two lists of its own per path, both
+  ``prepared_list`` of its piece: the local pool's ranges it reads (not the shared
+  whole-pool list, whose entries are whole blocks) and its pool's ranges they land
+  in; a request is then ``prepared_indices`` on both sides (one array per side,
+  numpy, paired entry by entry; no merging across blocks on this path). Peers
+  reading the same piece each hold their own local list (simpler than sharing;
+  preparing a pair took about 1 ms at 33k entries each, 60-155 ms at 532k, see
+  docs/topology.md). Over ``MAX_PREPPED_DESCS`` entries on either side, or a failed
+  prep, the peer is not prepared and gets per-request descriptors
+  (``piece_descriptors`` + ``post_write``), as before.
+* A peer's prepared lists are retired when the peer is removed or prepared again,
+  and released as soon as no write made from them holds a handle (each
   ``post_blocks`` counts a use until its handle is released), so retired lists
   stay bounded by the writes in flight, not by the peers ever seen. The sender
   removes a peer only once no write toward it is in flight.
@@ -58,12 +69,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from kvxferd.config import DataPlaneSettings
 from kvxferd.layout import Descs, IdArray, Layout, prepped_indices
+from kvxferd.reshard import Piece, prepared_indices, prepared_list
+from kvxferd.topology import Topology
 
 if TYPE_CHECKING:
     from kvxferd.pool import KvPool
@@ -106,6 +120,25 @@ class DataPlane(Protocol):
         """
         ...
 
+    def prepare_piece(
+        self,
+        peer: str,
+        piece: Piece,
+        decode: Topology,
+        kv_base: int,
+        num_blocks: int,
+        mem_type: str,
+        device_id: int,
+    ) -> bool:
+        """Prepare the lists of a peer read through the reshard mapping: ``piece`` of the
+        local pool and of ``peer``'s (``decode``'s record; its pool at ``kv_base``, of
+        ``num_blocks`` blocks). True when ``post_blocks`` serves it (by piece indices).
+
+        Replaces whatever ``peer`` was prepared with. False (never raises) means: use
+        ``post_write`` with ``piece_descriptors`` for this peer.
+        """
+        ...
+
     def post_blocks(
         self,
         peer: str,
@@ -115,7 +148,10 @@ class DataPlane(Protocol):
         layer_end: int,
     ) -> tuple[Xfer, XferState]:
         """Post one KV WRITE of checked block ids through the prepared lists (``prepare_peer``
-        returned True); raises when nothing was posted."""
+        or ``prepare_piece`` returned True); raises when nothing was posted.
+
+        For a piece the layers are absolute (inside the piece's), the bytes moved those of
+        the piece's ranges of each block, as ``piece_descriptors`` would build them."""
         ...
 
     def remove_peer(self, peer: str) -> None: ...
@@ -224,6 +260,58 @@ class _Path:
 _Key = tuple[str, int]  # (peer, path index)
 
 
+@dataclass(frozen=True, slots=True)
+class _Whole:
+    """What ``prepare_peer`` was given: the peer's whole pool, one entry per (layer, block)."""
+
+    layout: Layout
+    kv_base: int
+    device_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class _PieceArgs:
+    """What ``prepare_piece`` was given: one piece of the local pool and of the peer's."""
+
+    piece: Piece
+    decode: Topology
+    kv_base: int
+    num_blocks: int
+    device_id: int
+
+
+_Args = _Whole | _PieceArgs
+
+
+class _Lists:
+    """A peer's prepared lists on one path, retired and released together.
+
+    ``remote``: its pool's list; ``local``: for a piece, the piece's list of the local pool
+    (None: the path's shared whole-pool list); ``num_blocks``: the peer pool's.
+    """
+
+    __slots__ = ("remote", "num_blocks", "local", "piece")
+
+    def __init__(
+        self,
+        remote: object,
+        num_blocks: int,
+        local: object | None = None,
+        piece: Piece | None = None,
+    ) -> None:
+        self.remote = remote
+        self.num_blocks = num_blocks
+        self.local = local
+        self.piece = piece
+
+    def handles(self, agent: Any) -> list[tuple[Any, object]]:
+        """What releasing these lists frees (the shared whole-pool list is not theirs)."""
+        own = [(agent, self.remote)]
+        if self.local is not None:
+            own.append((agent, self.local))
+        return own
+
+
 class NixlDataPlane:
     """NIXL agents with the pool registered once each; WRITEs from this process's memory.
 
@@ -259,12 +347,13 @@ class NixlDataPlane:
         self._peers: set[str] = set()
         self._closed = False
         self._layout = pool.layout
-        # (peer, path) -> (its prepared KV list, its num_blocks); replaced whole
-        self._remote: dict[_Key, tuple[object, int]] = {}
-        self._uses: dict[int, int] = {}  # id(remote list) -> writes holding a handle made from it
-        self._retired: dict[int, tuple[Any, object]] = {}  # id -> (agent, retired list in use)
+        # (peer, path) -> its prepared lists; replaced whole
+        self._remote: dict[_Key, _Lists] = {}
+        self._uses: dict[int, int] = {}  # id(_Lists) -> writes holding a handle made from them
+        self._retired: dict[int, tuple[Any, _Lists]] = {}  # id -> (agent, retired lists in use)
         self._meta: dict[str, bytes] = {}  # peer -> the metadata add_peer loaded
-        self._prep_args: dict[str, tuple[Layout, int, int]] = {}  # peer -> prepare_peer's
+        # peer -> what prepare_peer / prepare_piece was given (a fresh path prepares it again)
+        self._prep_args: dict[str, _Args] = {}
         self._at: dict[str, int] = {}  # peer -> the path its next write takes
         self._loaded: set[_Key] = set()  # (peer, path) whose agent holds the peer
         self._inflight: dict[_Key, dict[int, float]] = {}  # key -> {write id: posted at}
@@ -275,6 +364,9 @@ class NixlDataPlane:
         self._ids = iter(range(1 << 62))
         self.reconnects = 0  # failed transports reconnected so far
         self.fresh_paths = 0  # peers moved to a fresh connection after a stall
+        # KV writes posted so far, by how: "blocks" (whole-pool lists), "piece" (a piece's
+        # lists), "descs" (post_write: descriptors built per request, and AUX)
+        self.posts = {"blocks": 0, "piece": 0, "descs": 0}
         self._want_prepped = prepped and pool.mem_type == "DRAM"
 
     def _open_path(self, index: int) -> _Path:
@@ -320,11 +412,44 @@ class NixlDataPlane:
         descs[:, 0] = kv_base + np.arange(n, dtype=np.int64) * layout.block_bytes
         descs[:, 1] = layout.block_bytes
         descs[:, 2] = device_id
+        return self._prep_descs(path, agent, descs)
+
+    def _prep_descs(self, path: _Path, agent: str, descs: Descs) -> object | None:
         try:
             return path.agent.prep_xfer_dlist(agent, descs, "DRAM")
         except Exception as e:
             log.warning("no prepared descriptor list for %s (%s); building per request", agent, e)
             return None
+
+    def _prep_lists(self, path: _Path, peer: str, args: _Args) -> _Lists | None:
+        """``peer``'s lists on ``path`` (a whole pool needs the path's ``local`` first), or None."""
+        if isinstance(args, _Whole):
+            if path.local is None:
+                return None
+            handle = self._prep(path, peer, args.layout, args.kv_base, args.device_id)
+            return None if handle is None else _Lists(handle, args.layout.num_blocks)
+        piece, pool = args.piece, self._pool
+        entries = (piece.layer_end - piece.layer_begin) * len(piece.ranges)
+        if entries * max(args.num_blocks, self._layout.num_blocks) > MAX_PREPPED_DESCS:
+            return None
+        try:
+            src = prepared_list(
+                piece, args.decode, "src", pool.kv_base, self._layout.num_blocks, dev=pool.device_id
+            )
+            dst = prepared_list(
+                piece, args.decode, "dst", args.kv_base, args.num_blocks, dev=args.device_id
+            )
+        except Exception:
+            log.warning("no piece lists for %s; building per request", peer, exc_info=True)
+            return None
+        local = self._prep_descs(path, "NIXL_INIT_AGENT", src)
+        if local is None:
+            return None
+        remote = self._prep_descs(path, peer, dst)
+        if remote is None:
+            self._release_lists([(path.agent, local)])
+            return None
+        return _Lists(remote, args.num_blocks, local, piece)
 
     def _prep_local_locked(self, path: _Path) -> bool:
         """The path's list of the local pool, prepared once; False turns prepping off."""
@@ -374,36 +499,64 @@ class NixlDataPlane:
             if self._usable(layout, mem_type):
                 self._prep_local_locked(path)
         usable = path.local is not None and self._usable(layout, mem_type)
-        handle = self._prep(path, peer, layout, kv_base, device_id) if usable else None
+        args = _Whole(layout, kv_base, device_id)
+        lists = self._prep_lists(path, peer, args) if usable else None
+        return self._install(peer, path, args if usable else None, lists)
+
+    def prepare_piece(
+        self,
+        peer: str,
+        piece: Piece,
+        decode: Topology,
+        kv_base: int,
+        num_blocks: int,
+        mem_type: str,
+        device_id: int,
+    ) -> bool:
+        try:
+            with self._lock:
+                path = self._paths[self._at.get(peer, 0)]
+                usable = self._want_prepped and mem_type == "DRAM" and not self._closed
+            args = _PieceArgs(piece, decode, kv_base, num_blocks, device_id)
+            lists = self._prep_lists(path, peer, args) if usable else None
+            # Only a peer whose lists were made has them made again on a fresh path.
+            return self._install(peer, path, args if lists is not None else None, lists)
+        except Exception:  # the protocol says False, never raises
+            log.warning("preparing the piece lists of %s failed", peer, exc_info=True)
+            return False
+
+    def _install(self, peer: str, path: _Path, args: _Args | None, lists: _Lists | None) -> bool:
+        """Make ``lists`` ``peer``'s on ``path`` (None: it has none now); True when they are."""
         free: list[tuple[Any, object]] = []
         key = (peer, path.index)
-        with self._lock:  # a peer prepared again (or refused now) loses its old list
-            if usable:
-                self._prep_args[peer] = (layout, kv_base, device_id)
+        with self._lock:  # a peer prepared again (or refused now) loses its old lists
+            if args is not None:
+                self._prep_args[peer] = args
             else:
                 self._prep_args.pop(peer, None)
             old = self._remote.pop(key, None)
             if old is not None:
-                self._retire_locked(path, old[0], free)
-            ok = handle is not None and peer in self._peers and not self._closed
-            if ok:
-                self._remote[key] = (handle, layout.num_blocks)
-            elif handle is not None:
-                free.append((path.agent, handle))
+                self._retire_locked(path, old, free)
+            ok = lists is not None and peer in self._peers and not self._closed
+            if lists is not None:
+                if ok:
+                    self._remote[key] = lists
+                else:
+                    free.extend(lists.handles(path.agent))
         self._release_lists(free)
         return ok
 
-    def _retire_locked(self, path: _Path, handle: object, free: list[tuple[Any, object]]) -> None:
-        """Release ``handle`` now if no write uses it (into ``free``), else when the last ends."""
-        if self._uses.get(id(handle), 0) > 0:
-            self._retired[id(handle)] = (path.agent, handle)
+    def _retire_locked(self, path: _Path, lists: _Lists, free: list[tuple[Any, object]]) -> None:
+        """Release ``lists`` now if no write uses them (into ``free``), else when the last ends."""
+        if self._uses.get(id(lists), 0) > 0:
+            self._retired[id(lists)] = (path.agent, lists)
         else:
-            free.append((path.agent, handle))
+            free.extend(lists.handles(path.agent))
 
-    def _used_by_one_less(self, handle: object) -> None:
+    def _used_by_one_less(self, lists: _Lists) -> None:
         free: list[tuple[Any, object]] = []
         with self._lock:
-            key = id(handle)
+            key = id(lists)
             left = self._uses.get(key, 0) - 1
             if left > 0:
                 self._uses[key] = left
@@ -411,7 +564,7 @@ class NixlDataPlane:
             self._uses.pop(key, None)
             retired = self._retired.pop(key, None)
             if retired is not None and not self._closed:
-                free.append(retired)
+                free.extend(retired[1].handles(retired[0]))
         self._release_lists(free)
 
     def _release_lists(self, lists: list[tuple[Any, object]]) -> None:
@@ -422,7 +575,7 @@ class NixlDataPlane:
                 log.warning("releasing a prepared descriptor list failed", exc_info=True)
 
     def retired_lists(self) -> int:
-        """Prepared lists retired but still used by a write (bounded by writes in flight)."""
+        """Peers' prepared lists retired but still used by a write (bounded by writes in flight)."""
         with self._lock:
             return len(self._retired)
 
@@ -444,24 +597,35 @@ class NixlDataPlane:
         with self._lock:  # the list is counted as used before NIXL sees it
             path = self._route_locked(peer, free)
             key = (peer, path.index)
-            remote = self._remote.get(key)
-            if remote is None or path.local is None:
+            lists = self._remote.get(key)
+            local = None if lists is None else path.local if lists.local is None else lists.local
+            if lists is None or local is None:
                 self._release_lists(free)
                 raise RuntimeError(f"no prepared descriptor list for peer {peer}")
-            handle_r, dst_num_blocks = remote
-            self._uses[id(handle_r)] = self._uses.get(id(handle_r), 0) + 1
+            self._uses[id(lists)] = self._uses.get(id(lists), 0) + 1
             wid = self._posted_locked(key)
+            self.posts["blocks" if lists.piece is None else "piece"] += 1
         self._release_lists(free)
-        local = path.local
 
         def released() -> None:
-            self._used_by_one_less(handle_r)
+            self._used_by_one_less(lists)
             self._write_released(key, wid)
 
         try:
-            local_idx = prepped_indices(src_blocks, layer_begin, layer_end, self._layout.num_blocks)
-            remote_idx = prepped_indices(dst_blocks, layer_begin, layer_end, dst_num_blocks)
-            handle = path.agent.make_prepped_xfer("WRITE", local, local_idx, handle_r, remote_idx)
+            num_blocks = self._layout.num_blocks
+            if lists.piece is None:
+                local_idx = prepped_indices(src_blocks, layer_begin, layer_end, num_blocks)
+                remote_idx = prepped_indices(dst_blocks, layer_begin, layer_end, lists.num_blocks)
+            else:  # the same layers and ranges on both sides: the arrays pair entry by entry
+                local_idx = prepared_indices(
+                    lists.piece, num_blocks, src_blocks, layer_begin, layer_end
+                )
+                remote_idx = prepared_indices(
+                    lists.piece, lists.num_blocks, dst_blocks, layer_begin, layer_end
+                )
+            handle = path.agent.make_prepped_xfer(
+                "WRITE", local, local_idx, lists.remote, remote_idx
+            )
         except Exception:
             self._mark_broken(key)
             released()
@@ -648,7 +812,7 @@ class NixlDataPlane:
             stale = key in self._loaded
             old = self._remote.pop(key, None)
             if old is not None:
-                self._retire_locked(path, old[0], free)
+                self._retire_locked(path, old, free)
             self._loaded.discard(key)
         if meta is None:
             return False
@@ -659,21 +823,21 @@ class NixlDataPlane:
             except Exception:
                 log.warning("removing the stale remote agent %s raised", peer, exc_info=True)
         agent.add_remote_agent(meta)
-        handle = None
+        lists = None
         if args is not None and self._want_prepped:
-            if path.local is None:
+            if path.local is None and isinstance(args, _Whole):
                 pool = self._pool
                 path.local = self._prep(
                     path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id
                 )
-            if path.local is not None:
-                layout, kv_base, device_id = args
-                handle = self._prep(path, peer, layout, kv_base, device_id)
+            lists = self._prep_lists(path, peer, args)
         with self._lock:
             self._loaded.add(key)
-            if handle is not None:
-                self._remote[key] = (handle, args[0].num_blocks if args else 0)
-        return args is None or handle is not None
+            if lists is not None and peer in self._peers and not self._closed:
+                self._remote[key] = lists
+            elif lists is not None:  # removed (or closed) meanwhile: nobody will post with them
+                free.extend(lists.handles(agent))
+        return args is None or lists is not None
 
     def _count_reconnect(self, peer: str, path: _Path, what: str, fresh: bool) -> None:
         if fresh:
@@ -692,7 +856,7 @@ class NixlDataPlane:
         key = (peer, path.index)
         old = self._remote.pop(key, None)
         if old is not None:
-            self._retire_locked(path, old[0], free)
+            self._retire_locked(path, old, free)
         try:
             path.agent.remove_remote_agent(peer)
         except Exception:
@@ -703,11 +867,12 @@ class NixlDataPlane:
             log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
             return
         args = self._prep_args.get(peer)
-        if args is not None and self._prep_local_locked(path):
-            layout, kv_base, device_id = args
-            handle = self._prep(path, peer, layout, kv_base, device_id)
-            if handle is not None:
-                self._remote[key] = (handle, layout.num_blocks)
+        if args is None or not self._want_prepped:
+            return
+        if isinstance(args, _PieceArgs) or self._prep_local_locked(path):
+            lists = self._prep_lists(path, peer, args)
+            if lists is not None:
+                self._remote[key] = lists
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; the caller guarantees no write toward it is in flight."""
@@ -725,7 +890,7 @@ class NixlDataPlane:
                     self._inflight.pop(key, None)
                     old = self._remote.pop(key, None)
                     if old is not None:
-                        self._retire_locked(path, old[0], free)
+                        self._retire_locked(path, old, free)
                     if key in self._loaded:
                         self._loaded.discard(key)
                         path.agent.remove_remote_agent(peer)
@@ -740,6 +905,7 @@ class NixlDataPlane:
             path = self._route_locked(peer, free)
             key = (peer, path.index)
             wid = self._posted_locked(key)
+            self.posts["descs"] += 1
         self._release_lists(free)
         agent = path.agent
         try:
@@ -763,9 +929,11 @@ class NixlDataPlane:
             if self._closed:
                 return
             self._closed = True
-            lists: list[tuple[Any, object]] = list(self._retired.values())
-            for (_peer, i), (h, _) in self._remote.items():
-                lists.append((self._paths[i].agent, h))
+            lists: list[tuple[Any, object]] = []
+            for agent, retired in self._retired.values():
+                lists.extend(retired.handles(agent))
+            for (_peer, i), mine in self._remote.items():
+                lists.extend(mine.handles(self._paths[i].agent))
             for path in self._paths:
                 if path.local is not None:
                     lists.append((path.agent, path.local))

@@ -657,11 +657,21 @@ class Sender:
         layout = msg.layout.to_layout()
         prepped = False
         try:
-            # A peer read through the reshard mapping gets descriptors per request (prepared
-            # lists per piece are a later speed step, docs/topology.md).
+            # A peer read through the reshard mapping gets lists of its piece (False: it
+            # gets piece descriptors per request); one that reads nothing here, none.
             if msg.topology is None or self.topology is None:
                 prepped = self.dataplane.prepare_peer(
                     nixl_name, layout, msg.kv_base, msg.device, msg.device_id
+                )
+            elif piece is not None:
+                prepped = self.dataplane.prepare_piece(
+                    nixl_name,
+                    piece,
+                    msg.topology,
+                    msg.kv_base,
+                    layout.num_blocks,
+                    msg.device,
+                    msg.device_id,
                 )
         except Exception:  # the protocol says False, never raises; a bug costs only speed
             log.exception("preparing descriptors for %s failed", msg.receiver_id)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from kvxferd.dataplane import XferState
 from kvxferd.layout import Descs, IdArray, Layout
+from kvxferd.reshard import Piece
+from kvxferd.topology import Topology
 
 
 @dataclass
@@ -50,14 +52,16 @@ class ControlledXfer:
 class ControlledDataPlane:
     """A data plane whose writes stay in progress until the test finishes them.
 
-    With ``prepped`` it accepts ``prepare_peer`` and KV writes arrive through
-    ``post_blocks``; by default it declines, so KV writes come as descriptors.
+    With ``prepped`` it accepts ``prepare_peer`` and ``prepare_piece`` (``pieces``: the
+    peers prepared by piece) and KV writes arrive through ``post_blocks``; by default
+    it declines, so KV writes come as descriptors.
     """
 
     def __init__(self, name: str = "controlled", *, prepped: bool = False) -> None:
         self.name = name
         self.prepped = prepped
         self.prepared: set[str] = set()
+        self.pieces: dict[str, Piece] = {}
         self.xfers: list[ControlledXfer] = []
         self.posted = threading.Condition()
         self.fail_next_post: Exception | None = None
@@ -80,9 +84,26 @@ class ControlledDataPlane:
             return True
         return False
 
+    def prepare_piece(
+        self,
+        peer: str,
+        piece: Piece,
+        decode: Topology,
+        kv_base: int,
+        num_blocks: int,
+        mem_type: str,
+        device_id: int,
+    ) -> bool:
+        if self.prepped and peer in self.peers:
+            self.prepared.add(peer)
+            self.pieces[peer] = piece
+            return True
+        return False
+
     def remove_peer(self, peer: str) -> None:
         self.peers.discard(peer)
         self.prepared.discard(peer)
+        self.pieces.pop(peer, None)
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str

@@ -101,7 +101,9 @@ class Peer:
     aux_base: int
     mem_type: str
     device_id: int
-    prepped: bool = False  # the data plane holds a prepared list of its KV pool (post_blocks)
+    # The data plane holds prepared lists for it (post_blocks): of its KV pool, or with a
+    # topology, of its piece of both pools (prepare_piece).
+    prepped: bool = False
     identity: str = ""  # the authenticated key that registered it ("" with security off)
     # Both sides declared a topology: the receiver's record and what it reads from this
     # rank (None: nothing); writes then follow the reshard mapping (reshard.py).
@@ -364,16 +366,18 @@ class Worker:
             return False
         nixl = False  # the exception (if any) came from NIXL, not from our descriptors
         try:
-            if kind == "kv" and peer.prepped:  # prepared lists: block indices, no descriptors
+            # Prepared lists (the whole pool, or a mapped peer's piece): indices, no descriptors
+            if kind == "kv" and peer.prepped:
                 nixl = True
                 xfer, state = host.dataplane.post_blocks(
                     peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
                 )
-                nbytes = (
-                    s.block_ids.size
-                    * host.pool.layout.block_bytes
-                    * (sl.layer_end - sl.layer_begin)
+                per_block = (
+                    host.pool.layout.block_bytes
+                    if peer.piece is None or peer.topology is None
+                    else int(peer.piece.ranges.length.sum())  # a slice of each block
                 )
+                nbytes = s.block_ids.size * per_block * (sl.layer_end - sl.layer_begin)
             else:
                 src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
                 nixl = True

@@ -51,6 +51,8 @@ def test_a_tiny_run_reports_every_case_and_its_ratio_to_equal_tp() -> None:
         assert len(doc["reps"][name]) == TINY["reps"]
         assert (f["prefill_tp"], f["decode_tp"]) == CASES[name]
         assert len(f["descriptors_per_piece"]) == {"1P1D": 1, "1P2D": 2, "2P1D": 2}[name]
+        # every KV write went through the pieces' prepared lists (none built per request)
+        assert f["posts"]["piece"] > 0 and f["posts"]["descs"] == 0, (name, f["posts"])
     base = doc["cases"][BASELINE]
     assert set(doc["ratio"]) == {"1P2D", "2P1D"}
     for name, r in doc["ratio"].items():

@@ -24,8 +24,12 @@ latency: from the first publish to the last decode rank's completion).
 A request's blocks are scattered over the pool (a fixed random permutation, as an
 engine's block allocator leaves them; ``scattered=False``: contiguous ids, which
 lets 1P1D merge whole layers into one descriptor). The report names each case's
-NIXL descriptors per piece (one decode rank's read of one prefill rank): a
-heterogeneous case reads a slice of every block, so it has more, smaller ones.
+NIXL descriptors per piece (one decode rank's read of one prefill rank, as
+``piece_descriptors`` builds and merges them): a heterogeneous case reads a slice
+of every block, so it has more, smaller ones. And how the senders posted the KV
+writes (``NixlDataPlane.posts``): ``piece`` through the piece's lists prepared at
+REGISTER (indices per request, one entry per layer, block and range: the
+``entries`` figure), ``descs`` with descriptors built per request (the fallback).
 
 Before the timed repetitions each case runs one untimed request into destination
 blocks filled with poison and compares every decode rank's blocks, byte for byte,
@@ -48,8 +52,9 @@ import torch
 
 from kvxferd.bench.workload import BenchError
 from kvxferd.config import load_receiver_settings, load_sender_settings
+from kvxferd.dataplane import NixlDataPlane
 from kvxferd.receiver import Receiver, RxHandle
-from kvxferd.reshard import piece_descriptors, plan_rank, readers_for
+from kvxferd.reshard import piece_descriptors, plan_rank, prepared_indices, readers_for
 from kvxferd.sender import Sender, TxHandle
 from kvxferd.session import RxState, TxState
 from kvxferd.topology import (
@@ -187,17 +192,30 @@ class _Case:
         self.readers = [readers_for(self.decode[0], t) for t in self.prefill]
         self.endpoints = [s.endpoint for s in self.senders]
         self.seq = 0
-        self.descriptors = self._descriptors()
+        self.descriptors, self.entries = self._descriptors()
 
-    def _descriptors(self) -> list[int]:
-        """NIXL descriptors per request, per piece (a decode rank's read of one prefill rank)."""
+    def _descriptors(self) -> tuple[list[int], list[int]]:
+        """Per request, per piece (a decode rank's read of one prefill rank): NIXL descriptors
+        built (merged) per request, and entries of the prepared lists posted instead."""
         ids = np.asarray(self.ids(0), dtype=np.int64)
         nb = self.o.blocks * self.slots
-        return [
-            len(piece_descriptors(p, d, 0, nb, ids, 0, nb, ids, 0, self.o.layers)[0])
-            for d in self.decode
-            for p in plan_rank(d, self.prefill).pieces
-        ]
+        pieces = [(d, p) for d in self.decode for p in plan_rank(d, self.prefill).pieces]
+        return (
+            [
+                len(piece_descriptors(p, d, 0, nb, ids, 0, nb, ids, 0, self.o.layers)[0])
+                for d, p in pieces
+            ],
+            [prepared_indices(p, nb, ids, 0, self.o.layers).size for _d, p in pieces],
+        )
+
+    def posts(self) -> dict[str, int]:
+        """The senders' KV writes so far by how they were posted (``NixlDataPlane.posts``)."""
+        out = {"blocks": 0, "piece": 0, "descs": 0}
+        for s in self.senders:
+            if isinstance(s.dataplane, NixlDataPlane):
+                for k, n in s.dataplane.posts.items():
+                    out[k] += n
+        return out
 
     def ids(self, slot: int) -> list[int]:
         return self.slot_ids[slot]
@@ -305,6 +323,7 @@ def run_hetero(o: HeteroOptions) -> dict[str, Any]:
         for name, c in cases.items():
             c.verified_request(deadline)
             verified[name] += 1
+        posts = {name: c.posts() for name, c in cases.items()}
     finally:
         for c in cases.values():
             c.close()
@@ -321,6 +340,8 @@ def run_hetero(o: HeteroOptions) -> dict[str, Any]:
             "p99_ms": _pct(lat, 0.99),
             "verified_requests": verified[name],
             "descriptors_per_piece": cases[name].descriptors,
+            "entries_per_piece": cases[name].entries,
+            "posts": posts[name],
         }
     base = figures[BASELINE]
     ratio = {
@@ -358,13 +379,16 @@ def format_hetero(doc: dict[str, Any]) -> str:
         f"{doc['request_bytes'] / 2**20:.2f} MiB per request ({o['blocks']} blocks); "
         f"{o['requests']} requests x {o['reps']} alternating reps, window {o['window']}; "
         f"load {doc['load_avg'][0]:.2f} on {doc['cpus']} CPUs",
-        f"{'case':<14}{'GB/s':>9}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'verified':>10}",
+        f"{'case':<14}{'GB/s':>9}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'verified':>10}"
+        "  descriptors per piece (built) / entries (prepared); writes posted by",
     ]
     for name, f in doc["cases"].items():
+        posted = ", ".join(f"{k} {n}" for k, n in f["posts"].items() if n)
         lines.append(
             f"{name:<14}{f['gbps']:>9.3f}{f['requests_per_s']:>10.1f}{f['p50_ms']:>10.2f}"
             f"{f['p99_ms']:>10.2f}{f['verified_requests']:>10}  "
-            f"{' + '.join(str(n) for n in f['descriptors_per_piece'])}"
+            f"{' + '.join(str(n) for n in f['descriptors_per_piece'])} / "
+            f"{' + '.join(str(n) for n in f['entries_per_piece'])}; {posted}"
         )
     for name, r in doc["ratio"].items():
         label = f"{name}/{doc['baseline']}"
