@@ -589,7 +589,8 @@ def _nonreader(r: Run) -> None:
     count = 64
     blocks = tx.alloc.take(4 * count)
     handles = [tx.client.publish(f"nr-{i}", blocks[4 * i : 4 * i + 4]) for i in range(count)]
-    r.result.extra["_nr"] = (handles, blocks)
+    # They must end within the bound of every session, counted from now.
+    r.result.extra["_nr"] = (handles, blocks, time.monotonic() + TERMINAL_BOUND_S)
     p = subprocess.Popen(
         [
             sys.executable,
@@ -621,12 +622,12 @@ def _nonreader_end(r: Run) -> None:
 
 def _nonreader_after(r: Run) -> None:
     """The sender's sessions for the peer that never read must still end."""
-    handles, blocks = r.result.extra.pop("_nr", ([], np.zeros(0)))
+    handles, blocks, bound_at = r.result.extra.pop("_nr", ([], np.zeros(0), 0.0))
     tx = r.traffic.tx
     unended = 0
     for h in handles:
-        try:
-            out = tx.client.wait(h, 0.05)
+        try:  # --quick gets here before the bound: wait out what is left of it
+            out = tx.client.wait(h, max(0.05, bound_at - time.monotonic()))
             if out is None:
                 unended += 1
             tx.client.close(h, timeout=CALL_TIMEOUT_S)
