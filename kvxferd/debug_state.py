@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
+
 from kvxferd import __version__
 from kvxferd.session import RxState, TxState
 
@@ -43,8 +45,14 @@ def sender_state(
                                     nbytes, reason}]}]}
                    open: sessions not ended, or ended with writes still in flight
                    (in doubt); outcome {state, reason, detail, in_doubt} or null
-        peers      [{receiver_id, endpoint, nixl_name, idle_s, writes_in_flight, prepped}]
-                   receiver_id names the receiver's incarnation (name-uuid)
+        topology   this rank's record (docs/topology.md) or null
+        peers      [{receiver_id, endpoint, nixl_name, idle_s, writes_in_flight, prepped,
+                     identity, decode_rank}]
+                   receiver_id names the receiver's incarnation (name-uuid); identity: the
+                   CURVE key (Z85) that registered it, "" when security is off;
+                   decode_rank: its record's rank when it reads through the mapping
+        identities [{identity, peers, fetches, parked, receiver_ids}]  the ownership table:
+                   what each identity holds (docs/security.md, limits per identity)
         retiring_peers [{nixl_name, writes_in_flight}]  replaced or evicted peers whose
                    NIXL agent is kept until their last write ends
         parked     {count, oldest [{request_id, receiver_id, fetch_id, age_s,
@@ -83,8 +91,21 @@ def sender_state(
             "idle_s": _age(now, seen[p.routing_id]) if p.routing_id in seen else None,
             "writes_in_flight": peer_writes.get(p.nixl_name, 0),
             "prepped": p.prepped,
+            "identity": p.identity,
+            "decode_rank": None if p.topology is None else p.topology.rank,
         }
         for p in copy_values(snd._peers)
+    ]
+    usage: dict[str, Any] = _copy(snd.ownership.identities, {})
+    identities = [
+        {
+            "identity": who,
+            "peers": u.peers,
+            "fetches": u.fetches,
+            "parked": u.parked,
+            "receiver_ids": len(u.receiver_ids),
+        }
+        for who, u in sorted(usage.items())[:limit]
     ]
     retiring: list[str] = _copy(lambda: sorted(snd._retiring), [])
     parked: list[Any] = _copy(
@@ -104,7 +125,9 @@ def sender_state(
             "oldest_age_s": oldest,
             "open": listed,
         },
+        "topology": None if snd.topology is None else msgspec.to_builtins(snd.topology),
         "peers": peers,
+        "identities": identities,
         "retiring_peers": [
             {"nixl_name": n, "writes_in_flight": peer_writes.get(n, 0)} for n in retiring
         ],

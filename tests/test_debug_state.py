@@ -154,6 +154,11 @@ def test_sender_and_receiver_dump_a_transfer_in_progress(
     assert sl["fetch_id"] == h.fetch_id and sl["state"] == "writing" and sl["age_s"] >= 0
     [peer] = tx["peers"]
     assert peer["receiver_id"] == rx.receiver_id and peer["writes_in_flight"] == 1
+    assert (peer["identity"], peer["decode_rank"], tx["topology"]) == ("", None, None)
+    # The ownership table: security is off here, so one anonymous identity holds it all.
+    assert tx["identities"] == [
+        {"identity": "", "peers": 1, "fetches": 1, "parked": 1, "receiver_ids": 1}
+    ], tx["identities"]
     assert tx["parked"]["count"] == 1
     [p] = tx["parked"]["oldest"]
     assert p["request_id"] == "req-not-yet" and p["fetch_id"] == parked.fetch_id
