@@ -82,7 +82,7 @@ def sender_state(
         if (not session.ended or session.writes_in_flight) and len(listed) < limit:
             listed.append(_tx_session_view(session, slices, now))
     seen: dict[bytes, float] = _copy(lambda: dict(snd._peer_seen), {})
-    peer_writes: dict[str, int] = _copy(lambda: dict(snd._peer_writes), {})
+    peer_writes: dict[str, int] = _copy(snd.agents.writes_unlocked, {})
     peers = [
         {
             "receiver_id": p.receiver_id,
@@ -107,7 +107,7 @@ def sender_state(
         }
         for who, u in sorted(usage.items())[:limit]
     ]
-    retiring: list[str] = _copy(lambda: sorted(snd._retiring), [])
+    retiring: list[str] = _copy(snd.agents.retiring_unlocked, [])
     parked: list[Any] = _copy(
         lambda: [p for ps in list(snd._pending.values()) for p in list(ps)], []
     )

@@ -164,8 +164,7 @@ class SenderProbe:
             sessions = list(snd._sessions.values())
             peers = list(snd._peers.values())
             parked = snd._pending_count
-        with snd._peer_lock:
-            retiring = set(snd._retiring)
+        retiring = snd.agents.retiring()
         by_state = dict.fromkeys((s.value for s in TxState), 0)
         in_flight = dict.fromkeys(IN_FLIGHT_STATES["sender"], 0)
         in_flight["parked"] = parked

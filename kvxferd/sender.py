@@ -29,10 +29,10 @@ Threads and what each owns::
 ``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
 ``_pending``, ``_peers``, ``_last_at`` and ``_ttl_heap``. Session state has its own lock
 (see session.py); the registry lock is never taken while a session lock is held.
-``_peer_lock`` guards the count of writes in flight per NIXL peer, the peers waiting to
-be removed and the incarnations gone: a peer that is evicted, replaced or invalidated
-loses its NIXL remote agent (and prepared list) only once no write toward it is in
-flight (the worker that ends the last one removes it).
+``agents`` (peer_agents.py, its own lock) counts the writes in flight per NIXL peer and
+keeps the peers waiting to be removed and the incarnations gone: a peer that is
+evicted, replaced or invalidated loses its NIXL remote agent (and prepared lists) only
+once no write toward it is in flight (the worker that ends the last one removes it).
 
 Receivers are keyed by incarnation (``receiver_id`` = name-uuid, also their NIXL agent's
 name), never by address. Which peer state changes how::
@@ -81,7 +81,6 @@ import re
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +107,7 @@ from kvxferd.guard import Guard
 from kvxferd.journal import Ending, Journal
 from kvxferd.layout import check_blocks, check_layers
 from kvxferd.ownership import IdentityLimits, Ownership, nixl_agent_name
+from kvxferd.peer_agents import PeerAgents
 from kvxferd.pool import IdAllocator, KvPool
 from kvxferd.reshard import piece_for
 from kvxferd.session import Slice, SliceState, TxOutcome, TxSession, TxState
@@ -119,7 +119,6 @@ from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, ReplyTask, W
 log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
-_GONE_MAX = 4096  # replaced incarnations remembered (see Sender._gone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +195,6 @@ class Sender:
             window_s=health.peer_failure_window_ms / 1000,
         )
         self.sender_id = f"{settings.name}-{uuid.uuid4().hex[:12]}"
-        # NIXL name -> when that receiver last sent a message (listener writes, data plane reads)
-        self._heard: dict[str, float] = {}
         self.pool = pool or KvPool(settings.pool, owner="tx")
         self._owns_pool = pool is None
         # This prefill rank's record (topology.py), from the constructor or the engine's
@@ -213,6 +210,8 @@ class Sender:
             stats=self.stats,
             heard_from=self._heard_from,
         )
+        # Receivers' NIXL agents: writes in flight, deferred removals, replaced incarnations.
+        self.agents = PeerAgents(self.dataplane, self.stats)
         process_context(
             sockets_needed(settings.num_threads, settings.limits.max_peers)
         )  # before any socket
@@ -232,15 +231,6 @@ class Sender:
         self._parked_keys: set[tuple[str, int]] = set()  # keys of parked fetches (duplicates)
         self._peers: dict[bytes, Peer] = {}  # routing id -> peer
         self._peer_seen: dict[bytes, float] = {}  # routing id -> last message (listener only)
-        # NIXL peer name -> writes posted toward it and not yet ended; a peer retired while
-        # some are in flight is removed from the data plane when the last one ends.
-        self._peer_lock = threading.Lock()  # guards _peer_writes, _retiring and _gone
-        self._peer_writes: dict[str, int] = {}
-        self._retiring: set[str] = set()
-        # NIXL names of receiver incarnations replaced by a new one (that process is gone):
-        # no write starts toward them and no message is sent for them. Bounded: a name is
-        # unique per incarnation, and a task for one can live only until its fetch deadline.
-        self._gone: OrderedDict[str, None] = OrderedDict()
         # result endpoint -> the last incarnation registered there (registry lock), kept when
         # that peer is invalidated, so its restart is still recognised at the next Register.
         self._last_at: dict[str, Peer] = {}
@@ -528,11 +518,11 @@ class Sender:
         """
         peer = self._peers.get(routing_id)  # one atomic read; the table's writers hold the lock
         if peer is not None and peer.identity == identity:
-            self._heard[peer.nixl_name] = time.monotonic()
+            self.agents.heard(peer.nixl_name)
 
     def _heard_from(self, nixl_name: str) -> float:
         """When the receiver with this NIXL name last sent us a message (monotonic; 0: never)."""
-        return self._heard.get(nixl_name, 0.0)
+        return self.agents.heard_from(nixl_name)
 
     def _reply(self, routing_id: bytes, msg: wire._Msg) -> None:
         if not router_reply(self._router, routing_id, wire.encode(msg)):
@@ -647,13 +637,9 @@ class Sender:
                     Reason.NOT_AUTHORIZED,
                     f"NIXL agent {nixl_name} is registered by another identity",
                 )
-        with self._peer_lock:
-            # Registered again (after an invalidation) while writes of its last registration
-            # are in flight: the agent just loaded stays; its deferred removal must not run.
-            if nixl_name in self._retiring:
-                self._retiring.discard(nixl_name)
-                self.stats.add("peer_removals_cancelled")
-            self._gone.pop(nixl_name, None)
+        # Registered again (after an invalidation) while writes of its last registration
+        # are in flight: the agent just loaded stays; its deferred removal must not run.
+        self.agents.registered(nixl_name)
         layout = msg.layout.to_layout()
         prepped = False
         try:
@@ -791,8 +777,7 @@ class Sender:
         if registered:
             self._retire_peer(old, gone=True)
         else:
-            with self._peer_lock:
-                self._gone[old.nixl_name] = None
+            self.agents.mark_gone(old.nixl_name)
         detail = f"receiver {old.receiver_id} restarted (now {new_id})"
         ended = 0
         for key, session in open_fetches:
@@ -831,56 +816,21 @@ class Sender:
         log.warning("receiver %s invalidated after a transport error: %s", peer.receiver_id, detail)
         self._retire_peer(peer)
 
-    # -- peers' NIXL state: never removed under a write ---------------------------------
+    # -- peers' NIXL state: never removed under a write (peer_agents.py) ----------------
     def peer_write_started(self, peer: Peer) -> bool:
         """Count a write toward ``peer``; False (nothing counted) when that incarnation is gone."""
-        with self._peer_lock:
-            if peer.nixl_name in self._gone:
-                return False
-            self._peer_writes[peer.nixl_name] = self._peer_writes.get(peer.nixl_name, 0) + 1
-            return True
+        return self.agents.write_started(peer.nixl_name)
 
     def peer_gone(self, peer: Peer) -> bool:
         """True when a newer incarnation replaced ``peer`` (nothing is sent or written to it)."""
-        with self._peer_lock:
-            return peer.nixl_name in self._gone
+        return self.agents.is_gone(peer.nixl_name)
 
     def peer_write_ended(self, peer: Peer) -> None:
-        name = peer.nixl_name
-        with self._peer_lock:
-            left = self._peer_writes.get(name, 0) - 1
-            if left > 0:
-                self._peer_writes[name] = left
-                return
-            self._peer_writes.pop(name, None)
-            if name not in self._retiring:
-                return
-            self._retiring.discard(name)
-        self._remove_from_dataplane(peer)
+        self.agents.write_ended(peer.nixl_name)
 
     def _retire_peer(self, peer: Peer, gone: bool = False) -> None:
-        """Release the peer's NIXL remote agent and prepared list once no write uses them.
-
-        ``gone``: a newer incarnation replaced it; from now on no write toward it starts.
-        """
-        with self._peer_lock:
-            if gone:
-                self._gone[peer.nixl_name] = None
-                while len(self._gone) > _GONE_MAX:
-                    self._gone.popitem(last=False)
-            if self._peer_writes.get(peer.nixl_name, 0) > 0:
-                self._retiring.add(peer.nixl_name)
-                self.stats.add("peer_removals_deferred")
-                return
-        self._remove_from_dataplane(peer)
-
-    def _remove_from_dataplane(self, peer: Peer) -> None:
-        self._heard.pop(peer.nixl_name, None)
-        try:
-            self.dataplane.remove_peer(peer.nixl_name)
-            self.stats.add("peers_removed")
-        except Exception:  # the entry is gone either way; NIXL keeps a stale remote at worst
-            log.exception("removing NIXL peer %s failed", peer.receiver_id)
+        """Release the peer's NIXL remote agent and prepared list once no write uses them."""
+        self.agents.retire(peer.nixl_name, gone)
 
     def forget_shared(self, endpoint: str) -> None:
         self._shared.forget(endpoint)

@@ -661,11 +661,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-replaced-peer-removal",
         "a replaced peer's NIXL agent is removed while a write toward it is in flight",
-        (
-            Edit(
-                "kvxferd/sender.py", "if self._peer_writes.get(peer.nixl_name, 0) > 0:", "if False:"
-            ),
-        ),
+        (Edit("kvxferd/peer_agents.py", "if self._writes.get(name, 0) > 0:", "if False:"),),
         (TXRACES + "test_a_receiver_replaced_at_its_endpoint_loses_its_nixl_peer_after_its_write",),
     ),
     Mutant(
@@ -673,8 +669,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a removal deferred under a write never runs when the write ends",
         (
             Edit(
-                "kvxferd/sender.py",
-                "self._retiring.discard(name)\n        self._remove_from_dataplane(peer)",
+                "kvxferd/peer_agents.py",
+                "self._retiring.discard(name)\n        self._remove(name)",
                 "self._retiring.discard(name)",
             ),
         ),
@@ -923,8 +919,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a write toward a receiver incarnation replaced at its endpoint still starts",
         (
             Edit(
-                "kvxferd/sender.py",
-                "            if peer.nixl_name in self._gone:\n                return False\n",
+                "kvxferd/peer_agents.py",
+                "            if name in self._gone:\n                return False\n",
                 "",
             ),
             Edit(
@@ -968,8 +964,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a deferred NIXL removal runs after the same receiver registered again",
         (
             Edit(
-                "kvxferd/sender.py",
-                '                self._retiring.discard(nixl_name)\n                self.stats.add("peer_removals_cancelled")\n',
+                "kvxferd/peer_agents.py",
+                '                self._retiring.discard(name)\n                self.stats.add("peer_removals_cancelled")\n',
                 "                pass\n",
             ),
         ),

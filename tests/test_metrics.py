@@ -43,6 +43,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "sender.py": ("sender",),
     "worker.py": ("sender",),
     "dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
+    "peer_agents.py": ("sender",),
     "receiver.py": ("receiver",),
     "gateway.py": ("gateway",),
     "guard.py": ("sender", "receiver", "gateway"),
