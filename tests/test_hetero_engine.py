@@ -25,17 +25,9 @@ from tests.test_gateway import (  # noqa: F401 - fixtures
     start_gateway,
 )
 from tests.test_hetero import BASE, SWEEP, Daemons, _pool, _World
+from tests.test_hetero import daemons as daemons  # the fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def daemons() -> Iterator[Daemons]:
-    d = Daemons()
-    try:
-        yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture

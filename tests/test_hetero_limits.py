@@ -6,8 +6,6 @@ piece from each prefill rank, so one fetch of the instance is two fetches in fli
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -16,18 +14,10 @@ from kvxferd.errors import Reason
 from kvxferd.receiver import Receiver
 from kvxferd.session import RxState
 from tests.test_hetero import DEADLINES, WAIT_S, Daemons, _pool
+from tests.test_hetero import daemons as daemons  # the fixture
 from tests.test_topology_reshard import SWEEP, _World
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def daemons() -> Iterator[Daemons]:
-    d = Daemons()
-    try:
-        yield d
-    finally:
-        d.close()
 
 
 @pytest.mark.parametrize("limit", [1, 2])

@@ -40,6 +40,7 @@ from tests.test_gateway import (  # noqa: F401 - fixtures
     start_gateway,
 )
 from tests.test_hetero import Daemons
+from tests.test_hetero import daemons as daemons  # the fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -48,15 +49,6 @@ VLLM_BLOCKS = 12  # vLLM's blocks per worker
 POOL_BLOCKS = 16  # the daemon's (the connector's staging blocks in copy mode)
 REQ_BLOCKS = 3
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def daemons() -> Iterator[Daemons]:
-    d = Daemons()
-    try:
-        yield d
-    finally:
-        d.close()
 
 
 def _full(seed: int) -> torch.Tensor:
