@@ -15,7 +15,8 @@ The parts, top-down:
   daemon's loop handler) and when the directory's files change (names, sizes and
   mtimes checked every ``security.allowed_keys_poll_ms`` by the auth thread). A key
   removed refuses that client's *next* handshake; on a connection it already opened, the
-  sender's listener refuses each of its messages (:meth:`Transport.admits`).
+  sender's listener refuses each of its messages and the receiver's result socket drops
+  them (:meth:`Transport.admits`).
 * **The auth thread** (:class:`_AuthThread`, ``kvxferd-auth``, one per process
   context): the ZAP handler (a REP socket at ``inproc://zeromq.zap.01``) and the
   reader of every CURVE server socket's monitor. Each service (a sender, a receiver,

@@ -1051,6 +1051,13 @@ class Receiver:
                 self.stats.add("recv_errors")
                 return
             identity = peer_identity(parts[-1])  # the key ZAP authenticated, never a field
+            if sock is self._router and identity and not self.transport.admits(identity):
+                # ZAP checked the key once, at the handshake: a sender key removed from
+                # the allow-list since is refused here, message by message, on the
+                # connection it already opened. Its Result never makes a fetch done: the
+                # fetch ends by its deadline, fenced as any fetch whose sender went quiet.
+                self.stats.add(f"rejected_{Reason.NOT_AUTHORIZED}")
+                continue
             frames = [p.bytes for p in parts]
             body = frames[1:] if sock is self._router else frames
             try:

@@ -1052,6 +1052,21 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_key_removed_from_the_allow_list_is_refused_on_its_open_connection",
         ),
     ),
+    Mutant(
+        "issue14-revoked-sender-still-heard",
+        "a sender key the receiver removed from its allow-list still makes fetches done",
+        (
+            Edit(
+                "kvxferd/receiver.py",
+                "            if sock is self._router and identity and not self.transport.admits(identity):",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/test_auth.py::TestRefusedAndCounted::"
+            "test_a_sender_key_removed_from_the_receivers_allow_list_makes_no_fetch_done",
+        ),
+    ),
 )
 
 

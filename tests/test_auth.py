@@ -32,6 +32,7 @@ from kvxferd.control import SocketLimits, connect_dealer, process_context
 from kvxferd.errors import ConfigError, Reason, RejectedError
 from kvxferd.receiver import Receiver
 from kvxferd.sender import Sender
+from kvxferd.session import RxState
 from kvxferd.stats import Stats
 from tests.child import ROOT
 from tests.conditions import wait_until
@@ -405,6 +406,30 @@ class TestRefusedAndCounted:
         finally:
             sock.close(linger=0)
         transfer_ok(pair, "after-revocation")
+
+    def test_a_sender_key_removed_from_the_receivers_allow_list_makes_no_fetch_done(
+        self, pair: Pair, keys: Keyring
+    ) -> None:
+        """A sender whose key the receiver removes (list re-read) after their connection
+        opened: its Result on that connection is refused and counted, and the fetch ends
+        by its deadline, never done."""
+        transfer_ok(pair, "warm-up")  # the sender's connection to the result ROUTER is open
+        src, dst = np.arange(4, dtype=np.int64), np.arange(8, 12, dtype=np.int64)
+        fill_request(pair.tx.pool, "late", src)
+        h = pair.rx.fetch("late", pair.tx.endpoint, dst, want_aux=False, timeout_ms=3000)
+        wait_until(lambda: pair.tx._pending_count == 1, WAIT_S, "the fetch parked at the sender")
+        (keys.allowed("rx", keys.tx) / f"{keys.tx.name}.key").unlink()
+        assert pair.rx.transport.allow is not None
+        pair.rx.transport.allow.reload()
+        pair.tx.publish("late", src)
+        wait_until(
+            lambda: pair.rx.stats.get("rejected_not_authorized") >= 1,
+            WAIT_S,
+            "the revoked sender's Result refused",
+        )
+        out = h.wait(WAIT_S)
+        assert out is not None and out.state is not RxState.DONE, out
+        assert pair.rx.stats.get("fetches_done") == 1, "only the warm-up"
 
     def test_a_server_presenting_another_key_is_refused_and_counted(
         self, pair: Pair, keys: Keyring
