@@ -574,6 +574,19 @@ class Transport:
                     del self._given[next(iter(self._given))]
         return key
 
+    def learn_key(self, endpoint: str, key: str) -> bool:
+        """A sender's key from discovery: expect it at ``endpoint`` (after the configured
+        ``security.sender_keys`` and a key given with a fetch). False, and nothing kept,
+        when security is off or the key is not in the allow-list."""
+        if self.curve is None or self.allow is None or key not in self.allow:
+            return False
+        with self._lock:
+            self._given.pop(endpoint, None)
+            self._given[endpoint] = key
+            while len(self._given) > 4096:
+                del self._given[next(iter(self._given))]
+        return True
+
     def close(self) -> None:
         """Stop judging this service's domain (its server socket is closed)."""
         if self.domain:

@@ -223,7 +223,13 @@ class Daemon:
             self.registrar = None
             return
         incarnation = self.service.sender_id if self.role == "sender" else self.service.receiver_id
-        record = own_record(self.role, self.settings.name, incarnation, endpoint)
+        record = own_record(
+            self.role,
+            self.settings.name,
+            incarnation,
+            endpoint,
+            public_key=self.service.public_key,
+        )
         self.registrar = make_registrar(disc, record).start()
         probe.registrar = self.registrar
         if self.role == "receiver":

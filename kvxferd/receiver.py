@@ -603,6 +603,9 @@ class Receiver:
         self.stats.add("discovery_events")
         if isinstance(event, PeerAdded | PeerChanged):
             peer = event.peer if isinstance(event, PeerAdded) else event.new
+            if peer.public_key:  # the key to expect there, if our allow-list holds it
+                learned = self.transport.learn_key(peer.endpoint, peer.public_key)
+                self.stats.add("discovery_keys_learned" if learned else "discovery_keys_refused")
             known = self._links.get(peer.endpoint)
             if known is None:
                 if len(self._links) < self.settings.limits.max_peers:

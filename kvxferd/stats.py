@@ -201,6 +201,16 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         " incompatible; receiver: planning a fetch from a prefill instance)",
     ),
     _c("instance_fetches", _R, "Fetches from a prefill instance (several sender ranks)"),
+    _c(
+        "discovery_keys_learned",
+        _R,
+        "Sender keys learned from discovery records (in the allow-list: expected at that endpoint)",
+    ),
+    _c(
+        "discovery_keys_refused",
+        _R,
+        "Sender keys in discovery records not in the allow-list, or with security off (ignored)",
+    ),
     _c("instance_pieces", _R, "Pieces (one RequestData each) those fetches were planned into"),
     _c(
         "instance_fetches_busy",

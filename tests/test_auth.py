@@ -632,3 +632,60 @@ def test_the_key_published_with_the_request_is_the_key_dialled(pair: Pair, keys:
         th.close()
     finally:
         rx.shutdown(3.0)
+
+
+# -- keys from discovery ------------------------------------------------------------------------
+def test_a_discovered_senders_key_is_expected_only_if_allowed(keys: Keyring) -> None:
+    """A receiver with no sender_keys learns a sender's key from its discovery record and
+    fetches byte-exact; a record carrying a key outside the allow-list is ignored (counted)
+    and the fetch is refused not_authorized."""
+    from kvxferd.discovery import PeerAdded, PeerRecord
+
+    tx = Sender(
+        load_sender_settings(
+            listen="tcp://127.0.0.1:0",
+            num_threads=1,
+            pool=POOL,
+            deadlines=DEADLINES,
+            security=keys.security(keys.tx, keys.allowed("tx", keys.rx)),
+        )
+    ).start()
+    rx: Receiver | None = None
+    try:
+        rx = Receiver(
+            load_receiver_settings(
+                pool=POOL,
+                deadlines=DEADLINES,
+                security=keys.security(keys.rx, keys.allowed("rx", keys.tx)),
+            )
+        ).start()
+
+        def discovered(key: str) -> None:
+            assert rx is not None
+            before = rx.stats.get("discovery_events")
+            record = PeerRecord(
+                role="sender",
+                name="p0",
+                incarnation=tx.sender_id,
+                endpoints={"listen": tx.endpoint},
+                public_key=key,
+            )
+            rx.on_peer_event(PeerAdded(record))
+            wait_until(
+                lambda: rx is not None and rx.stats.get("discovery_events") > before,
+                WAIT_S,
+                "the io thread took the event",
+            )
+
+        discovered(keys.stranger.pair.public)  # not in the receiver's allow-list
+        assert rx.stats.get("discovery_keys_refused") == 1
+        with pytest.raises(RejectedError) as e:
+            rx.fetch("r0", tx.endpoint, [8], want_aux=False)
+        assert e.value.reason == Reason.NOT_AUTHORIZED
+        discovered(keys.tx.pair.public)
+        assert rx.stats.get("discovery_keys_learned") == 1
+        transfer_ok(Pair(keys, tx, rx), "discovered")
+    finally:
+        if rx is not None:
+            rx.shutdown(3.0)
+        tx.shutdown(3.0)

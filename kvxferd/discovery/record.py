@@ -11,8 +11,10 @@ One record per daemon, JSON on the wire (etcd value, static file entry)::
 :func:`kvxferd.endpoints.connect_problem`, so a record advertising a wildcard
 (``tcp://0.0.0.0:5555``) is malformed. ``incarnation`` changes on every daemon
 start ("" where the backend cannot know it: dns, a static file without one).
-``public_key`` is empty until issue 14 fills it. Unknown fields are ignored, so
-a newer daemon's record still reads in an older one.
+``public_key`` is the daemon's CURVE public key (Z85; "" with security off): a
+receiver that discovers a sender expects that key at its endpoint, if its own
+allow-list holds it (a record cannot bring in a key the operator did not allow).
+Unknown fields are ignored, so a newer daemon's record still reads in an older one.
 
 :func:`decode_record` validates everything; a bad record raises
 :class:`RecordError` and the watcher counts and skips it.
@@ -118,6 +120,7 @@ def own_record(
     incarnation: str,
     endpoint: str,
     topology: dict[str, TopologyValue] | None = None,
+    public_key: str = "",
 ) -> PeerRecord:
     """This daemon's record: ``endpoint`` as its role's main endpoint, ``host`` filled in.
 
@@ -131,6 +134,7 @@ def own_record(
         name=name,
         incarnation=incarnation,
         endpoints={MAIN_ENDPOINT[role]: endpoint},
+        public_key=public_key,
         topology=topo,
     )
     return check_record(rec)
