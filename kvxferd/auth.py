@@ -525,13 +525,21 @@ class Transport:
         """This daemon's public key (Z85), ``""`` when security is off."""
         return self.curve.keys.public if self.curve is not None else ""
 
-    def server_curve(self, name: str, stats: Stats | None) -> Curve | None:
+    def server_curve(
+        self, name: str, stats: Stats | None, allowed_dir: str | None = None
+    ) -> Curve | None:
         """CURVE options for another server socket of this service (the engine socket on
-        TCP): the same keys and allow-list, its own ZAP domain and counters."""
+        TCP): the same keys, its own ZAP domain and counters, and the allow-list of
+        ``allowed_dir`` (re-read like the peers' one) or, without one, the peers'."""
         if self.curve is None or self.allow is None:
             return None
+        allow = self.allow
+        if allowed_dir is not None:
+            if not Path(allowed_dir).is_dir():
+                raise ConfigError(f"{allowed_dir!r} (the {name} socket's keys) is not a directory")
+            allow = AllowList(allowed_dir, poll_s=self.allow.poll_s)
         domain = f"{self.domain}.{name}.{next(_domain_ids)}"
-        zap_handler().register(domain, self.allow, stats)
+        zap_handler().register(domain, allow, stats)
         return Curve(self.curve.keys, domain, stats=stats)
 
     def admits(self, identity: str) -> bool:

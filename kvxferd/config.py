@@ -332,6 +332,12 @@ class SecuritySettings(_Frozen):
         description="directory of public certificates (*.key) allowed to connect;"
         " re-read on SIGHUP and when its files change",
     )
+    engine_keys_dir: str | None = Field(
+        None,
+        description="directory of the public certificates (*.key) of the engines allowed on a"
+        " tcp:// engine socket (required for one); kept apart from allowed_keys_dir: a peer's"
+        " key does not make it an engine",
+    )
     allowed_keys_poll_ms: int = Field(
         1_000,
         ge=0,
@@ -399,6 +405,12 @@ class _RoleSettings(BaseSettings):
                 f"service.engine_socket = {svc.engine_socket!r} is TCP and security.mode is"
                 ' "off": a TCP engine socket needs security.mode = "curve" (engines then'
                 " need keys), or use an ipc:// socket"
+            )
+        if svc.engine_socket.startswith("tcp://") and not sec.engine_keys_dir:
+            raise ValueError(
+                f"service.engine_socket = {svc.engine_socket!r} is TCP: set"
+                " security.engine_keys_dir to the directory of the engines' public certificates"
+                " (apart from allowed_keys_dir, whose peers must not drive this daemon)"
             )
         if sec.mode != "off":
             return self

@@ -177,6 +177,7 @@ class Daemon:
             svc.engine_socket,
             max_inflight=svc.max_client_inflight,
             transport=self.service.transport,
+            engine_keys_dir=self.settings.security.engine_keys_dir,
         )
         probe.gateway = self.gateway  # a broken gateway fails liveness (and the watchdog)
         engine_socket = await self.gateway.start()

@@ -168,6 +168,7 @@ class Gateway:
         max_handles: int = MAX_HANDLES,
         max_frame_bytes: int = ep.MAX_FRAME_BYTES,
         transport: Transport | None = None,
+        engine_keys_dir: str | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
@@ -183,6 +184,7 @@ class Gateway:
         self.max_frame_bytes = max_frame_bytes
         # A TCP engine socket is a CURVE server (the settings refuse it plaintext).
         self.transport = transport
+        self.engine_keys_dir = engine_keys_dir  # its allow-list: the engines' keys
         self.stats = Stats()
         self.guard = Guard(self.stats, log)  # unexpected errors of its threads
         self.last_progress = time.monotonic()  # the serve task took a message or ticked
@@ -222,7 +224,7 @@ class Gateway:
             elif endpoint.startswith("tcp://") and endpoint.endswith(":0"):
                 endpoint = endpoint[:-2] + ":*"
             if self.transport is not None and endpoint.startswith("tcp://"):
-                curve = self.transport.server_curve("engine", self.stats)
+                curve = self.transport.server_curve("engine", self.stats, self.engine_keys_dir)
                 if curve is not None:
                     curve.apply_server(sock)
                     watch_server(sock, self.stats, curve.zap_domain)

@@ -222,8 +222,13 @@ class TestFailClosed:
             load_sender_settings(
                 security={"mode": "off"}, service={"engine_socket": f"tcp://{host}:7000"}
             )
+        with pytest.raises(ConfigError, match="engine_keys_dir"):
+            load_sender_settings(
+                security={"mode": "curve"}, service={"engine_socket": f"tcp://{host}:7000"}
+            )
         s = load_sender_settings(
-            security={"mode": "curve"}, service={"engine_socket": f"tcp://{host}:7000"}
+            security={"mode": "curve", "engine_keys_dir": "/etc/kvxferd/engines"},
+            service={"engine_socket": f"tcp://{host}:7000"},
         )
         assert s.service.engine_socket.startswith("tcp://")
 
@@ -548,14 +553,17 @@ def test_a_changed_allow_list_directory_is_read_without_a_signal(keys: Keyring) 
 def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
     keys: Keyring, tmp_path: Path
 ) -> None:
-    """A daemon whose engine socket is TCP serves an engine client with an allowed key; a plaintext client gets nothing and is counted."""
+    """A daemon whose engine socket is TCP serves an engine client whose key is in
+    engine_keys_dir; a peer's key (allowed as a peer, not as an engine) and a plaintext
+    client get nothing, and are counted."""
     from kvxferd.client import Client, EngineUnavailable
 
     engine = _key(keys.root, "engine")
     env = daemon_env(
         KVXFERD_SECURITY__MODE="curve",
         KVXFERD_SECURITY__KEY_FILE=str(keys.tx.secret_file),
-        KVXFERD_SECURITY__ALLOWED_KEYS_DIR=str(keys.allowed("engine-socket", engine)),
+        KVXFERD_SECURITY__ALLOWED_KEYS_DIR=str(keys.allowed("peers", keys.rx)),
+        KVXFERD_SECURITY__ENGINE_KEYS_DIR=str(keys.allowed("engines", engine)),
         KVXFERD_LISTEN="tcp://127.0.0.1:0",
         KVXFERD_SERVICE__ENGINE_SOCKET="tcp://127.0.0.1:0",
     )
@@ -567,6 +575,25 @@ def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
             endpoint, timeout_s=WAIT_S, curve=Curve(engine.pair, server_key=keys.tx.pair.public)
         ) as c:
             assert c.describe().role == "sender"
+        peer_as_engine = Curve(keys.rx.pair, server_key=keys.tx.pair.public)
+        with (
+            Client(endpoint, timeout_s=0.5, curve=peer_as_engine) as peer,
+            pytest.raises(EngineUnavailable),
+        ):
+            peer.describe()
+        wait_until(
+            lambda: (
+                metric(
+                    metrics(d.probe_port),
+                    "kvxferd_gateway_auth_refused_total",
+                    'reason="unknown_key"',
+                )
+                >= 1
+            ),
+            WAIT_S,
+            "the peer key refused on the engine socket",
+            poll=0.1,
+        )
         with Client(endpoint, timeout_s=0.5) as plain, pytest.raises(EngineUnavailable):
             plain.describe()
         # The auth thread counts the failed handshake from the socket's monitor (its poll).
