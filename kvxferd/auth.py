@@ -27,7 +27,7 @@ The parts, top-down:
   plaintext client or a client expecting another server key never reaches ZAP: the
   handshake fails, and the monitor counts it ``handshakes_failed_{kind}``.
 * **Transport** (:class:`Transport`): what a service builds from ``[security]``: its
-  :class:`Curve` options for ``kvxferd.control``, its allow-list and, on a receiver,
+  :class:`Curve` options for ``kvxferd.transfer.control``, its allow-list and, on a receiver,
   the key each sender endpoint must present (:meth:`Transport.server_key_for`).
 
 The auth thread is started before the first CURVE server socket binds: libzmq lets
@@ -466,7 +466,7 @@ _handler: _AuthThread | None = None
 
 def zap_handler() -> _AuthThread:
     """The auth thread of the process context, started on first use."""
-    from kvxferd.control import process_context
+    from kvxferd.transfer.control import process_context
 
     global _handler
     ctx = process_context()
@@ -492,7 +492,7 @@ class Transport:
     """A service's ``[security]`` made real: its CURVE options, allow-list and ZAP domain.
 
     With ``mode = "off"`` ``curve`` is None: sockets are plaintext, every peer is
-    ``ANONYMOUS``, and :func:`kvxferd.control.connect_dealer` dials only loopback and
+    ``ANONYMOUS``, and :func:`kvxferd.transfer.control.connect_dealer` dials only loopback and
     ipc endpoints. With ``"curve"`` the key file and the allow-list directory are
     required (ConfigError naming the setting and ``kvxferd keygen``).
     """

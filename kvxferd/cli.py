@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
     d = sub.add_parser(
-        "demo", help="sender + receiver daemons on loopback, engines via kvxferd.client, verified"
+        "demo",
+        help="sender + receiver daemons on loopback, engines via kvxferd.engine.client, verified",
     )
     d.add_argument("--requests", type=_positive, default=300)
     d.add_argument("--receivers", type=int, default=1, choices=range(1, 9), metavar="1..8")
@@ -127,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(role: Literal["sender", "receiver"], settings: Any) -> int:
-    from kvxferd.daemon import serve
+    from kvxferd.service.daemon import serve
 
     # Ignored until the daemon's loop handles it (re-reads the allow-list); see above.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -208,7 +209,7 @@ def _main(argv: list[str] | None) -> int:
             from kvxferd.bench import run_child
 
             return run_child(args.cmd, args.spec)
-        from kvxferd import workload
+        from kvxferd.engine import workload
 
         assert args.cmd == "demo", args.cmd
         spec = workload.Spec(

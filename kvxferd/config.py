@@ -173,7 +173,7 @@ class Limits(_Frozen):
         description="WRITEs in progress at once on one sender worker (in-doubt ones aside)",
     )
     # Per identity (an authenticated CURVE key; not applied to the anonymous identity of
-    # security off, which has only the global limits above). See kvxferd/ownership.py.
+    # security off, which has only the global limits above). See kvxferd/transfer/ownership.py.
     max_peers_per_identity: int = Field(64, ge=1, description="receivers one key may register")
     max_fetches_per_identity: int = Field(
         4_096, ge=1, description="fetches one key may have attached and not yet removed"

@@ -75,10 +75,10 @@ _SERVICE = frozenset({SENDER, RECEIVER})
 _EVERYONE = frozenset({SENDER, RECEIVER, GATEWAY})
 
 REASONS: tuple[str, ...] = tuple(r.value for r in Reason)
-# kvxferd.engine_protocol.EngineReason (every Reason plus the gateway's own); a test keeps
+# kvxferd.engine.engine_protocol.EngineReason (every Reason plus the gateway's own); a test keeps
 # the two equal, so this module needs no import of the engine side.
 GATEWAY_REASONS: tuple[str, ...] = (*REASONS, "unknown_handle", "wrong_role", "internal")
-# The engine calls (kvxferd.engine_protocol.ToGateway tags) and the sender workers' messages.
+# The engine calls (kvxferd.engine.engine_protocol.ToGateway tags) and the sender workers' messages.
 GATEWAY_CALLS: tuple[str, ...] = (
     "describe",
     "publish",
@@ -329,7 +329,7 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Outcomes in doubt that resolved (sender: a stalled write ended and was released; "
         "receiver: the sender said no write is in flight): blocks reusable again",
     ),
-    # -- the drain (kvxferd/daemon.py; the last log line counts the same) ------------------
+    # -- the drain (kvxferd/service/daemon.py; the last log line counts the same) ------------------
     _c(
         "drain_dropped_never_fetched",
         _S,

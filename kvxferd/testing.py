@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from kvxferd.dataplane import XferState
-from kvxferd.layout import Descs, IdArray, Layout
-from kvxferd.reshard import Piece
-from kvxferd.topology import Topology
+from kvxferd.transfer.dataplane import XferState
+from kvxferd.transfer.layout import Descs, IdArray, Layout
+from kvxferd.transfer.reshard import Piece
+from kvxferd.transfer.topology import Topology
 
 
 @dataclass

@@ -99,7 +99,7 @@ def run(
     """The check; ``corrupt`` spoils one received element first (the comparison must catch it)."""
     import torch
 
-    from kvxferd.client import Client, attach_pool
+    from kvxferd.engine.client import Client, attach_pool
     from kvxferd.integrations.vllm.geometry import KvGeometry
 
     block_size, kv_heads, head_dim = 16, 2, 64

@@ -23,8 +23,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvxferd import control
-from kvxferd.sender import Sender
+from kvxferd.transfer import control
+from kvxferd.transfer.sender import Sender
 from tests.test_races import RawPeer
 
 
@@ -150,7 +150,7 @@ class CurvePeer(RawPeer):
         self.dealer = d
 
     def try_register(self) -> Any:
-        from kvxferd import protocol as wire
+        from kvxferd.transfer import protocol as wire
 
         self._send(
             wire.Register(

@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvxferd import engine_protocol as ep
-from kvxferd import protocol as wire
+from kvxferd.engine import engine_protocol as ep
 from kvxferd.errors import ProtocolError
+from kvxferd.transfer import protocol as wire
 
 Message = list[bytes]
 Target = Literal["listener", "results", "engine"]

@@ -11,7 +11,7 @@ reaches the machine's own network. Each host runs its own daemons
 to its own address, with NIXL over UCX TCP on its veth (``UCX_TLS=tcp``,
 ``UCX_NET_DEVICES`` = the veth; :data:`UCX_ENV`). The engine socket is an ipc path on the
 shared filesystem and the pool is POSIX shared memory, so the test process itself can be the
-engine of every daemon (:mod:`kvxferd.client`).
+engine of every daemon (:mod:`kvxferd.engine.client`).
 
 ``cut(a, b)`` drops every frame between two hosts at the switch (an nftables ``bridge``
 table; no connection is reset and the hosts see only silence, as when a cable or a switch
@@ -47,8 +47,9 @@ import numpy as np
 import torch
 
 from kvxferd.auth import keygen, load_public_key
-from kvxferd.client import Client, EngineError, attach_pool
-from kvxferd.engine_protocol import EngineReason
+from kvxferd.engine.client import Client, EngineError, attach_pool
+from kvxferd.engine.engine_protocol import EngineReason
+from kvxferd.engine.workload import aux_bytes, expected_bytes
 from kvxferd.faults.harness import (
     CALL_TIMEOUT_S,
     EXIT_BOUND_S,
@@ -61,8 +62,7 @@ from kvxferd.faults.harness import (
     Engine,
     fault_env,
 )
-from kvxferd.pool import IdAllocator
-from kvxferd.workload import aux_bytes, expected_bytes
+from kvxferd.transfer.pool import IdAllocator
 
 SUBNET = "10.79.0"  # /24, private, exists only inside the namespaces a HostNet builds
 PREFIX = "kvxh"  # namespace names: kvxh{pid}-sw, kvxh{pid}-h{i}

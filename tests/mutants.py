@@ -16,7 +16,7 @@ One line per mutant, in list order; a killed mutant names the test that caught i
     killed    seed004-2-reopen            7.9 s  tests failed, as they must
               test_failed_session_refuses_a_queued_slice_and_stays_failed - AssertionError: ...
     survived  seed001-owner-loop          6.1 s  the tests PASSED with the fix reverted
-    stale     seed004-4-cancel-unlocked   0.0 s  old text not found in kvxferd/session.py
+    stale     seed004-4-cancel-unlocked   0.0 s  old text not found in kvxferd/transfer/session.py
 
 A mutant whose tests pass is run again, up to three runs in all: one caught only on
 a later run says so on its line (its test is timing-dependent and should be
@@ -92,7 +92,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "workers send Results on the shared DEALER pool instead of their own DEALERs",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "send_bounded(sock, out.frame)",
                 "self.host._shared.send(endpoint, out.frame)  # type: ignore[attr-defined]",
             ),
@@ -104,7 +104,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "admission no longer refuses a write of an ended session (a failed session is reopened)",
         (
             Edit(
-                "kvxferd/session.py",
+                "kvxferd/transfer/session.py",
                 "if self._state in TX_TERMINAL:\n                reason = self._refusal_reason()",
                 "if False:\n                reason = self._refusal_reason()",
             ),
@@ -116,7 +116,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an ended session counts as drained while an admitted write is in flight",
         (
             Edit(
-                "kvxferd/session.py",
+                "kvxferd/transfer/session.py",
                 "return self._state in TX_TERMINAL and self._writes_in_flight == 0",
                 "return self._state in TX_TERMINAL",
             ),
@@ -128,7 +128,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "admission checks the session's state without the lock that commits its ending",
         (
             Edit(
-                "kvxferd/session.py",
+                "kvxferd/transfer/session.py",
                 "with self._lock:\n            if self._state in TX_TERMINAL:\n"
                 "                reason = self._refusal_reason()",
                 "with threading.Lock():\n            if self._state in TX_TERMINAL:\n"
@@ -142,7 +142,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "cancel commits the session's ending without the lock admission runs under",
         (
             Edit(
-                "kvxferd/session.py",
+                "kvxferd/transfer/session.py",
                 "with self._lock:\n"
                 "            committed = self._commit_locked(TxOutcome(TxState.CANCELLED,",
                 "with threading.Lock():\n"
@@ -156,7 +156,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fail commits the session's ending without the lock admission runs under",
         (
             Edit(
-                "kvxferd/session.py",
+                "kvxferd/transfer/session.py",
                 "with self._lock:\n"
                 "            committed = self._commit_locked(TxOutcome(TxState.FAILED, reason, detail))",
                 "with threading.Lock():\n"
@@ -170,7 +170,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a later outcome (a completion) overwrites the first terminal outcome",
         (
             Edit(
-                "kvxferd/session.py",
+                "kvxferd/transfer/session.py",
                 "if self._state in TX_TERMINAL:\n            return False\n"
                 "        self._state, self._outcome = outcome.state, outcome",
                 "self._state, self._outcome = outcome.state, outcome",
@@ -183,7 +183,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "DEALER sends block without a deadline (SNDTIMEO -1)",
         (
             Edit(
-                "kvxferd/control.py",
+                "kvxferd/transfer/control.py",
                 "sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)",
                 "sock.setsockopt(zmq.SNDTIMEO, -1)",
             ),
@@ -211,7 +211,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a write that was never posted does not give its admission back",
         (
             Edit(
-                "kvxferd/session.py",
+                "kvxferd/transfer/session.py",
                 "            self._writes_in_flight -= 1\n"
                 "            sl.writes_in_flight -= 1\n"
                 "            self._fail_slice_locked(sl, reason, detail)",
@@ -225,7 +225,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "every asyncio waiter is woken through the first waiter's loop",
         (
             Edit(
-                "kvxferd/waiters.py",
+                "kvxferd/transfer/waiters.py",
                 "loop.call_soon_threadsafe(_resolve, fut, value)",
                 "futures[0][0].call_soon_threadsafe(_resolve, fut, value)",
             ),
@@ -247,7 +247,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-guard-counts",
         "an exception caught in a long-lived loop is not counted",
-        (Edit("kvxferd/guard.py", 'self._stats.add("thread_errors")', "pass"),),
+        (Edit("kvxferd/transfer/guard.py", 'self._stats.add("thread_errors")', "pass"),),
         ("tests/test_faults_guard.py",),
     ),
     Mutant(
@@ -255,7 +255,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an exception caught in a long-lived loop does not make the component report itself broken",
         (
             Edit(
-                "kvxferd/guard.py",
+                "kvxferd/transfer/guard.py",
                 "if self._first is None:\n                import sys",
                 "if False:\n                import sys",
             ),
@@ -268,7 +268,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver's fetch() does not refuse an endpoint it will not dial (bad_endpoint)",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "problem = connect_problem(endpoint)",
                 "problem = None",
             ),
@@ -281,7 +281,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-tx-result-endpoint-checked",
         "the sender accepts a Register whose result_endpoint zmq would misuse",
-        (Edit("kvxferd/sender.py", "why = connect_problem(msg.result_endpoint)", "why = None"),),
+        (
+            Edit(
+                "kvxferd/transfer/sender.py",
+                "why = connect_problem(msg.result_endpoint)",
+                "why = None",
+            ),
+        ),
         (TXRACES + "test_a_result_endpoint_zmq_would_misuse_is_refused_as_bad_endpoint",),
     ),
     Mutant(
@@ -289,7 +295,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a connect error in the receiver's _link() escapes instead of failing that fetch",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "except zmq.ZMQError as e:  # connect_problem let it through",
                 "except ImportError as e:  # connect_problem let it through",
             ),
@@ -301,7 +307,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an unexpected exception in the receiver's io turn is not caught (the io thread dies)",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 'except Exception:\n                    self.guard.caught("rx-io")',
                 'except ImportError:\n                    self.guard.caught("rx-io")',
             ),
@@ -315,12 +321,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "an unexpected exception while the sender's listener handles a message ends the listener",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 'except Exception:\n                    self.guard.caught("listener")',
                 'except ImportError:\n                    self.guard.caught("listener")',
             ),
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "except Exception:  # a bug on one message must not kill the listener",
                 "except ImportError:  # a bug on one message must not kill the listener",
             ),
@@ -332,12 +338,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "an unexpected exception in a worker's task or turn ends the worker",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "except Exception:\n                    self.host.guard.caught(self.thread.name)",
                 "except ImportError:\n                    self.host.guard.caught(self.thread.name)",
             ),
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 'except Exception:\n            self.host.guard.caught(f"{self.thread.name}: task")',
                 'except ImportError:\n            self.host.guard.caught(f"{self.thread.name}: task")',
             ),
@@ -347,13 +353,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-liveness-service-broken",
         "liveness ignores an error the service's threads caught (Guard.broken)",
-        (Edit("kvxferd/probes.py", "why = service.broken()", "why = None"),),
+        (Edit("kvxferd/service/probes.py", "why = service.broken()", "why = None"),),
         ("tests/test_health.py::test_sender_liveness_fails_naming_an_error_its_threads_caught",),
     ),
     Mutant(
         "issue9-liveness-gateway-broken",
         "liveness ignores a broken engine gateway",
-        (Edit("kvxferd/probes.py", 'why = f"gateway: {gw}" if gw else None', "why = None"),),
+        (
+            Edit(
+                "kvxferd/service/probes.py", 'why = f"gateway: {gw}" if gw else None', "why = None"
+            ),
+        ),
         ("tests/test_health.py::test_liveness_fails_naming_a_broken_gateway",),
     ),
     # -- item 2: nothing is reused while a write may land ----------------------------------
@@ -362,7 +372,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a NIXL status check that raises counts as a finished (failed) write",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 'return self._try_release(w, "NIXL status check raised" + w.error)',
                 "w.xfer.release()\n                self._ended(w, ok=False)\n"
                 "                return True",
@@ -375,7 +385,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a write whose release() said False counts as finished",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "        if released:\n            self._ended(",
                 "        if True:\n            self._ended(",
             ),
@@ -387,7 +397,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an in-doubt write that ends sends no CancelAck(in_doubt=false)",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "if was_doubt and sl.writes_in_flight == 0:",
                 "if False:",
             ),
@@ -399,7 +409,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver ignores a late or unsolicited CancelAck for a fetch in doubt",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "found = self._fetches.get(msg.fetch_id) or self._in_doubt.get(msg.fetch_id)",
                 "found = self._fetches.get(msg.fetch_id)",
             ),
@@ -414,7 +424,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a CancelAck(in_doubt=false) does not release a fence already in doubt",
         (
             Edit(
-                "kvxferd/session.py",
+                "kvxferd/transfer/session.py",
                 "elif self.fence is Fence.IN_DOUBT and not in_doubt:",
                 "elif False:",
             ),
@@ -426,7 +436,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver does not ask again (Cancel) about fetches in doubt",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "self._retry_in_doubt(now)\n        self.dataplane.progress()",
                 "self.dataplane.progress()",
             ),
@@ -438,7 +448,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an aux slot quarantined by a fetch in doubt is not given back when the doubt is resolved",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "            self.aux_slots.give_back([rx.aux_slot])\n"
                 '            self.stats.add("aux_slots_released")\n'
                 '        self.stats.add("in_doubt_resolved")',
@@ -450,7 +460,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-shutdown-asks-in-doubt",
         "the receiver's shutdown does not ask again about fetches in doubt before giving up on them",
-        (Edit("kvxferd/receiver.py", 'self._command(("retry", None))', "pass"),),
+        (Edit("kvxferd/transfer/receiver.py", 'self._command(("retry", None))', "pass"),),
         (RXWIRE + "test_shutdown_resends_cancel_and_is_safe_once_the_sender_answers",),
     ),
     Mutant(
@@ -458,7 +468,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "readiness stays green with no free aux slot",
         (
             Edit(
-                "kvxferd/probes.py",
+                "kvxferd/service/probes.py",
                 "if free == 0:  # every fetch with aux",
                 "if False:  # every fetch with aux",
             ),
@@ -471,7 +481,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a close thread executes a close whose deadline passed while it was queued",
         (
             Edit(
-                "kvxferd/gateway.py",
+                "kvxferd/engine/gateway.py",
                 "if left is not None and left <= 0:\n        raise _Expired",
                 "if False:\n        raise _Expired",
             ),
@@ -483,7 +493,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the gateway serves a call that arrived after its deadline",
         (
             Edit(
-                "kvxferd/gateway.py",
+                "kvxferd/engine/gateway.py",
                 "if deadline and _now_ms() >= deadline:",
                 "if False:",
             ),
@@ -495,7 +505,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a retried Publish/Fetch with the same key runs again instead of returning the same handle",
         (
             Edit(
-                "kvxferd/gateway.py",
+                "kvxferd/engine/gateway.py",
                 "if (work := self._work.get(key)) is not None and work.handle_id in self._handles:",
                 "if False:",
             ),
@@ -512,7 +522,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "Lookup does not find an open Publish/Fetch by its key",
         (
             Edit(
-                "kvxferd/gateway.py",
+                "kvxferd/engine/gateway.py",
                 "found = self._share(rid, self._key(msg))",
                 "found = None",
             ),
@@ -524,7 +534,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the engine client sends calls without their absolute deadline (deadline_unix_ms 0)",
         (
             Edit(
-                "kvxferd/client.py",
+                "kvxferd/engine/client.py",
                 "return time.time_ns() // 1_000_000 + int(bound_s * 1000)",
                 "return 0",
             ),
@@ -536,7 +546,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "AsyncClient.close_client leaves a stopped loop's calls waiting until their own timeout",
         (
             Edit(
-                "kvxferd/client.py",
+                "kvxferd/engine/client.py",
                 "pending, self.pending = self.pending, {}",
                 "pending: dict[int, Any] = {}",
             ),
@@ -549,7 +559,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver does not send open fetches again to a new sender incarnation",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "if stale or (known and known != msg.sender_id):",
                 "if False:",
             ),
@@ -561,7 +571,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fetches sent to a sender whose new incarnation refuses the Register do not fail peer_restarted",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "self._sender_restarted(link, stale, resend=msg.ok)",
                 "self._sender_restarted(link, stale, resend=True)",
             ),
@@ -574,7 +584,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-restart-releases-old-fences",
         "fences toward a sender incarnation that is gone stay up after a new one answers",
-        (Edit("kvxferd/receiver.py", "elif rx.release():", "elif False:"),),
+        (Edit("kvxferd/transfer/receiver.py", "elif rx.release():", "elif False:"),),
         (RXWIRE + "test_a_new_sender_incarnation_gets_every_open_fetch_again",),
     ),
     # -- item 5: one bad peer never slows another -------------------------------------------
@@ -583,7 +593,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a worker starts no task while any write is in progress (not just its own peer's)",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "while lane and rid not in self._busy_lanes:",
                 "while lane and not self._busy_lanes:",
             ),
@@ -595,7 +605,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "workers send Results blocking (up to worker_send_timeout) instead of through the outbox",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "sock = connect_dealer(endpoint, self.host.socket_limits, 0, server_key=key)",
                 "sock = connect_dealer(\n"
                 "                endpoint,\n"
@@ -605,7 +615,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            )",
             ),
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:",
                 "if False:",
             ),
@@ -617,7 +627,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "publish sends a parked fetch's refusal on the caller's thread",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "self._worker_for(request_id, p.peer.receiver_id).queue.put(\n"
                 "                    ReplyTask(p.peer, outcome)\n"
                 "                )",
@@ -630,7 +640,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-sender-deadline-unix",
         "the sender ignores a fetch's deadline_unix_ms (budget counted from arrival only)",
-        (Edit("kvxferd/sender.py", "if msg.deadline_unix_ms > 0:", "if False:"),),
+        (Edit("kvxferd/transfer/sender.py", "if msg.deadline_unix_ms > 0:", "if False:"),),
         (TXRACES + "test_a_fetch_whose_receiver_deadline_passed_starts_no_write",),
     ),
     Mutant(
@@ -638,7 +648,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a fetch parked until publish waits its pending TTL, not the receiver's deadline",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "min(now + ttl, fetch_deadline), fetch_deadline, layers",
                 "now + ttl, fetch_deadline, layers",
             ),
@@ -650,7 +660,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver leaves RequestData.deadline_unix_ms at 0",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "deadline_unix_ms=max(1, int((time.time() + left_s) * 1000)),",
                 "deadline_unix_ms=0,",
             ),
@@ -661,7 +671,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-replaced-peer-removal",
         "a replaced peer's NIXL agent is removed while a write toward it is in flight",
-        (Edit("kvxferd/peer_agents.py", "if self._writes.get(name, 0) > 0:", "if False:"),),
+        (
+            Edit(
+                "kvxferd/transfer/peer_agents.py", "if self._writes.get(name, 0) > 0:", "if False:"
+            ),
+        ),
         (TXRACES + "test_a_receiver_replaced_at_its_endpoint_loses_its_nixl_peer_after_its_write",),
     ),
     Mutant(
@@ -669,7 +683,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a removal deferred under a write never runs when the write ends",
         (
             Edit(
-                "kvxferd/peer_agents.py",
+                "kvxferd/transfer/peer_agents.py",
                 "self._retiring.discard(name)\n        self._remove(name)",
                 "self._retiring.discard(name)",
             ),
@@ -681,7 +695,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a receiver replaced at its result endpoint keeps its NIXL agent",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "            self._retire_peer(old, gone=True)\n",
                 "            pass\n",
             ),
@@ -693,7 +707,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a prepared list retired under a write is never released (retired lists grow)",
         (
             Edit(
-                "kvxferd/dataplane.py",
+                "kvxferd/transfer/dataplane.py",
                 "retired = self._retired.pop(key, None)",
                 "retired = None",
             ),
@@ -705,12 +719,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "TxHandle.close() answers from its wait instead of re-reading drained (leaks the session)",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "session.drained_event.wait(timeout)\n        with self._lock:",
                 "drained = session.drained_event.wait(timeout)\n        with self._lock:",
             ),
             Edit(
-                "kvxferd/sender.py", "drained = session.drained\n        if drained:", "if drained:"
+                "kvxferd/transfer/sender.py",
+                "drained = session.drained\n        if drained:",
+                "if drained:",
             ),
         ),
         (TXRACES + "test_close_racing_the_last_write_never_leaks_the_session",),
@@ -720,7 +736,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a fetch admitted after the drain began is not refused (admission not atomic with drain)",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "if self._draining.is_set():\n                refusal = RejectedError(",
                 "if False:\n                refusal = RejectedError(",
             ),
@@ -732,7 +748,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver's shutdown deregisters memory while an outcome is in doubt",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "if safe and joined:\n            self.dataplane.close()",
                 "self.dataplane.close()\n        if safe and joined:",
             ),
@@ -744,7 +760,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "AsyncClient.close_client leaves open the socket of a loop that stops before closing it",
         (
             Edit(
-                "kvxferd/client.py",
+                "kvxferd/engine/client.py",
                 "conn.loop.call_soon_threadsafe(conn.shutdown)\n                    handed.append(conn)",
                 "conn.loop.call_soon_threadsafe(conn.shutdown)",
             ),
@@ -757,7 +773,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a second daemon silently takes over a live daemon's engine socket",
         (
             Edit(
-                "kvxferd/preflight.py",
+                "kvxferd/service/preflight.py",
                 'raise ConfigError(f"{name} = {value!r}: a live daemon is serving on this socket")',
                 "return",
             ),
@@ -770,13 +786,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue10-port-in-use",
         "a port in use is found only by the slow set-up (exit 1, a traceback)",
-        (Edit("kvxferd/preflight.py", "            s.bind(addr)\n", "            pass\n"),),
+        (Edit("kvxferd/service/preflight.py", "            s.bind(addr)\n", "            pass\n"),),
         (PREFLIGHT + "test_probe_port_in_use_exits_2",),
     ),
     Mutant(
         "issue10-dev-shm-size",
         "a pool larger than /dev/shm starts anyway (the engine later dies of SIGBUS)",
-        (Edit("kvxferd/preflight.py", "if need > free:", "if False:"),),
+        (Edit("kvxferd/service/preflight.py", "if need > free:", "if False:"),),
         (PREFLIGHT + "test_pool_larger_than_dev_shm_exits_2",),
     ),
     Mutant(
@@ -784,7 +800,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a failed request logs only at DEBUG: nothing answers what happened to it",
         (
             Edit(
-                "kvxferd/journal.py",
+                "kvxferd/transfer/journal.py",
                 'level = logging.WARNING if not e.ok and e.kind != "slice" else logging.DEBUG',
                 "level = logging.DEBUG",
             ),
@@ -796,7 +812,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a stalled write is not logged at WARNING when it stalls",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "jlog.warning(  # when it stalls",
                 "jlog.debug(  # when it stalls",
             ),
@@ -806,7 +822,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue10-peer-label-budget",
         "one peer more than the label budget gets its own label (series grow with peers)",
-        (Edit("kvxferd/journal.py", "< self.peer_labels", "<= self.peer_labels"),),
+        (Edit("kvxferd/transfer/journal.py", "< self.peer_labels", "<= self.peer_labels"),),
         (JOURNAL + "test_peers_past_the_label_budget_share_one_label",),
     ),
     Mutant(
@@ -814,7 +830,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sender's drain waits only for attached writes, not for requests published and unfetched",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "not s.ended\n                    or any(sl.state",
                 "any(sl.state",
             ),
@@ -826,7 +842,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an engine's close during the drain ends its request as cancelled by the engine",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "if self._draining.is_set():\n            # An engine lets go",
                 "if False:\n            # An engine lets go",
             ),
@@ -838,7 +854,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a receiver's drain deadline ends open fetches as cancelled by the engine",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 'self._drain_end(rx, "still open at the drain deadline (drain_timeout_ms)")',
                 'self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")',
             ),
@@ -853,7 +869,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "stuck is judged from the last ending alone: an idle daemon's first request is stuck at once",
         (
             Edit(
-                "kvxferd/probes.py",
+                "kvxferd/service/probes.py",
                 "quiet = now - max(journal.last_ending, oldest)",
                 "quiet = now - journal.last_ending",
             ),
@@ -866,7 +882,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue10-stuck-never-reported",
         "readiness stays 200 while pending work sees nothing end",
-        (Edit("kvxferd/probes.py", "if quiet * 1000 >= health.stuck_after_ms:", "if False:"),),
+        (
+            Edit(
+                "kvxferd/service/probes.py",
+                "if quiet * 1000 >= health.stuck_after_ms:",
+                "if False:",
+            ),
+        ),
         (
             READINESS
             + "test_a_write_that_never_ends_makes_both_sides_stuck_after_stuck_after_ms_only",
@@ -877,7 +899,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a peer whose failures reach the ratio leaves readiness at 200",
         (
             Edit(
-                "kvxferd/probes.py",
+                "kvxferd/service/probes.py",
                 "if rate.total >= health.peer_failure_min and rate.ratio >= health.peer_failure_ratio:",
                 "if False:",
             ),
@@ -889,7 +911,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "cancels and our own shutdown count as the peer's failures",
         (
             Edit(
-                "kvxferd/journal.py",
+                "kvxferd/transfer/journal.py",
                 "window.append((now, e.ok or e.reason in NOT_PEER_FAULTS))",
                 "window.append((now, e.ok))",
             ),
@@ -901,7 +923,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sender with no free aux slot stays ready",
         (
             Edit(
-                "kvxferd/probes.py",
+                "kvxferd/service/probes.py",
                 "if snd.aux_slots.free == 0:  # every publish with aux would be refused busy",
                 "if False:",
             ),
@@ -911,7 +933,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue10-killed-daemons-pool-kept",
         "a pool segment a killed daemon left stays in /dev/shm (each restart needs room for one more)",
-        (Edit("kvxferd/preflight.py", "        os.unlink(path)\n", "        pass\n"),),
+        (Edit("kvxferd/service/preflight.py", "        os.unlink(path)\n", "        pass\n"),),
         (PREFLIGHT + "test_a_killed_daemons_pool_segment_is_removed_by_its_successor",),
     ),
     Mutant(
@@ -919,12 +941,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "a write toward a receiver incarnation replaced at its endpoint still starts",
         (
             Edit(
-                "kvxferd/peer_agents.py",
+                "kvxferd/transfer/peer_agents.py",
                 "            if name in self._gone:\n                return False\n",
                 "",
             ),
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "                session.fail_slice(sl, Reason.PEER_RESTARTED, detail)\n"
                 "                session.fail(Reason.PEER_RESTARTED, detail)\n",
                 "                pass\n",
@@ -940,7 +962,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a replaced receiver's parked fetches stay and attach when the request is published",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "                keep = [p for p in self._pending[rid] if p.peer.receiver_id != old.receiver_id]\n",
                 "                keep = list(self._pending[rid])\n",
             ),
@@ -952,7 +974,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a NIXL write error toward a peer leaves its registration (no fresh handshake)",
         (
             Edit(
-                "kvxferd/worker.py",
+                "kvxferd/transfer/worker.py",
                 "            host.peer_failed(task.peer, detail)\n",
                 "            pass\n",
             ),
@@ -964,7 +986,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a deferred NIXL removal runs after the same receiver registered again",
         (
             Edit(
-                "kvxferd/peer_agents.py",
+                "kvxferd/transfer/peer_agents.py",
                 '                self._retiring.discard(name)\n                self.stats.add("peer_removals_cancelled")\n',
                 "                pass\n",
             ),
@@ -976,7 +998,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a receiver ignores the senders discovery reports until a fetch names one",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "                    self._link(peer.endpoint)\n",
                 "                    pass\n",
             ),
@@ -991,7 +1013,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a daemon whose etcd lease is lost stays ready",
         (
             Edit(
-                "kvxferd/probes.py",
+                "kvxferd/service/probes.py",
                 "    if registrar is None or registrar.registered:",
                 "    if True:",
             ),
@@ -1003,7 +1025,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a frame nested past the decoder's recursion limit raises RecursionError, not malformed",
         (
             Edit(
-                "kvxferd/protocol.py",
+                "kvxferd/transfer/protocol.py",
                 "    except RecursionError:  # a tagged union skips fields before the tag",
                 "    except ZeroDivisionError:  # a tagged union skips fields before the tag",
             ),
@@ -1015,7 +1037,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a RegisterReply sent to a receiver's result socket is dropped without a count",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 '                self.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")',
                 "                pass",
             ),
@@ -1027,7 +1049,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a post toward a receiver whose write is stalled goes on the stalled connection",
         (
             Edit(
-                "kvxferd/dataplane.py",
+                "kvxferd/transfer/dataplane.py",
                 '            raise PathStalled(f"a write to {peer} is stalled on its connection (path {path.index})")',
                 "            pass",
             ),
@@ -1042,7 +1064,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a key removed from the allow-list keeps talking on the connection ZAP admitted",
         (
             Edit(
-                "kvxferd/sender.py",
+                "kvxferd/transfer/sender.py",
                 "        if identity and not self.transport.admits(identity):",
                 "        if False:",
             ),
@@ -1057,7 +1079,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sender key the receiver removed from its allow-list still makes fetches done",
         (
             Edit(
-                "kvxferd/receiver.py",
+                "kvxferd/transfer/receiver.py",
                 "            if sock is self._router and identity and not self.transport.admits(identity):",
                 "            if False:",
             ),

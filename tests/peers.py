@@ -51,10 +51,10 @@ import torch
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.pool import IdAllocator, KvPool
-from kvxferd.receiver import Receiver, RxHandle
-from kvxferd.sender import Sender, TxHandle
-from kvxferd.session import RxOutcome, RxState
+from kvxferd.transfer.pool import IdAllocator, KvPool
+from kvxferd.transfer.receiver import Receiver, RxHandle
+from kvxferd.transfer.sender import Sender, TxHandle
+from kvxferd.transfer.session import RxOutcome, RxState
 from tests.child import ChildProcess
 
 Emit = Callable[..., None]

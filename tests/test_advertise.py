@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvxferd import preflight
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.endpoints import advertise_host, advertised
 from kvxferd.errors import ConfigError
+from kvxferd.service import preflight
 from tests.conftest import SuiteKeys
 from tests.test_daemon import DaemonProcess, Engines, http_get
 

@@ -25,15 +25,15 @@ import numpy as np
 import pytest
 import zmq
 
-from kvxferd import protocol as wire
 from kvxferd.auth import AllowList, Curve, KeyPair, Transport, keygen, load_key_pair
 from kvxferd.config import SecuritySettings, load_receiver_settings, load_sender_settings
-from kvxferd.control import SocketLimits, connect_dealer, process_context
 from kvxferd.errors import ConfigError, Reason, RejectedError
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
-from kvxferd.session import RxState
 from kvxferd.stats import Stats
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.control import SocketLimits, connect_dealer, process_context
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.session import RxState
 from tests.child import ROOT
 from tests.conditions import wait_until
 from tests.peers import check_request, fill_request
@@ -556,7 +556,7 @@ def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
     """A daemon whose engine socket is TCP serves an engine client whose key is in
     engine_keys_dir; a peer's key (allowed as a peer, not as an engine) and a plaintext
     client get nothing, and are counted."""
-    from kvxferd.client import Client, EngineUnavailable
+    from kvxferd.engine.client import Client, EngineUnavailable
 
     engine = _key(keys.root, "engine")
     env = daemon_env(

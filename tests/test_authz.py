@@ -1,6 +1,6 @@
 """Authorisation on the sender: receiver ids, NIXL agents and routes belong to the key that registered them.
 
-Unit tests drive kvxferd/ownership.py directly; the others run the real Sender
+Unit tests drive kvxferd/transfer/ownership.py directly; the others run the real Sender
 (the controllable data plane of tests/test_races.py) behind a real CURVE
 ROUTER, with raw peers that each authenticate with a key of their own
 (tests/authz_world.py), so every identity is the one ZAP authenticated.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd import protocol as wire
 from kvxferd.errors import Reason
-from kvxferd.ownership import IdentityLimits, Ownership, nixl_agent_name
-from kvxferd.session import TxState
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.ownership import IdentityLimits, Ownership, nixl_agent_name
+from kvxferd.transfer.session import TxState
 from tests.authz_world import CurvePeer, CurveWorld, Keys, world
 from tests.conditions import wait_until
 from tests.test_races import BLOCKS, WAIT_S, Harness, h

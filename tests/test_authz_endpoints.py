@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from kvxferd.config import load_receiver_settings
 from kvxferd.endpoints import DialAllow, parse_endpoint
 from kvxferd.errors import ConfigError, Reason, RejectedError
-from kvxferd.receiver import Receiver
 from kvxferd.testing import ControlledDataPlane
+from kvxferd.transfer.receiver import Receiver
 from tests.test_races import POOL, RECEIVER_DEADLINES
 
 pytestmark = pytest.mark.timeout(60)

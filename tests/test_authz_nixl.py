@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvxferd import protocol as wire
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import Reason
-from kvxferd.ownership import nixl_agent_name
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
-from kvxferd.session import RxState
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.ownership import nixl_agent_name
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.session import RxState
 from tests.authz_world import CurvePeer, CurveWorld, Keys, world
 
 __all__ = ["world"]

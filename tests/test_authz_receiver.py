@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvxferd import protocol as wire
-from kvxferd.session import RxState
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.session import RxState
 from tests.authz_world import CurveWorld, Keys, world
 from tests.conditions import wait_until
 from tests.test_races import BLOCKS, QUIET_S, WAIT_S, Harness, h

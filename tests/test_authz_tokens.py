@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvxferd import protocol as wire
-from kvxferd.client import Client, EngineRejected
-from kvxferd.engine_protocol import EngineReason
+from kvxferd.engine.client import Client, EngineRejected
+from kvxferd.engine.engine_protocol import EngineReason
 from kvxferd.errors import Reason
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
 from tests.authz_world import CurvePeer, CurveWorld, Keys, world
 from tests.test_gateway import (
     CALL_S,

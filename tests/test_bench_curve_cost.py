@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvxferd import protocol as wire
 from kvxferd.bench.command import add_arguments, main_bench
 from kvxferd.bench.curve_cost import (
     MODES,
@@ -20,6 +19,7 @@ from kvxferd.bench.curve_cost import (
     message_frames,
     run_curve_cost,
 )
+from kvxferd.transfer import protocol as wire
 
 TINY = CurveCostOptions(requests=50, window=8, reps=2, blocks=64, timeout_s=60)
 FIGURES = ("connect_ms", "p50_us", "p99_us", "msgs_per_s")

@@ -71,7 +71,7 @@ def test_print_config_head_one_in_shell() -> None:
 def test_serve_ignores_sighup() -> None:
     """The daemon entry point sets SIGHUP to ignored before serving (no reload exists)."""
     code = (
-        "import signal, kvxferd.daemon as d, kvxferd.cli as c\n"
+        "import signal, kvxferd.service.daemon as d, kvxferd.cli as c\n"
         "d.serve = lambda role, s: 0 if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else 9\n"
         "raise SystemExit(c.main(['sender']))\n"
     )

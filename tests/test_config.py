@@ -103,7 +103,7 @@ def test_bad_thread_variable_stops_the_cli_with_its_name() -> None:
 
 def test_receiver_refuses_to_advertise_a_wildcard_address(suite_keys: SuiteKeys) -> None:
     """A receiver whose result endpoint is 0.0.0.0 stops with a ConfigError (senders would dial themselves)."""
-    from kvxferd.receiver import Receiver
+    from kvxferd.transfer.receiver import Receiver
 
     with pytest.raises(ConfigError, match="wildcard"):
         Receiver(

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvxferd import control
-from kvxferd.control import SharedDealerPool, SocketLimits
 from kvxferd.errors import SendTimeout
+from kvxferd.transfer import control
+from kvxferd.transfer.control import SharedDealerPool, SocketLimits
 
 WAIT_S = 5.0  # bound on anything that must happen
 QUIET_S = 0.3  # how long something that must not happen is watched
@@ -382,7 +382,7 @@ class TestSharedDealerPool:
 
 _MANY_SOCKETS = """
 import resource, sys, zmq
-from kvxferd.control import process_context, sockets_needed
+from kvxferd.transfer.control import process_context, sockets_needed
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 if sys.argv[1] == "sized":

@@ -2,8 +2,8 @@
 
 Each test spawns real daemon processes (real ZMQ, real NIXL, the engine gateway
 on an ipc:// socket in a short private directory), plays the engine with
-:class:`~kvxferd.client.Client` / :class:`~kvxferd.client.AsyncClient`, maps the
-daemons' pools with :func:`~kvxferd.client.attach_pool`, scrapes the probe port
+:class:`~kvxferd.engine.client.Client` / :class:`~kvxferd.engine.client.AsyncClient`, maps the
+daemons' pools with :func:`~kvxferd.engine.client.attach_pool`, scrapes the probe port
 with urllib and listens on a datagram socket as systemd would. Exit times are
 measured from the moment the signal was sent and printed (``pytest -s``).
 
@@ -40,10 +40,10 @@ import torch
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvxferd import protocol as wire
-from kvxferd.client import AsyncClient, Client, Outcome, attach_pool
 from kvxferd.config import load_receiver_settings
-from kvxferd.receiver import Receiver
+from kvxferd.engine.client import AsyncClient, Client, Outcome, attach_pool
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.receiver import Receiver
 from tests.child import ChildProcess
 from tests.conditions import wait_until
 from tests.peers import request_content

@@ -20,15 +20,15 @@ from kvxferd.config import (
     load_receiver_settings,
     load_sender_settings,
 )
-from kvxferd.dataplane import NixlDataPlane, wait_xfer
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.layout import Layout, check_blocks, prepped_indices, write_descriptors
-from kvxferd.pool import KvPool
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
-from kvxferd.session import RxState
 from kvxferd.stats import Stats
 from kvxferd.testing import ControlledDataPlane
+from kvxferd.transfer.dataplane import NixlDataPlane, wait_xfer
+from kvxferd.transfer.layout import Layout, check_blocks, prepped_indices, write_descriptors
+from kvxferd.transfer.pool import KvPool
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.session import RxState
 
 LAYERS, BLOCK_ELEMS = 3, 256  # 512-byte blocks of float16
 

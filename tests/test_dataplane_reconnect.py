@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvxferd.dataplane import PathStalled
+from kvxferd.transfer.dataplane import PathStalled
 from tests.conditions import wait_until
 from tests.test_dataplane import _expected, _Pair, _wait
 

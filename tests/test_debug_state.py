@@ -13,11 +13,11 @@ import aiohttp
 import pytest
 
 from kvxferd.config import HealthSettings, load_receiver_settings, load_sender_settings
-from kvxferd.health import Probe, ProbeServer
-from kvxferd.probes import ReceiverProbe, SenderProbe
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
+from kvxferd.service.health import Probe, ProbeServer
+from kvxferd.service.probes import ReceiverProbe, SenderProbe
 from kvxferd.testing import ControlledDataPlane
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
 
 pytestmark = pytest.mark.timeout(30)
 

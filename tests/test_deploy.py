@@ -53,7 +53,7 @@ INSTALLED_BINARY = "/usr/local/bin/kvxferd"
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 # Oldest Kubernetes with the preStop `sleep` action on by default (beta in 1.30).
 MIN_K8S = "1.30.0"
-# The daemon exits within shutdown_timeout_ms + this (kvxferd/daemon.py).
+# The daemon exits within shutdown_timeout_ms + this (kvxferd/service/daemon.py).
 EXIT_SLACK_S = 1.0
 
 # ---------------------------------------------------------------- systemd
@@ -977,7 +977,7 @@ def test_daemons_connect_only_where_the_policy_admits(tmp_path: Path) -> None:
     """Both daemons, run from the ConfigMap and the pods' env, move a request over connections each NetworkPolicy admits."""
     if not Path("/proc/self/net/tcp").exists():
         pytest.skip("needs /proc/<pid>/net/tcp (Linux) to list the daemons' connections")
-    from kvxferd.client import Client, attach_pool
+    from kvxferd.engine.client import Client, attach_pool
 
     docs = _docs()
     ip = _host_ip()

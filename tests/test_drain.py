@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from kvxferd.client import Client, EngineRejected
-from kvxferd.engine_protocol import EngineReason
+from kvxferd.engine.client import Client, EngineRejected
+from kvxferd.engine.engine_protocol import EngineReason
 from kvxferd.errors import Reason
-from kvxferd.session import TxState
+from kvxferd.transfer.session import TxState
 from tests import test_daemon as td
 from tests import test_races as races
 from tests.conditions import wait_until

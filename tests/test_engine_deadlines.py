@@ -14,8 +14,8 @@ import signal
 import pytest
 import torch
 
-from kvxferd.client import Client, EngineUnavailable
-from kvxferd.engine_protocol import EngineReason
+from kvxferd.engine.client import Client, EngineUnavailable
+from kvxferd.engine.engine_protocol import EngineReason
 from tests import test_daemon
 from tests.test_daemon import CALL_S, Engines, Spawn, daemon_env, gauge
 

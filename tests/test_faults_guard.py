@@ -1,4 +1,4 @@
-"""Guard: what a long-lived thread does with an exception nobody expected (kvxferd/guard.py)."""
+"""Guard: what a long-lived thread does with an exception nobody expected (kvxferd/transfer/guard.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from kvxferd.guard import Guard
 from kvxferd.stats import Stats
+from kvxferd.transfer.guard import Guard
 
 
 def test_every_caught_exception_is_logged_counted_and_the_first_is_named(

@@ -52,10 +52,10 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvxferd import engine_protocol as ep
-from kvxferd import protocol as wire
-from kvxferd.client import Client, attach_pool
+from kvxferd.engine import engine_protocol as ep
+from kvxferd.engine.client import Client, attach_pool
 from kvxferd.errors import ProtocolError, Reason
+from kvxferd.transfer import protocol as wire
 from tests import hostile
 from tests.conditions import wait_until
 from tests.peers import request_content

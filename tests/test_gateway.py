@@ -27,20 +27,20 @@ import pytest
 import torch
 import zmq
 
-from kvxferd import engine_protocol as ep
-from kvxferd.client import (
+from kvxferd.config import load_receiver_settings, load_sender_settings
+from kvxferd.engine import engine_protocol as ep
+from kvxferd.engine.client import (
     AsyncClient,
     Client,
     EngineRejected,
     EngineUnavailable,
     attach_pool,
 )
-from kvxferd.config import load_receiver_settings, load_sender_settings
-from kvxferd.engine_protocol import EngineReason
+from kvxferd.engine.engine_protocol import EngineReason
+from kvxferd.engine.gateway import CLOSE_THREADS, Gateway
 from kvxferd.errors import Reason
-from kvxferd.gateway import CLOSE_THREADS, Gateway
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
 from tests.conditions import wait_until
 
 pytestmark = pytest.mark.integration

@@ -16,12 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import Reason
-from kvxferd.health import Probe, ProbeServer
-from kvxferd.metrics import DURATION_BUCKETS_S, Snapshot
-from kvxferd.probes import ReceiverProbe, SenderProbe
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
+from kvxferd.service.health import Probe, ProbeServer
+from kvxferd.service.metrics import DURATION_BUCKETS_S, Snapshot
+from kvxferd.service.probes import ReceiverProbe, SenderProbe
 from kvxferd.testing import ControlledDataPlane
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
 
 pytestmark = pytest.mark.timeout(20)
 

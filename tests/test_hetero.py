@@ -19,11 +19,11 @@ import torch
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.receiver import Receiver
-from kvxferd.reshard import readers_for
-from kvxferd.sender import Sender
-from kvxferd.session import RxState, TxState
-from kvxferd.topology import LayoutKind, Topology
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.reshard import readers_for
+from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.session import RxState, TxState
+from kvxferd.transfer.topology import LayoutKind, Topology
 from tests.conditions import wait_until
 from tests.test_topology_reshard import ELEM, SWEEP, Case, _World
 

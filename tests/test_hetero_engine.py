@@ -1,7 +1,7 @@
 """Heterogeneous sharding through the engine API: Describe declares the record, Fetch names the instance.
 
 Real Senders and Receivers (real NIXL) behind real Gateways, driven with
-``kvxferd.client.Client`` as an engine would: each rank declares its topology at
+``kvxferd.engine.client.Client`` as an engine would: each rank declares its topology at
 attach (``describe(topology=...)``), the prefill engines publish with
 ``readers_for``, the decode engine fetches with ``sender_endpoints``; refusals come
 back as typed outcomes or errors, never as a hang.
@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvxferd.client import Client, EngineRejected
-from kvxferd.engine_protocol import EngineReason
-from kvxferd.reshard import readers_for
-from kvxferd.topology import Topology
+from kvxferd.engine.client import Client, EngineRejected
+from kvxferd.engine.engine_protocol import EngineReason
+from kvxferd.transfer.reshard import readers_for
+from kvxferd.transfer.topology import Topology
 from tests.test_gateway import (  # noqa: F401 - fixtures
     CALL_S,
     Started,

@@ -11,8 +11,8 @@ import torch
 
 from kvxferd.config import load_receiver_settings
 from kvxferd.errors import Reason
-from kvxferd.receiver import Receiver
-from kvxferd.session import RxState
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.session import RxState
 from tests.test_hetero import DEADLINES, WAIT_S, Daemons, _pool
 from tests.test_hetero import daemons as daemons  # the fixture
 from tests.test_topology_reshard import SWEEP, _World

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-import kvxferd.dataplane
+import kvxferd.transfer.dataplane
 from kvxferd.config import DataPlaneSettings
-from kvxferd.dataplane import NixlDataPlane
-from kvxferd.reshard import Piece, plan_rank, readers_for
-from kvxferd.sender import Sender
-from kvxferd.topology import LayoutKind, Topology
+from kvxferd.transfer.dataplane import NixlDataPlane
+from kvxferd.transfer.reshard import Piece, plan_rank, readers_for
+from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.topology import LayoutKind, Topology
 from tests.conditions import wait_until
 from tests.test_hetero import Daemons, _run_case
 from tests.test_hetero import daemons as daemons  # the fixture
@@ -87,7 +87,7 @@ def test_a_piece_over_the_list_bound_falls_back_to_descriptors(
 ) -> None:
     """A piece whose lists would exceed MAX_PREPPED_DESCS gets no lists: its write is built per
     request (piece descriptors) and every decode byte is still the reference's."""
-    monkeypatch.setattr(kvxferd.dataplane, "MAX_PREPPED_DESCS", 8)
+    monkeypatch.setattr(kvxferd.transfer.dataplane, "MAX_PREPPED_DESCS", 8)
     case = _case("2P1D (TP2->TP1)", "tokens_major")
     _run_case(daemons, case, seed=6)
     _bytes_written(daemons, case)
@@ -240,7 +240,7 @@ def test_a_piece_over_the_bound_is_refused_and_post_blocks_raises(
     """Over MAX_PREPPED_DESCS prepare_piece answers False (no raise) and drops an earlier list:
     post_blocks then raises and nothing is posted."""
     assert pp.prepare()
-    monkeypatch.setattr(kvxferd.dataplane, "MAX_PREPPED_DESCS", 4)
+    monkeypatch.setattr(kvxferd.transfer.dataplane, "MAX_PREPPED_DESCS", 4)
     assert not pp.prepare()
     with pytest.raises(RuntimeError, match="no prepared"):
         pp.post()

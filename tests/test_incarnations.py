@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvxferd import protocol as wire
 from kvxferd.errors import Reason
-from kvxferd.session import TxState
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.session import TxState
 from tests.conditions import wait_until
 from tests.test_daemon import DaemonProcess, Engines, http_get, metrics
 from tests.test_races import BLOCKS, QUIET_S, WAIT_S, Harness, h
@@ -140,7 +140,7 @@ def test_registering_again_during_a_deferred_removal_keeps_the_new_agent(h: Harn
 
 def test_a_restarted_receiver_starts_its_fetch_ids_elsewhere() -> None:
     """Two receiver processes start their fetch ids at different points, so a Result for the old one never matches a new fetch."""
-    code = "from kvxferd.receiver import _fetch_ids; print(next(_fetch_ids))"
+    code = "from kvxferd.transfer.receiver import _fetch_ids; print(next(_fetch_ids))"
     env = {"PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)

@@ -21,14 +21,14 @@ import pytest
 import torch
 import zmq
 
-from kvxferd import protocol as wire
 from kvxferd.config import load_receiver_settings, load_sender_settings
-from kvxferd.drain import ShutdownReport
 from kvxferd.errors import Reason
-from kvxferd.pool import IdAllocator
-from kvxferd.receiver import Receiver, RxHandle
-from kvxferd.sender import Sender
-from kvxferd.session import RxState, TxState
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.drain import ShutdownReport
+from kvxferd.transfer.pool import IdAllocator
+from kvxferd.transfer.receiver import Receiver, RxHandle
+from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.session import RxState, TxState
 from tests.conditions import wait_until
 from tests.peers import PeerProcess, Publisher, check_request, request_content
 

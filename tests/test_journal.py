@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from kvxferd import logs
-from kvxferd import protocol as wire
 from kvxferd.config import load_receiver_settings, load_sender_settings
-from kvxferd.journal import BUCKETS_S, OTHER, Ending, Journal
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.journal import BUCKETS_S, OTHER, Ending, Journal
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
 from tests.conditions import wait_until
 from tests.test_races import BLOCKS, WAIT_S, Harness, h
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.layout import Layout, check_blocks, check_layers, write_descriptors
+from kvxferd.transfer.layout import Layout, check_blocks, check_layers, write_descriptors
 
 L = Layout(
     num_layers=3, num_blocks=32, block_bytes=128, dtype="uint8", aux_slots=4, aux_slot_bytes=64

@@ -1,9 +1,9 @@
 """What the sender's listener does with hostile, malformed or premature input (real ZMQ, real NIXL).
 
 A raw ZMQ DEALER plays a misbehaving (or hand-written) receiver against a real
-:class:`~kvxferd.sender.Sender`: every message it sends must get one typed reply
+:class:`~kvxferd.transfer.sender.Sender`: every message it sends must get one typed reply
 with the right reason, be counted in ``sender.stats``, and leave the listener
-able to serve a real :class:`~kvxferd.receiver.Receiver` byte for byte.
+able to serve a real :class:`~kvxferd.transfer.receiver.Receiver` byte for byte.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import pytest
 import torch
 import zmq
 
-from kvxferd import protocol as wire
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import Reason
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
-from kvxferd.session import TxState
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.session import TxState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(10)]
 

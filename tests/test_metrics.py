@@ -29,7 +29,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvxferd import protocol as wire
+from kvxferd.transfer import protocol as wire
 from tests.conditions import wait_until
 from tests.test_daemon import DaemonProcess, Engines, http_get
 
@@ -40,13 +40,13 @@ WAIT_S = 10.0
 
 # Which component's Stats a file's ``stats.add`` bumps (guard.py: every component's).
 COMPONENTS: dict[str, tuple[str, ...]] = {
-    "sender.py": ("sender",),
-    "worker.py": ("sender",),
-    "dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
-    "peer_agents.py": ("sender",),
-    "receiver.py": ("receiver",),
-    "gateway.py": ("gateway",),
-    "guard.py": ("sender", "receiver", "gateway"),
+    "transfer/sender.py": ("sender",),
+    "transfer/worker.py": ("sender",),
+    "transfer/dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
+    "transfer/peer_agents.py": ("sender",),
+    "transfer/receiver.py": ("receiver",),
+    "engine/gateway.py": ("gateway",),
+    "transfer/guard.py": ("sender", "receiver", "gateway"),
     "auth.py": ("sender", "receiver", "gateway"),
 }
 
@@ -116,10 +116,10 @@ def test_every_counter_bumped_in_the_source_is_in_the_catalogue() -> None:
 
 def test_catalogue_label_values_are_the_enums_and_tags_they_come_from() -> None:
     """Each family's bounded label values are exactly the enum or message tags its f-string takes."""
-    from kvxferd import engine_protocol as ep
+    from kvxferd.engine import engine_protocol as ep
     from kvxferd.errors import Reason
-    from kvxferd.session import RxState, SliceState
     from kvxferd.stats import find_family
+    from kvxferd.transfer.session import RxState, SliceState
 
     def values(component: str, prefix: str, suffix: str = "") -> set[str]:
         spec = find_family(component, prefix, suffix)
@@ -163,7 +163,7 @@ def test_each_stats_name_has_one_spec_and_each_family_one_meaning_per_component(
 def _collect(snapshot: Any) -> str:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvxferd.metrics import SnapshotCollector
+    from kvxferd.service.metrics import SnapshotCollector
 
     class Fixed:
         def liveness(self) -> tuple[bool, str]:
@@ -183,7 +183,7 @@ def _collect(snapshot: Any) -> str:
 @pytest.mark.parametrize("role", ["sender", "receiver"])
 def test_every_catalogued_counter_is_exported_for_its_role(role: str) -> None:
     """A snapshot with no counts still exports every catalogued counter of the role and of its gateway, each label value once, zero included."""
-    from kvxferd.metrics import GatewayReading, Snapshot
+    from kvxferd.service.metrics import GatewayReading, Snapshot
     from kvxferd.stats import CATALOGUE
 
     snap = Snapshot(
@@ -224,9 +224,9 @@ POOL = dict(num_layers=2, num_blocks=16, block_elems=16, aux_slots=4, aux_slot_b
 def stalling_pair(request: pytest.FixtureRequest) -> Any:
     """A Sender (writes stall after 300 ms) and a Receiver on data planes the test drives."""
     from kvxferd.config import load_receiver_settings, load_sender_settings
-    from kvxferd.receiver import Receiver
-    from kvxferd.sender import Sender
     from kvxferd.testing import ControlledDataPlane
+    from kvxferd.transfer.receiver import Receiver
+    from kvxferd.transfer.sender import Sender
 
     deadlines = dict(drain_timeout_ms=500, shutdown_timeout_ms=3000, xfer_stall_timeout_ms=300)
     dp = ControlledDataPlane("mx-tx")
@@ -254,7 +254,7 @@ def test_a_stalled_write_shows_as_writing_then_in_doubt_and_its_reclaim_is_count
     stalling_pair: Any,
 ) -> None:
     """A write is ``writing``, then after its stall ``in_doubt`` on both sides (aux slot quarantined, oldest age growing); when NIXL lets go, both count the reclaim and the gauges return to zero."""
-    from kvxferd.probes import ReceiverProbe, SenderProbe
+    from kvxferd.service.probes import ReceiverProbe, SenderProbe
 
     sx, rx, dp = stalling_pair
     tx_probe, rx_probe = SenderProbe(sx, sx.settings), ReceiverProbe(rx, rx.settings)

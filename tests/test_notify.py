@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvxferd.notify import Notifier
+from kvxferd.service.notify import Notifier
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -1,6 +1,6 @@
 """PeerAgents: a receiver's NIXL agent is removed only once no write toward it is in flight.
 
-Deterministic tests of the table's state machine (kvxferd/peer_agents.py) with a data
+Deterministic tests of the table's state machine (kvxferd/transfer/peer_agents.py) with a data
 plane double that records removals; the integration side (real writes, real
 replacements) is tests/test_sender_races.py and tests/test_incarnations.py.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd.peer_agents import PeerAgents
 from kvxferd.stats import Stats
+from kvxferd.transfer.peer_agents import PeerAgents
 
 pytestmark = pytest.mark.timeout(10)
 

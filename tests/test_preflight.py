@@ -209,7 +209,7 @@ def test_second_daemon_on_a_live_engine_socket_refuses_and_first_stays_reachable
     sock_dir: str,
 ) -> None:
     """A second daemon given a live daemon's engine socket exits 2; the first still answers."""
-    from kvxferd.client import Client
+    from kvxferd.engine.client import Client
 
     first = DaemonProcess(
         "sender", "first", sock_dir, daemon_env(), ["--listen", "tcp://127.0.0.1:0"]
@@ -253,7 +253,7 @@ def test_stale_engine_socket_file_is_replaced(sock_dir: str) -> None:
 
 def test_a_killed_daemons_pool_segment_is_removed_by_its_successor(sock_dir: str) -> None:
     """A daemon SIGKILLed leaves its pool in /dev/shm; the next daemon on the same engine socket removes it (logged) and serves under the same name, so restarts never pile up pools."""
-    from kvxferd.client import Client
+    from kvxferd.engine.client import Client
 
     def shm_name(d: DaemonProcess) -> str:
         c = Client(d.engine_socket, timeout_s=10.0)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxferd import protocol as wire
 from kvxferd.errors import KvxferdError, ProtocolError, Reason
-from kvxferd.layout import Layout
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.layout import Layout
 
 MAX = 1 << 22  # a max_bytes far above every frame built here, unless a test says otherwise
 

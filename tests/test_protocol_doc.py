@@ -8,8 +8,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvxferd import protocol as wire
 from kvxferd.errors import Reason
+from kvxferd.transfer import protocol as wire
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 MESSAGES: tuple[type[msgspec.Struct], ...] = typing.get_args(wire.ToSender) + typing.get_args(

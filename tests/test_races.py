@@ -3,7 +3,7 @@
 Every test builds its interleaving with events, never with sleeps: writes of the
 :class:`~kvxferd.testing.ControlledDataPlane` stay in progress until the test
 finishes them, and a hook on the listener tells when it handled a message.
-Peers are real :class:`~kvxferd.receiver.Receiver` objects (with a controlled
+Peers are real :class:`~kvxferd.transfer.receiver.Receiver` objects (with a controlled
 data plane of their own) or raw ZMQ sockets (:class:`RawPeer`), which see every
 message the sender sends. A tap on the sender's send functions counts every
 Result it hands to ZMQ, whichever socket it goes out on.
@@ -41,11 +41,6 @@ from typing import Any
 import pytest
 import zmq
 
-from kvxferd import control
-from kvxferd import protocol as wire
-from kvxferd import sender as sender_mod
-from kvxferd import session as session_mod
-from kvxferd import worker as worker_mod
 from kvxferd.config import (
     DEFAULT_NUM_THREADS,
     THREADS_ENV,
@@ -53,10 +48,15 @@ from kvxferd.config import (
     load_sender_settings,
 )
 from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
-from kvxferd.session import RxState, SliceState, TxSession, TxState
 from kvxferd.testing import ControlledDataPlane, ControlledXfer
+from kvxferd.transfer import control
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer import sender as sender_mod
+from kvxferd.transfer import session as session_mod
+from kvxferd.transfer import worker as worker_mod
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.session import RxState, SliceState, TxSession, TxState
 
 WAIT_S = 5.0  # bound on anything that must happen
 QUIET_S = 0.3  # how long something that must not happen is watched
@@ -574,7 +574,7 @@ def test_no_write_is_admitted_after_the_session_ended(h: Harness, ending: str, w
 
 
 class ArmedClock:
-    """Stands in for the ``time`` module of kvxferd/session.py: the first clock read from a
+    """Stands in for the ``time`` module of kvxferd/transfer/session.py: the first clock read from a
     sender worker thread calls ``hook`` there (inside admission, between the state check and
     the count); every read returns the real clock."""
 

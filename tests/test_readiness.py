@@ -29,12 +29,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
-from kvxferd.health import Probe, ProbeServer
-from kvxferd.journal import Ending
-from kvxferd.probes import ReceiverProbe, SenderProbe
-from kvxferd.receiver import Receiver
-from kvxferd.sender import Sender
+from kvxferd.service.health import Probe, ProbeServer
+from kvxferd.service.probes import ReceiverProbe, SenderProbe
 from kvxferd.testing import ControlledDataPlane
+from kvxferd.transfer.journal import Ending
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
 from tests.conditions import wait_until
 from tests.peers import PeerProcess, check_request, fill_request
 

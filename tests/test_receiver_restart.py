@@ -22,9 +22,9 @@ import torch
 
 from kvxferd.config import load_receiver_settings
 from kvxferd.errors import Reason
-from kvxferd.pool import IdAllocator
-from kvxferd.receiver import Receiver, RxHandle
-from kvxferd.session import RxState
+from kvxferd.transfer.pool import IdAllocator
+from kvxferd.transfer.receiver import Receiver, RxHandle
+from kvxferd.transfer.session import RxState
 from tests.conditions import wait_until
 from tests.peers import PeerProcess, check_request, request_content
 from tests.test_daemon import DaemonProcess, Engines, daemon_env, gauge

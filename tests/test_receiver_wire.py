@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import zmq
 
-from kvxferd import protocol as wire
-from kvxferd import receiver as receiver_mod
 from kvxferd.config import load_receiver_settings
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.receiver import Receiver
-from kvxferd.session import Fence, RxState
 from kvxferd.testing import ControlledDataPlane
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer import receiver as receiver_mod
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.session import Fence, RxState
 from tests.conditions import wait_until
 
 pytestmark = pytest.mark.timeout(60)

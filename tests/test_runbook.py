@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvxferd.daemon import EXIT_NOT_DRAINED
-from kvxferd.metrics import (
+from kvxferd.service.daemon import EXIT_NOT_DRAINED
+from kvxferd.service.metrics import (
     READINESS_REASONS,
     GatewayReading,
     ReadinessCollector,

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvxferd.config import load_sender_settings
-from kvxferd.sender import Sender
+from kvxferd.transfer.sender import Sender
 from tests.conditions import wait_until
 from tests.peers import PeerError, PeerProcess, Publisher
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from kvxferd import protocol as wire
 from kvxferd.errors import Reason
-from kvxferd.session import SliceState, TxState
 from kvxferd.testing import ControlledXfer
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.session import SliceState, TxState
 from tests.conditions import wait_until
 from tests.test_races import BLOCKS, QUIET_S, WAIT_S, Harness, RawPeer, h, xfer_of
 
@@ -379,14 +379,14 @@ def test_a_worker_bug_is_counted_and_reported_and_the_worker_goes_on(h: Harness)
 
 
 def test_the_worker_module_does_not_import_the_sender() -> None:
-    """kvxferd/worker.py imports nothing from kvxferd.sender, even for type checking."""
-    tree = ast.parse((Path(__file__).parents[1] / "kvxferd" / "worker.py").read_text())
+    """kvxferd/transfer/worker.py imports nothing from kvxferd.transfer.sender, even for type checking."""
+    tree = ast.parse((Path(__file__).parents[1] / "kvxferd" / "transfer" / "worker.py").read_text())
     imported = {
         node.module
         for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom) and node.module is not None
     } | {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-    assert "kvxferd.sender" not in imported
+    assert "kvxferd.transfer.sender" not in imported
 
 
 def test_slice_states_after_a_late_in_doubt_write(h: Harness) -> None:

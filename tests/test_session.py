@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 )
 
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.session import (
+from kvxferd.transfer.session import (
     TX_TERMINAL,
     Fence,
     RxSession,

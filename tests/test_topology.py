@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from kvxferd.topology import (
+from kvxferd.transfer.topology import (
     Topology,
     compat_hash,
     even_layer_bounds,

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxferd.config import DataPlaneSettings, PoolSettings
-from kvxferd.dataplane import NixlDataPlane, wait_xfer
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.reshard import (
+from kvxferd.transfer.dataplane import NixlDataPlane, wait_xfer
+from kvxferd.transfer.reshard import (
     InstancePlan,
     block_ranges,
     piece_descriptors,
@@ -33,7 +33,7 @@ from kvxferd.reshard import (
     prepared_indices,
     prepared_list,
 )
-from kvxferd.topology import (
+from kvxferd.transfer.topology import (
     LAYOUT_ORDER,
     LayoutKind,
     Topology,
@@ -463,7 +463,7 @@ NIXL_CASES = [
 
 
 def _kvpool(tag: str, shape: tuple[int, int, int]):  # type: ignore[no-untyped-def]
-    from kvxferd.pool import KvPool
+    from kvxferd.transfer.pool import KvPool
 
     layers, blocks, block_bytes = shape
     settings = PoolSettings(

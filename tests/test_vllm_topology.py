@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvxferd.client import Client
+from kvxferd.engine.client import Client
 from kvxferd.errors import ConfigError
 from kvxferd.integrations.vllm.geometry import KvGeometry, ModelShard
 from kvxferd.integrations.vllm.metadata import Load, RemoteKv, Save, StepPlan
 from kvxferd.integrations.vllm.settings import load_settings
 from kvxferd.integrations.vllm.worker import WorkerSide
-from kvxferd.topology import layout_of
+from kvxferd.transfer.topology import layout_of
 from tests.conditions import wait_until
 from tests.test_gateway import (  # noqa: F401 - fixtures
     CALL_S,

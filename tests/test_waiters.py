@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvxferd.waiters import Completion, Once
+from kvxferd.transfer.waiters import Completion, Once
 
 PROMPT_S = 3.0  # bound on a wake-up after set(), generous for a loaded machine
 WAITER_TIMEOUT_S = 60.0  # the waiters' own timeout: far beyond PROMPT_S

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvxferd.engine_protocol import PoolInfo, PoolLayout
+from kvxferd.engine.engine_protocol import PoolInfo, PoolLayout
 from kvxferd.errors import ConfigError
 from kvxferd.integrations.vllm.geometry import KvGeometry, model_pool_shape
 from tests_vllm.rig import ROOT

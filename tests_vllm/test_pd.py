@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvxferd.client import Client
+from kvxferd.engine.client import Client
 from tests.conditions import wait_until
 from tests_vllm.conftest import PD, POOL_BLOCKS
 from tests_vllm.rig import MODEL_LAYERS, VOCAB, counter, sessions
@@ -106,7 +106,7 @@ def test_each_worker_declared_its_topology(pd: PD) -> None:
 
 def test_corrupted_block_changes_tokens(pd: PD) -> None:
     """The comparison can fail: one transferred block corrupted in the sender's pool changes the decoded tokens."""
-    from kvxferd.client import Client, attach_pool
+    from kvxferd.engine.client import Client, attach_pool
 
     ps = prompts([100], seed=2)
     mono = tokens(decode_all(pd, "cm", ps, [None]), "cm", 1)

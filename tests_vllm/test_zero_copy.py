@@ -99,7 +99,7 @@ def test_zero_copy_equals_monolithic(zc: ZC) -> None:
 
 def test_vllm_computes_into_the_pool(zc: ZC) -> None:
     """vLLM's KV really is the pool: a prefill fills pool blocks, and one corrupted there changes the decode."""
-    from kvxferd.client import Client, attach_pool
+    from kvxferd.engine.client import Client, attach_pool
 
     ps = prompts([100], seed=12)
     mono = _decode(zc, "zcm", ps, [None])

@@ -10,7 +10,7 @@ import numpy.typing as npt
 from kvxferd.bench.plan import Plan
 
 if TYPE_CHECKING:
-    from kvxferd.pool import KvPool
+    from kvxferd.transfer.pool import KvPool
 
 STAMP_TAG = 0x4B56  # "KV"
 

@@ -30,8 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvxferd import protocol as wire
 from kvxferd.bench.workload import BenchError
+from kvxferd.transfer import protocol as wire
 
 
 @dataclass(frozen=True)

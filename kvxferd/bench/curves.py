@@ -6,7 +6,7 @@ NIXL (prepared lists, :mod:`kvxferd.bench.nixl_path`) alternating::
 
     axis          what varies                    path     fixed
     ------------  -----------------------------  -------  -----------------------------------------
-    inflight      requests in flight 1..64        engine   16 KiB x 1 block, daemons + kvxferd.client
+    inflight      requests in flight 1..64        engine   16 KiB x 1 block, daemons + kvxferd.engine.client
     workers       sender worker threads 1..8      library  4 KiB x 1 at 16 in flight (small) and
                                                            256 KiB x 16 = 4 MiB at 4 in flight (bulk)
     blocks        blocks per request 1..65 536    library  4 KiB blocks, 1 layer, 1 in flight, pool
@@ -167,7 +167,7 @@ AXIS_TEXT: dict[str, dict[str, str]] = {
     "inflight": {
         "x": "requests in flight",
         "path": "engine",
-        "what": "engine path (daemons + kvxferd.client), 16 KiB x 1 block",
+        "what": "engine path (daemons + kvxferd.engine.client), 16 KiB x 1 block",
     },
     "workers-small": {
         "x": "sender worker threads",
@@ -249,9 +249,9 @@ def measure_prep(layers: tuple[int, ...], reps: int, seed: int) -> list[dict[str
     of ``b`` blocks over ``L`` layers is ``b x L`` descriptors) and one with contiguous ids.
     """
     from kvxferd.config import PoolSettings
-    from kvxferd.dataplane import NixlDataPlane
-    from kvxferd.layout import check_blocks, prepped_indices
-    from kvxferd.pool import KvPool
+    from kvxferd.transfer.dataplane import NixlDataPlane
+    from kvxferd.transfer.layout import check_blocks, prepped_indices
+    from kvxferd.transfer.pool import KvPool
 
     out: list[dict[str, Any]] = []
     cases = [(n, True) for n in layers] + [(1, False)]

@@ -1,14 +1,14 @@
-"""The engine path: real sender and receiver daemons, driven by engines through ``kvxferd.client``.
+"""The engine path: real sender and receiver daemons, driven by engines through ``kvxferd.engine.client``.
 
 Each bench child plays the engine of one daemon, exactly as an inference engine
 would: the ``tx`` child starts a sender daemon (``python -m kvxferd sender``),
-maps its pool with :func:`~kvxferd.client.attach_pool`, writes the source
+maps its pool with :func:`~kvxferd.engine.client.attach_pool`, writes the source
 blocks into it and, per request, calls ``publish`` and ``wait(close=True)``
 (wait and close in one round trip; a ``close`` follows only if that one could
 not close); each ``rx`` child starts a receiver daemon and, per request, calls
 ``fetch`` and ``wait(close=True)``, verifying the bytes through its own mapping
 of the receiver's pool: four engine calls per request. Both engines run an
-:class:`~kvxferd.client.AsyncClient` with one task per request in flight::
+:class:`~kvxferd.engine.client.AsyncClient` with one task per request in flight::
 
     rx task s (of inflight)   requests s, s + inflight, ...: fetch -> wait(close)
     tx task s (of 2 x inflight, so publishes run ahead of the fetches)
@@ -70,7 +70,7 @@ class _Daemon:
     """One ``python -m kvxferd sender|receiver`` child with the plan's pool; stopped by ``stop``."""
 
     def __init__(self, role: str, name: str, plan: Plan, dataplane: DataPlaneSettings) -> None:
-        from kvxferd.workload import daemon_env
+        from kvxferd.engine.workload import daemon_env
 
         self.dir = tempfile.mkdtemp(prefix="kvxb-")
         self.name = name
@@ -104,7 +104,7 @@ class _Daemon:
         self.pid = self.proc.pid
 
     def _wait_ready(self, deadline: float) -> dict[str, Any]:
-        from kvxferd.workload import ready_line
+        from kvxferd.engine.workload import ready_line
 
         while True:
             msg = ready_line(self.out)
@@ -131,7 +131,7 @@ class _Engine:
     """A daemon, an AsyncClient-ready socket, and the daemon's pool mapped here."""
 
     def __init__(self, role: str, name: str, plan: Plan, dataplane: DataPlaneSettings) -> None:
-        from kvxferd.client import Client, attach_pool
+        from kvxferd.engine.client import Client, attach_pool
 
         self.daemon = _Daemon(role, name, plan, dataplane)
         try:
@@ -203,7 +203,7 @@ class EngineTx(_Side):
         return {}
 
     async def _publish_all(self, rep: int, count: int) -> None:
-        from kvxferd.client import AsyncClient
+        from kvxferd.engine.client import AsyncClient
 
         plan, w = self.plan, self.plan.workload
         srcs = [plan.sources(rep, k) for k in range(w.receivers)]
@@ -289,7 +289,7 @@ class EngineRx(_Destination):
         return result
 
     async def _fetch_all(self, rep: int, count: int) -> dict[str, Any]:
-        from kvxferd.client import AsyncClient
+        from kvxferd.engine.client import AsyncClient
 
         plan, w = self.plan, self.plan.workload
         client = AsyncClient(self.engine.socket, timeout_s=CALL_TIMEOUT_S)

@@ -52,12 +52,12 @@ import torch
 
 from kvxferd.bench.workload import BenchError
 from kvxferd.config import load_receiver_settings, load_sender_settings
-from kvxferd.dataplane import NixlDataPlane
-from kvxferd.receiver import Receiver, RxHandle
-from kvxferd.reshard import piece_descriptors, plan_rank, prepared_indices, readers_for
-from kvxferd.sender import Sender, TxHandle
-from kvxferd.session import RxState, TxState
-from kvxferd.topology import (
+from kvxferd.transfer.dataplane import NixlDataPlane
+from kvxferd.transfer.receiver import Receiver, RxHandle
+from kvxferd.transfer.reshard import piece_descriptors, plan_rank, prepared_indices, readers_for
+from kvxferd.transfer.sender import Sender, TxHandle
+from kvxferd.transfer.session import RxState, TxState
+from kvxferd.transfer.topology import (
     LAYOUT_ORDER,
     LayoutKind,
     Topology,

@@ -18,8 +18,8 @@ from kvxferd.bench.workload import STEP_TIMEOUT_S, BenchError
 from kvxferd.config import DataPlaneSettings
 
 if TYPE_CHECKING:
-    from kvxferd.receiver import Receiver, RxHandle
-    from kvxferd.sender import Sender, TxHandle
+    from kvxferd.transfer.receiver import Receiver, RxHandle
+    from kvxferd.transfer.sender import Sender, TxHandle
 
 
 class KvxTx(_Side):
@@ -27,7 +27,7 @@ class KvxTx(_Side):
 
     def __init__(self, plan: Plan, dataplane: DataPlaneSettings) -> None:
         from kvxferd.config import load_sender_settings
-        from kvxferd.sender import Sender
+        from kvxferd.transfer.sender import Sender
 
         self.plan = plan
         settings = load_sender_settings(
@@ -115,7 +115,7 @@ class KvxRx(_Destination):
 
     def __init__(self, plan: Plan, dataplane: DataPlaneSettings, index: int) -> None:
         from kvxferd.config import load_receiver_settings
-        from kvxferd.receiver import Receiver
+        from kvxferd.transfer.receiver import Receiver
 
         super().__init__(plan, index)
         settings = load_receiver_settings(

@@ -32,8 +32,8 @@ from kvxferd.bench.content import _kv_array, fill_source
 from kvxferd.bench.plan import Plan
 from kvxferd.bench.side import _Destination, _result, _Side
 from kvxferd.bench.workload import BenchError
-from kvxferd.layout import prepped_indices
-from kvxferd.pool import KvPool
+from kvxferd.transfer.layout import prepped_indices
+from kvxferd.transfer.pool import KvPool
 
 TUNED_UCX_TLS = "shm"
 SPIN_S = 200e-6  # poll without sleeping this long after the last progress, then back off
@@ -45,7 +45,7 @@ class _RawAgent:
     def __init__(self, name: str, plan: Plan, tuned: bool) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        from kvxferd.dataplane import _quiet_nixl_logger
+        from kvxferd.transfer.dataplane import _quiet_nixl_logger
 
         _quiet_nixl_logger()
         self.pool = KvPool(plan.pool_settings(), owner=name)

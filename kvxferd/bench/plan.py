@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from kvxferd.bench.workload import RUN_TIMEOUT_FLOOR_S, BenchError, MiB, Options, Workload
 from kvxferd.config import PoolSettings
-from kvxferd.layout import Layout, write_descriptors
+from kvxferd.transfer.layout import Layout, write_descriptors
 
 MIN_POOL_BYTES = 64 * MiB  # no pool smaller: small requests should not all sit in L1/L2
 

@@ -368,7 +368,7 @@ def format_report(report: dict[str, Any]) -> str:
     if engine:
         lines += [
             "",
-            "Engine path (daemons driven through kvxferd.client; latency fetch call -> outcome):",
+            "Engine path (daemons driven through kvxferd.engine.client; latency fetch call -> outcome):",
             "",
             "| workload | request | in flight | engine p50 / p99 ms | engine req/s | NIXL req/s "
             "| NIXL default req/s | engine/NIXL | engine/NIXL default | daemon CPU us/req "

@@ -29,7 +29,7 @@ k % rx_procs, one thread each while fetching). The peers are attached in steps
                         (16 Ki, 256 Ki; in address order as kvxferd prepares
                         them, and shuffled), time and VmRSS per prepared list
 
-The parent is the sender's engine (``kvxferd.client``: publish, wait with close)
+The parent is the sender's engine (``kvxferd.engine.client``: publish, wait with close)
 and talks to each rx process through JSON lines on its stdin / stdout, as the
 other bench children do. Every wait is bounded (``step_timeout_s``, the run's
 ``timeout_s``); the daemon and the children are stopped on every exit path.
@@ -152,7 +152,7 @@ class _SenderDaemon:
     """``python -m kvxferd sender`` on loopback with the run's pool; ``stop`` ends it."""
 
     def __init__(self, opts: ScaleOptions, tmp: str) -> None:
-        from kvxferd.workload import daemon_env
+        from kvxferd.engine.workload import daemon_env
 
         env = daemon_env(tmp, "scale-tx")
         for key in [k for k in env if k.startswith("KVXFERD_POOL__")]:
@@ -178,7 +178,7 @@ class _SenderDaemon:
         self.ready_s = 0.0
 
     def wait_ready(self, deadline: float) -> dict[str, Any]:
-        from kvxferd.workload import ready_line
+        from kvxferd.engine.workload import ready_line
 
         while True:
             msg = ready_line(self.out)
@@ -312,7 +312,7 @@ def run_scale(opts: ScaleOptions, progress: IO[str] | None = None) -> dict[str, 
         sender = _SenderDaemon(opts, tmp)
         for j in range(nprocs):
             procs.append(_RxProc(j, spec, tmp))  # each one stopped below, whatever fails
-        from kvxferd.client import Client, attach_pool  # torch: imported while they start
+        from kvxferd.engine.client import Client, attach_pool  # torch: imported while they start
 
         sender.wait_ready(time.monotonic() + SENDER_READY_TIMEOUT_S)
         for p in procs:

@@ -39,7 +39,7 @@ class _RxServer:
     def attach(self, indices: list[int], endpoint: str, timeout: float) -> dict[str, Any]:
         from kvxferd.config import load_receiver_settings
         from kvxferd.discovery import PeerAdded, PeerRecord
-        from kvxferd.receiver import Receiver
+        from kvxferd.transfer.receiver import Receiver
 
         sender = PeerRecord(role="sender", name="scale-tx", endpoints={"listen": endpoint})
         members = []
@@ -151,8 +151,8 @@ class _RxServer:
     def nixl_cost(self, descs: list[int]) -> dict[str, Any]:
         """add_remote_agent, prep_xfer_dlist (time, RSS per list) as a sender does per REGISTER."""
         from kvxferd.config import PoolSettings
-        from kvxferd.dataplane import NixlDataPlane
-        from kvxferd.pool import KvPool
+        from kvxferd.transfer.dataplane import NixlDataPlane
+        from kvxferd.transfer.pool import KvPool
 
         if not self.receivers:
             raise BenchError("nixl_cost needs a receiver in this process")
@@ -231,7 +231,7 @@ class _RxServer:
     def senders(self, count: int, per: int) -> dict[str, Any]:
         """``count`` Sender objects (default workers), each with ``per`` requests published."""
         from kvxferd.config import load_sender_settings
-        from kvxferd.sender import Sender
+        from kvxferd.transfer.sender import Sender
 
         self.close_senders()
         for i in range(count):
@@ -264,7 +264,7 @@ class _RxServer:
         every sender, and after fetching ``per`` requests from each; per link."""
         from kvxferd.config import load_receiver_settings
         from kvxferd.discovery import PeerAdded, PeerRecord
-        from kvxferd.receiver import Receiver
+        from kvxferd.transfer.receiver import Receiver
 
         settings = load_receiver_settings(
             name="scale-rx-links",

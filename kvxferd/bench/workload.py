@@ -9,7 +9,7 @@ from kvxferd.config import DataPlaneSettings
 
 Path_ = Literal["kvxferd", "engine", "nixl", "nixl-default", "zmq"]
 # Library workloads: kvxferd's Sender/Receiver in the bench children. Engine workloads: real
-# daemons driven through kvxferd.client. Both against the two raw-NIXL baselines (nixl_path.py).
+# daemons driven through kvxferd.engine.client. Both against the two raw-NIXL baselines (nixl_path.py).
 LIBRARY_PATHS: tuple[Path_, ...] = ("kvxferd", "nixl", "nixl-default", "zmq")
 ENGINE_PATHS: tuple[Path_, ...] = ("engine", "nixl", "nixl-default")
 PATHS: tuple[Path_, ...] = ("kvxferd", "engine", "nixl", "nixl-default", "zmq")
@@ -41,7 +41,7 @@ class Workload:
     inflight: int = 4  # requests in flight per receiver
     rate: float = 0.0  # requests/s per receiver (open loop, paced); 0 = closed loop
     target: str = ""  # the target this workload is evidence for, if any
-    engine: bool = False  # the engine path (daemons + kvxferd.client) instead of the library
+    engine: bool = False  # the engine path (daemons + kvxferd.engine.client) instead of the library
     only: tuple[Path_, ...] = ()  # measure just these paths (curves: kvxferd and tuned NIXL)
     pool_blocks: int = 0  # blocks per pool; 0 = the plan's default (at least 64 MiB)
     rx_procs: int = 0  # rx processes hosting the receivers; 0 = one process per receiver

@@ -14,7 +14,7 @@ from kvxferd.bench.content import _kv_array, fill_source
 from kvxferd.bench.plan import Plan
 from kvxferd.bench.side import _Destination, _result, _Side
 from kvxferd.bench.workload import STEP_TIMEOUT_S, BenchError
-from kvxferd.layout import write_descriptors
+from kvxferd.transfer.layout import write_descriptors
 
 if TYPE_CHECKING:
     import zmq
@@ -30,7 +30,7 @@ class ZmqTx(_Side):
     """One DEALER per receiver; each request is a header plus one zero-copy frame per run of blocks."""
 
     def __init__(self, plan: Plan) -> None:
-        from kvxferd.pool import KvPool
+        from kvxferd.transfer.pool import KvPool
 
         self.plan = plan
         self.pool = KvPool(plan.pool_settings(), owner=f"bench-zmq-tx{plan.tag}")
@@ -41,7 +41,7 @@ class ZmqTx(_Side):
     def connect(self, peers: list[dict[str, Any]]) -> None:
         import zmq
 
-        from kvxferd.control import process_context
+        from kvxferd.transfer.control import process_context
 
         for p in peers:
             sock = process_context().socket(zmq.DEALER)
@@ -123,8 +123,8 @@ class ZmqRx(_Destination):
     def __init__(self, plan: Plan, index: int) -> None:
         import zmq
 
-        from kvxferd.control import process_context
-        from kvxferd.pool import KvPool
+        from kvxferd.transfer.control import process_context
+        from kvxferd.transfer.pool import KvPool
 
         super().__init__(plan, index)
         self.pool = KvPool(plan.pool_settings(), owner=f"bench-zmq-rx{index}-{plan.tag}")

@@ -1,5 +1,5 @@
 """Real daemons for the fault suite: start them (on loopback or inside network namespaces),
-drive them through :mod:`kvxferd.client` as engines do, record every session, kill them all.
+drive them through :mod:`kvxferd.engine.client` as engines do, record every session, kill them all.
 
 A :class:`Cluster` is one sender daemon and R receiver daemons
 (``python -m kvxferd sender|receiver``; ``ip netns exec NS ...`` for the partition),
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvxferd.client import Client, EngineError, EngineUnavailable
-from kvxferd.engine_protocol import EngineReason
-from kvxferd.pool import IdAllocator
-from kvxferd.workload import aux_bytes, expected_bytes, ready_line
+from kvxferd.engine.client import Client, EngineError, EngineUnavailable
+from kvxferd.engine.engine_protocol import EngineReason
+from kvxferd.engine.workload import aux_bytes, expected_bytes, ready_line
+from kvxferd.transfer.pool import IdAllocator
 
 FAULT_POOL: dict[str, Any] = dict(
     num_layers=4, num_blocks=1024, block_elems=4096, dtype="float16", aux_slots=256

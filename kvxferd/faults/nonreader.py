@@ -1,6 +1,6 @@
 """A receiver whose control plane never reads: ``python -m kvxferd.faults.nonreader``.
 
-A real :class:`~kvxferd.receiver.Receiver` (real NIXL, so the sender's writes land)
+A real :class:`~kvxferd.transfer.receiver.Receiver` (real NIXL, so the sender's writes land)
 that tells the sender to send its Results and CancelAcks to ``BLACKHOLE``, a TCP
 port that accepts connections and never reads. It fetches ``COUNT`` requests
 ``PREFIX-i`` from ``SENDER`` and then waits, at most ``LIFETIME`` seconds, to be
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     sender, blackhole, prefix, count, lifetime, ucx_tls = argv
     from kvxferd.config import load_receiver_settings
     from kvxferd.faults.harness import FAULT_DEADLINES, FAULT_POOL
-    from kvxferd.receiver import Receiver
+    from kvxferd.transfer.receiver import Receiver
 
     settings = load_receiver_settings(
         name="faults-nonreader",

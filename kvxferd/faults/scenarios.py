@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.client import Client, attach_pool
+from kvxferd.engine.client import Client, attach_pool
+from kvxferd.engine.workload import demo_keys
 from kvxferd.faults.harness import (
     CALL_TIMEOUT_S,
     EXIT_BOUND_S,
@@ -46,8 +47,7 @@ from kvxferd.faults.harness import (
     fault_env,
     p99,
 )
-from kvxferd.pool import IdAllocator
-from kvxferd.workload import demo_keys
+from kvxferd.transfer.pool import IdAllocator
 
 THREAD_SLACK = 8  # threads a daemon may have gained over the run (UCX/ZMQ helpers come and go)
 FD_SLACK = 64  # open fds likewise (a connection per peer and transport)

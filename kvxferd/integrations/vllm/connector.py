@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvxferd.client import Client, EngineError
+from kvxferd.engine.client import Client, EngineError
 from kvxferd.errors import ConfigError
 from kvxferd.integrations.vllm.geometry import ModelShard, blocks_for
 from kvxferd.integrations.vllm.metadata import StepPlan

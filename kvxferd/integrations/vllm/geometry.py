@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from kvxferd.engine_protocol import PoolInfo
+from kvxferd.engine.engine_protocol import PoolInfo
 from kvxferd.errors import ConfigError
-from kvxferd.protocol import PROTOCOL_VERSION
-from kvxferd.topology import (
+from kvxferd.transfer.protocol import PROTOCOL_VERSION
+from kvxferd.transfer.topology import (
     DTYPE_BYTES,
     LayoutKind,
     Topology,
@@ -262,7 +262,7 @@ class KvGeometry:
 
     # -- the topology record ------------------------------------------------------------
     def topology(self, model: ModelShard) -> Topology:
-        """This worker's record (kvxferd/topology.py): how its pool holds its shard of the KV.
+        """This worker's record (kvxferd/transfer/topology.py): how its pool holds its shard of the KV.
 
         vLLM's KV tensor of a layer is ``[blocks, kv_heads, block_size, 2 * head_size]``
         (vLLM's logical ``[B, H, N, C]``), whatever its memory order. In copy mode a pool

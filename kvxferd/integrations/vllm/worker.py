@@ -55,14 +55,14 @@ from typing import Any
 
 import torch
 
-from kvxferd.client import AsyncClient, Client, EngineError, EngineRejected, attach_pool
-from kvxferd.engine_protocol import EngineReason, Outcome, PoolInfo
+from kvxferd.engine.client import AsyncClient, Client, EngineError, EngineRejected, attach_pool
+from kvxferd.engine.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.errors import ConfigError, RejectedError
 from kvxferd.integrations.vllm.geometry import KvGeometry, ModelShard
 from kvxferd.integrations.vllm.metadata import Load, RemoteKv, Save, StepPlan
 from kvxferd.integrations.vllm.settings import ConnectorSettings
-from kvxferd.reshard import readers_for
-from kvxferd.topology import Topology, make_topology
+from kvxferd.transfer.reshard import readers_for
+from kvxferd.transfer.topology import Topology, make_topology
 
 log = logging.getLogger("kvxferd.integrations.vllm")
 

@@ -27,8 +27,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvxferd.journal import BUCKETS_S, Histogram
 from kvxferd.stats import specs_for
+from kvxferd.transfer.journal import BUCKETS_S, Histogram
 
 DURATION_BUCKETS_S = BUCKETS_S  # one bucket set for every duration histogram (journal.py)
 

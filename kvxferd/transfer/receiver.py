@@ -69,10 +69,13 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvxferd import protocol as wire
 from kvxferd.auth import HANDSHAKE_FAILED, Transport, handshake_kind, peer_identity
 from kvxferd.config import ReceiverSettings
-from kvxferd.control import (
+from kvxferd.endpoints import DialAllow, advertise_host, advertised, connect_problem
+from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
+from kvxferd.stats import Stats
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.control import (
     SocketLimits,
     bind_router,
     connect_dealer,
@@ -80,19 +83,16 @@ from kvxferd.control import (
     send_bounded,
     sockets_needed,
 )
-from kvxferd.dataplane import DataPlane, NixlDataPlane
-from kvxferd.drain import DROPPED_CUT, RxShutdownReport
-from kvxferd.endpoints import DialAllow, advertise_host, advertised, connect_problem
-from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
-from kvxferd.guard import Guard
-from kvxferd.journal import Ending, Journal
-from kvxferd.layout import check_blocks, check_layers
-from kvxferd.pool import IdAllocator, KvPool
-from kvxferd.reshard import plan_rank
-from kvxferd.session import Fence, RxGroup, RxOutcome, RxSession, RxState
-from kvxferd.stats import Stats
-from kvxferd.topology import Topology, instance_ranks
-from kvxferd.waiters import Once
+from kvxferd.transfer.dataplane import DataPlane, NixlDataPlane
+from kvxferd.transfer.drain import DROPPED_CUT, RxShutdownReport
+from kvxferd.transfer.guard import Guard
+from kvxferd.transfer.journal import Ending, Journal
+from kvxferd.transfer.layout import check_blocks, check_layers
+from kvxferd.transfer.pool import IdAllocator, KvPool
+from kvxferd.transfer.reshard import plan_rank
+from kvxferd.transfer.session import Fence, RxGroup, RxOutcome, RxSession, RxState
+from kvxferd.transfer.topology import Topology, instance_ranks
+from kvxferd.transfer.waiters import Once
 
 log = logging.getLogger("kvxferd.receiver")
 
@@ -277,7 +277,7 @@ class Receiver:
     def declare_topology(self, topology: Topology) -> None:
         """Set this rank's record (once; the same again is fine); INCOMPATIBLE if it does not
         describe the pool. Declare it before the first fetch: Registers carry it."""
-        from kvxferd.sender import declare_topology
+        from kvxferd.transfer.sender import declare_topology
 
         declare_topology(self, topology)
 

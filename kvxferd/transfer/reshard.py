@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.topology import LAYOUT_ORDER, Topology, instance_ranks
+from kvxferd.transfer.topology import LAYOUT_ORDER, Topology, instance_ranks
 
 IdArray = npt.NDArray[np.int64]
 Descs = npt.NDArray[np.int64]  # shape (n, 3): address, length, device id
@@ -263,7 +263,7 @@ def piece_descriptors(
     decode rank's); only the piece's layers inside ``[layer_begin, layer_end)``
     (absolute ids) move. Each pool's layer ``l`` (local to its stage) and block
     ``b`` is at ``base + (l * num_blocks + b) * block_bytes``, as in
-    :mod:`kvxferd.layout`. Ids must already be bounds-checked. Ranges that
+    :mod:`kvxferd.transfer.layout`. Ids must already be bounds-checked. Ranges that
     continue each other on both sides (whole blocks i, i+1 on both) are merged.
     """
     lb, le = max(layer_begin, piece.layer_begin), min(layer_end, piece.layer_end)

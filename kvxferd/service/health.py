@@ -12,7 +12,7 @@ workers are wedged), so::
               slot, the data plane open, no pending work that saw nothing end for
               ``health.stuck_after_ms``, no peer failing at ``health.peer_failure_ratio``.
               503 lists one reason per line; each starts with a stable phrase
-              (:func:`~kvxferd.metrics.readiness_key` maps it to the
+              (:func:`~kvxferd.service.metrics.readiness_key` maps it to the
               ``kvxferd_not_ready{reason}`` label).
     /metrics  Prometheus text (metrics.py), built in a worker thread with a deadline, so
               a slow scrape never stalls the loop.
@@ -57,8 +57,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvxferd import __version__
-from kvxferd.debug_state import DEBUG_LIST_LIMIT
-from kvxferd.metrics import ReadinessCollector, Snapshot, SnapshotCollector
+from kvxferd.service.debug_state import DEBUG_LIST_LIMIT
+from kvxferd.service.metrics import ReadinessCollector, Snapshot, SnapshotCollector
 
 DebugAccess = Literal["off", "loopback", "any"]
 _T = TypeVar("_T")

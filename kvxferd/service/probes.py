@@ -4,7 +4,7 @@
 waiting on its locks where they can (table sizes by ``len()``, copies retried
 as in debug_state.py): liveness from each thread's progress stamp and the
 errors its threads caught, readiness as the reasons listed in health.py, a
-:class:`~kvxferd.metrics.Snapshot` for ``/metrics``, and the ``/debug/state``
+:class:`~kvxferd.service.metrics.Snapshot` for ``/metrics``, and the ``/debug/state``
 dump (debug_state.py).
 
 Stuck counts from ``max(last ending, start of the oldest pending work)``: an idle
@@ -19,14 +19,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvxferd.config import ReceiverSettings, SenderSettings
-from kvxferd.debug_state import DEBUG_LIST_LIMIT, copy_values, receiver_state, sender_state
-from kvxferd.metrics import IN_FLIGHT_STATES, GatewayReading, Snapshot
-from kvxferd.session import Fence, RxState, SliceState, TxState
+from kvxferd.service.debug_state import DEBUG_LIST_LIMIT, copy_values, receiver_state, sender_state
+from kvxferd.service.metrics import IN_FLIGHT_STATES, GatewayReading, Snapshot
+from kvxferd.transfer.session import Fence, RxState, SliceState, TxState
 
 if TYPE_CHECKING:
-    from kvxferd.journal import Journal
-    from kvxferd.receiver import Receiver
-    from kvxferd.sender import Sender
+    from kvxferd.transfer.journal import Journal
+    from kvxferd.transfer.receiver import Receiver
+    from kvxferd.transfer.sender import Sender
 
 
 def _discovery_problems(registrar: Any) -> list[str]:
@@ -63,7 +63,7 @@ def _thread_stalls(
 
 
 class SenderProbe:
-    """Liveness, readiness and metrics of a :class:`~kvxferd.sender.Sender`.
+    """Liveness, readiness and metrics of a :class:`~kvxferd.transfer.sender.Sender`.
 
     A worker's one task may legitimately take up to two NIXL waits (kv + aux,
     each bounded by ``xfer_stall_timeout_ms``) plus a result send
@@ -206,7 +206,7 @@ class SenderProbe:
 
 
 class ReceiverProbe:
-    """Liveness, readiness and metrics of a :class:`~kvxferd.receiver.Receiver`.
+    """Liveness, readiness and metrics of a :class:`~kvxferd.transfer.receiver.Receiver`.
 
     The io thread's every wait is bounded by ``send_timeout_ms`` per send and a
     50 ms poll, so it is judged against ``liveness_stall_ms`` as it is.

@@ -26,9 +26,9 @@ import msgspec
 from msgspec import Meta
 
 from kvxferd.errors import ProtocolError, Reason, RejectedError
-from kvxferd.layout import Layout
-from kvxferd.reshard import check_pair
-from kvxferd.topology import Topology
+from kvxferd.transfer.layout import Layout
+from kvxferd.transfer.reshard import check_pair
+from kvxferd.transfer.topology import Topology
 
 PROTOCOL_VERSION = 2
 MAGIC = b"KX"
@@ -80,7 +80,7 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=Tru
 class Register(_Msg, tag="register", omit_defaults=True):
     """Receiver -> sender: who I am, where my results go, my NIXL agent and pool.
 
-    ``topology``: the decode rank's record (kvxferd/topology.py), when its engine declared
+    ``topology``: the decode rank's record (kvxferd/transfer/topology.py), when its engine declared
     one. With a record on both sides the sender checks the pair with the reshard mapping
     instead of requiring an equal pool; without, the pools must be equal. Fields at their
     default are not sent (an older sender still reads a Register without a record).

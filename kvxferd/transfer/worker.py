@@ -40,7 +40,7 @@ A write's states on the worker (all owned by the worker thread)::
   and counted (``send_timeouts``). A receiver that stops reading delays only
   its own messages.
 
-The listener and API callers (kvxferd/sender.py) only enqueue. What the worker
+The listener and API callers (kvxferd/transfer/sender.py) only enqueue. What the worker
 needs from the sender is the narrow :class:`WorkerHost` (no import of sender.py).
 Each turn's body is guarded: an unexpected exception is logged and counted
 (``Guard.caught``) and the worker goes on with the next turn.
@@ -66,19 +66,19 @@ from typing import Protocol
 import numpy as np
 import zmq
 
-from kvxferd import protocol as wire
 from kvxferd.config import SenderSettings
-from kvxferd.control import SocketLimits, connect_dealer, send_bounded
-from kvxferd.dataplane import DataPlane, PathStalled, Xfer
 from kvxferd.errors import Reason, SendTimeout
-from kvxferd.guard import Guard
-from kvxferd.journal import Ending, Journal
-from kvxferd.layout import Layout, aux_descriptors, write_descriptors
-from kvxferd.pool import KvPool
-from kvxferd.reshard import Piece, piece_descriptors
-from kvxferd.session import Slice, SliceState, TxSession
 from kvxferd.stats import Stats
-from kvxferd.topology import Topology
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.control import SocketLimits, connect_dealer, send_bounded
+from kvxferd.transfer.dataplane import DataPlane, PathStalled, Xfer
+from kvxferd.transfer.guard import Guard
+from kvxferd.transfer.journal import Ending, Journal
+from kvxferd.transfer.layout import Layout, aux_descriptors, write_descriptors
+from kvxferd.transfer.pool import KvPool
+from kvxferd.transfer.reshard import Piece, piece_descriptors
+from kvxferd.transfer.session import Slice, SliceState, TxSession
+from kvxferd.transfer.topology import Topology
 
 log = logging.getLogger("kvxferd.sender")
 jlog = logging.getLogger("kvxferd.journal")  # per-request lines: fields in extra (logs.py)
@@ -149,7 +149,7 @@ class ForgetTask:
 
 
 class WorkerHost(Protocol):
-    """What a worker needs from its sender (kvxferd.sender.Sender provides it)."""
+    """What a worker needs from its sender (kvxferd.transfer.sender.Sender provides it)."""
 
     settings: SenderSettings
     stats: Stats

@@ -75,7 +75,7 @@ from enum import StrEnum
 import numpy as np
 
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.waiters import Completion
+from kvxferd.transfer.waiters import Completion
 
 
 class TxState(StrEnum):

@@ -43,7 +43,7 @@ import msgspec
 from msgspec import Meta
 
 from kvxferd.errors import ProtocolError, Reason
-from kvxferd.protocol import (
+from kvxferd.transfer.protocol import (
     U31,
     U63,
     BlockIds,
@@ -53,7 +53,7 @@ from kvxferd.protocol import (
     Text,
     decode_frame,
 )
-from kvxferd.topology import Topology
+from kvxferd.transfer.topology import Topology
 
 ENGINE_PROTOCOL_VERSION = 3  # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch; 3: Wait.close
 MAGIC = b"KE"
@@ -144,7 +144,7 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=Tru
 class Describe(_Msg, tag="describe", frozen=True, omit_defaults=True):
     """What the daemon serves: role, pool, endpoint.
 
-    ``topology``: the engine declares its rank's record at attach (kvxferd/topology.py;
+    ``topology``: the engine declares its rank's record at attach (kvxferd/transfer/topology.py;
     once per daemon, the same record again is fine); Error(incompatible) when it does
     not describe the pool or another record was declared. Not sent when absent.
     """

@@ -86,16 +86,16 @@ from typing import Any, Literal, TypeVar, cast
 import msgspec
 import zmq
 
-from kvxferd import engine_protocol as ep
 from kvxferd.auth import Transport, watch_server
-from kvxferd.control import process_context
+from kvxferd.engine import engine_protocol as ep
 from kvxferd.errors import ProtocolError, RejectedError
-from kvxferd.guard import Guard
-from kvxferd.pool import KvPool
-from kvxferd.receiver import Receiver, RxHandle
-from kvxferd.sender import Sender, TxHandle
-from kvxferd.session import Fence, RxOutcome, TxOutcome
 from kvxferd.stats import Stats
+from kvxferd.transfer.control import process_context
+from kvxferd.transfer.guard import Guard
+from kvxferd.transfer.pool import KvPool
+from kvxferd.transfer.receiver import Receiver, RxHandle
+from kvxferd.transfer.sender import Sender, TxHandle
+from kvxferd.transfer.session import Fence, RxOutcome, TxOutcome
 
 log = logging.getLogger("kvxferd.gateway")
 

@@ -26,7 +26,7 @@ inconsistent record is a decode error, hence MALFORMED, never a wrong mapping).
 What must match exactly between two instances (protocol version, model
 identity, dtype, total KV heads, head size, layer count, KV planes) is folded
 into :func:`compat_hash`, carried as ``compat``; the rest is geometry, which
-the mapping (:mod:`kvxferd.reshard`) reconciles at run time or refuses.
+the mapping (:mod:`kvxferd.transfer.reshard`) reconciles at run time or refuses.
 
 Which heads a rank holds (``head_range``)::
 

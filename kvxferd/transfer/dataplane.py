@@ -23,7 +23,7 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   caller falls back to ``post_write`` with descriptors it built. AUX payloads
   are shorter than a slot, so they always use ``post_write``.
 * A peer read through the reshard mapping (``prepare_piece``: it reads a slice of
-  each block, :mod:`kvxferd.reshard`) gets two lists of its own per path, both
+  each block, :mod:`kvxferd.transfer.reshard`) gets two lists of its own per path, both
   ``prepared_list`` of its piece: the local pool's ranges it reads (not the shared
   whole-pool list, whose entries are whole blocks) and its pool's ranges they land
   in; a request is then ``prepared_indices`` on both sides (one array per side,
@@ -75,13 +75,13 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from kvxferd.config import DataPlaneSettings
-from kvxferd.layout import Descs, IdArray, Layout, prepped_indices
-from kvxferd.reshard import Piece, prepared_indices, prepared_list
-from kvxferd.topology import Topology
+from kvxferd.transfer.layout import Descs, IdArray, Layout, prepped_indices
+from kvxferd.transfer.reshard import Piece, prepared_indices, prepared_list
+from kvxferd.transfer.topology import Topology
 
 if TYPE_CHECKING:
-    from kvxferd.pool import KvPool
     from kvxferd.stats import Stats
+    from kvxferd.transfer.pool import KvPool
 
 XferState = Literal["DONE", "PROC", "ERR"]
 

@@ -51,12 +51,12 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvxferd import engine_protocol as ep
 from kvxferd.auth import Curve
-from kvxferd.control import process_context
-from kvxferd.engine_protocol import EngineReason, Outcome, PoolInfo
+from kvxferd.engine import engine_protocol as ep
+from kvxferd.engine.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.errors import KvxferdError, ProtocolError
-from kvxferd.topology import Topology
+from kvxferd.transfer.control import process_context
+from kvxferd.transfer.topology import Topology
 
 log = logging.getLogger("kvxferd.client")
 
@@ -280,7 +280,7 @@ class Client:
     def describe(self, topology: Topology | None = None) -> PoolInfo:
         """The daemon's role, pool layout, shared-memory name and endpoint.
 
-        ``topology``: declare this rank's record (kvxferd/topology.py) at attach; an
+        ``topology``: declare this rank's record (kvxferd/transfer/topology.py) at attach; an
         EngineRejected(incompatible) when it does not describe the daemon's pool.
         """
         reply = self._call(lambda c, _: ep.Describe(call_id=c, topology=topology))

@@ -2,7 +2,7 @@
 
 Told top-down, as ``run -> startup -> serve -> drain -> teardown``:
 
-* **startup** first runs :func:`kvxferd.preflight.check` (ports, hosts, ipc
+* **startup** first runs :func:`kvxferd.service.preflight.check` (ports, hosts, ipc
   paths, a live daemon on the engine socket, /dev/shm room: one-line
   ConfigError, exit 2), then builds the Sender or Receiver (pool registered once, sockets
   bound, NIXL agent up), starts the engine gateway and the probe port, then
@@ -99,7 +99,7 @@ class Daemon:
 
     async def _main(self) -> int:
         from kvxferd import logs
-        from kvxferd.notify import Notifier
+        from kvxferd.service.notify import Notifier
 
         logs.configure(self.settings.log_level, self.settings.service.log_json)
         self._stop = asyncio.Event()
@@ -138,10 +138,10 @@ class Daemon:
 
     # -- startup -----------------------------------------------------------------------
     async def _startup(self) -> None:
-        from kvxferd import preflight
-        from kvxferd.gateway import Gateway
-        from kvxferd.health import ProbeServer
-        from kvxferd.probes import ReceiverProbe, SenderProbe
+        from kvxferd.engine.gateway import Gateway
+        from kvxferd.service import preflight
+        from kvxferd.service.health import ProbeServer
+        from kvxferd.service.probes import ReceiverProbe, SenderProbe
 
         preflight.check(self.settings)  # one-line ConfigError (exit 2) before the slow set-up
         if self.settings.security.mode == "off":
@@ -157,7 +157,7 @@ class Daemon:
         self.settings = self.settings.model_copy(update={"pool": pool})
         svc = self.settings.service
         if self.role == "sender":
-            from kvxferd.sender import Sender
+            from kvxferd.transfer.sender import Sender
 
             assert isinstance(self.settings, SenderSettings)
             sender = await asyncio.to_thread(Sender, self.settings)
@@ -165,7 +165,7 @@ class Daemon:
             endpoint = sender.endpoint
             probe: Any = SenderProbe(sender, self.settings)
         else:
-            from kvxferd.receiver import Receiver
+            from kvxferd.transfer.receiver import Receiver
 
             assert isinstance(self.settings, ReceiverSettings)
             receiver = await asyncio.to_thread(Receiver, self.settings)
@@ -318,7 +318,7 @@ class Daemon:
 
     def _counts_now(self) -> str:
         """What an exit now would drop, in the words of the last log line (a forced exit)."""
-        from kvxferd.drain import DROPPED_CUT, drain_counts, rx_drain_counts
+        from kvxferd.transfer.drain import DROPPED_CUT, drain_counts, rx_drain_counts
 
         if self.role == "sender":
             return drain_counts(*self.service.drain_counts_now())

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from kvxferd import __version__
-from kvxferd.session import RxState, TxState
+from kvxferd.transfer.session import RxState, TxState
 
 if TYPE_CHECKING:
     from kvxferd.config import ReceiverSettings, SenderSettings
-    from kvxferd.journal import Journal
-    from kvxferd.receiver import Receiver
-    from kvxferd.sender import Sender
+    from kvxferd.transfer.journal import Journal
+    from kvxferd.transfer.receiver import Receiver
+    from kvxferd.transfer.sender import Sender
 
 DEBUG_LIST_LIMIT = 100  # entries per list in /debug/state (the oldest first)
 _T = TypeVar("_T")

@@ -26,7 +26,7 @@ import torch
 
 from kvxferd.config import PoolSettings
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.layout import Layout
+from kvxferd.transfer.layout import Layout
 
 _TORCH_DTYPES = {
     "uint8": torch.uint8,
@@ -43,7 +43,7 @@ def daemon_shm_name(role: str, engine_socket: str) -> str:
     Stable across restarts, unlike a library pool's generated name: a daemon
     killed with SIGKILL never unlinks its segment, and its successor on the same
     engine socket finds the leftover by this name and removes it
-    (kvxferd/preflight.py) instead of needing /dev/shm room for two pools. The
+    (kvxferd/service/preflight.py) instead of needing /dev/shm room for two pools. The
     host name keeps containers that share /dev/shm but not their socket
     directory apart.
     """

@@ -6,14 +6,14 @@ ephemeral ports, engine sockets in a private temporary directory) with CURVE
 on, as a deployment runs: each daemon gets its own key pair (``kvxferd
 keygen``'s code) in that directory, the sender allows the receivers' keys and
 each receiver allows, and expects, the sender's. It then plays the inference
-engines itself, through :mod:`kvxferd.client` only:
+engines itself, through :mod:`kvxferd.engine.client` only:
 
 * the **sender engine** (one thread) writes each request's content into the
-  sender daemon's pool through :func:`~kvxferd.client.attach_pool`, publishes
+  sender daemon's pool through :func:`~kvxferd.engine.client.attach_pool`, publishes
   it, waits for its outcome and closes it; blocks are reused only after
   ``close()`` answered True;
 * one **receiver engine** per receiver daemon (``inflight`` threads sharing one
-  :class:`~kvxferd.client.Client`) fetches its share of the requests, verifies
+  :class:`~kvxferd.engine.client.Client`) fetches its share of the requests, verifies
   every byte and the aux payload through the attached receiver pool, records
   the latency and closes. The latency runs from the later of the fetch call
   and the publish call to the outcome, so a fetch issued ahead of its publish
@@ -49,8 +49,8 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from kvxferd.client import Client, Outcome, attach_pool
-from kvxferd.pool import IdAllocator
+from kvxferd.engine.client import Client, Outcome, attach_pool
+from kvxferd.transfer.pool import IdAllocator
 
 DEMO_POOL: dict[str, Any] = dict(
     num_layers=8, num_blocks=2048, block_elems=8192, dtype="float16", aux_slots=256

@@ -19,7 +19,7 @@ set-up would do later:
   connection belongs to a live daemon and is refused, one nobody listens on
   is stale and is replaced as before;
 * a pool segment a killed daemon of the same engine socket left in /dev/shm
-  (SIGKILL skips its unlink; the name is :func:`~kvxferd.pool.daemon_shm_name`)
+  (SIGKILL skips its unlink; the name is :func:`~kvxferd.transfer.pool.daemon_shm_name`)
   is removed, once the engine socket is known to have no live daemon, and
   logged: without that, each restart after a kill needs room for one more pool;
 * the pool's host part (aux slots, plus the KV blocks on ``device = "cpu"``)
@@ -45,7 +45,7 @@ import stat
 from kvxferd.config import ReceiverSettings, SenderSettings
 from kvxferd.endpoints import IPC_PATH_MAX, advertise_host, advertised
 from kvxferd.errors import ConfigError
-from kvxferd.pool import daemon_shm_name
+from kvxferd.transfer.pool import daemon_shm_name
 
 log = logging.getLogger("kvxferd.daemon")
 

@@ -63,7 +63,7 @@ open then ends ``failed``/``shutting_down``, and so does a request its engine cl
 cancels while the drain runs (the engine lets go because it is stopping too). Each one is
 counted (``drain_dropped_never_fetched`` / ``drain_dropped_cut``, and at the end
 ``drain_dropped_in_doubt``: requests with a write still in flight) in ``stats`` and in
-the :class:`~kvxferd.drain.ShutdownReport`.
+the :class:`~kvxferd.transfer.drain.ShutdownReport`.
 
 All work of one (request, receiver) goes to one worker, so its results (and a
 CancelAck after them) reach the receiver in order. The workers live in worker.py and
@@ -88,10 +88,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvxferd import protocol as wire
 from kvxferd.auth import ANONYMOUS, Transport, peer_identity
 from kvxferd.config import SenderSettings
-from kvxferd.control import (
+from kvxferd.endpoints import advertise_host, advertised, connect_problem
+from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
+from kvxferd.stats import Stats
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.control import (
     SharedDealerPool,
     SocketLimits,
     bind_router,
@@ -99,22 +102,28 @@ from kvxferd.control import (
     router_reply,
     sockets_needed,
 )
-from kvxferd.dataplane import DataPlane, NixlDataPlane
-from kvxferd.drain import DROPPED_CUT, DROPPED_NEVER_FETCHED, ShutdownReport
-from kvxferd.endpoints import advertise_host, advertised, connect_problem
-from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
-from kvxferd.guard import Guard
-from kvxferd.journal import Ending, Journal
-from kvxferd.layout import check_blocks, check_layers
-from kvxferd.ownership import IdentityLimits, Ownership, nixl_agent_name
-from kvxferd.peer_agents import PeerAgents
-from kvxferd.pool import IdAllocator, KvPool
-from kvxferd.reshard import piece_for
-from kvxferd.session import Slice, SliceState, TxOutcome, TxSession, TxState
-from kvxferd.stats import Stats
-from kvxferd.topology import Topology
-from kvxferd.waiters import Once
-from kvxferd.worker import STOP, TICK_S, AckTask, ForgetTask, Peer, ReplyTask, Worker, WriteTask
+from kvxferd.transfer.dataplane import DataPlane, NixlDataPlane
+from kvxferd.transfer.drain import DROPPED_CUT, DROPPED_NEVER_FETCHED, ShutdownReport
+from kvxferd.transfer.guard import Guard
+from kvxferd.transfer.journal import Ending, Journal
+from kvxferd.transfer.layout import check_blocks, check_layers
+from kvxferd.transfer.ownership import IdentityLimits, Ownership, nixl_agent_name
+from kvxferd.transfer.peer_agents import PeerAgents
+from kvxferd.transfer.pool import IdAllocator, KvPool
+from kvxferd.transfer.reshard import piece_for
+from kvxferd.transfer.session import Slice, SliceState, TxOutcome, TxSession, TxState
+from kvxferd.transfer.topology import Topology
+from kvxferd.transfer.waiters import Once
+from kvxferd.transfer.worker import (
+    STOP,
+    TICK_S,
+    AckTask,
+    ForgetTask,
+    Peer,
+    ReplyTask,
+    Worker,
+    WriteTask,
+)
 
 log = logging.getLogger("kvxferd.sender")
 

@@ -1,0 +1,10 @@
+"""The engine side: the engine API a local engine speaks to its daemon, and the demo's engines.
+
+Engines import :mod:`kvxferd.engine.client` only; nothing here imports the service
+shell or an integration (tests/test_layering.py checks it)::
+
+    engine_protocol.py  the engine API's messages (b"KE" + version + msgpack)
+    gateway.py          the engine gateway inside a daemon: the engine API over ipc://
+    client.py           what engines import: Client, AsyncClient, attach_pool
+    workload.py         the demo workload (daemons, engines, verified content, summary)
+"""

@@ -1,0 +1,24 @@
+"""The transfer core: sessions, the data plane, the control plane and the topology mapping.
+
+Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
+(:mod:`kvxferd.engine`), the tools (bench, faults, cli) or an integration
+(tests/test_layering.py checks it)::
+
+    protocol.py   messages, framing (b"KX" + version + msgpack), bounds, compatibility check
+    layout.py     block ids -> NIXL descriptors (vectorised, coalesced), bounds checks
+    pool.py       the KV pool (shared memory on the CPU, CUDA tensor on a GPU) and id allocators
+    dataplane.py  the NIXL agent behind a narrow interface: register once, add peers, post WRITEs, poll
+    control.py    one zmq.Context per process, bounded sends, the guarded shared-dealer pool
+    ownership.py  who owns which receiver id, NIXL agent and session; per-identity limits, orphan TTL
+    topology.py   a rank's topology record (TP/PP, heads, layout from strides), the compatibility hash
+    reshard.py    prefill ranks -> decode rank: which heads and layers of which blocks
+    guard.py      what a long-lived thread does with an unexpected error: log, count, fail liveness
+    session.py    TxSession / RxSession state machines (no I/O): admission, drain, fence
+    sender.py     the sender: published requests, peers (replaced, evicted), the ROUTER listener thread
+    peer_agents.py  the receivers' NIXL agents on a sender: writes in flight, deferred removals
+    worker.py     a sender worker thread: lanes per receiver, writes in flight, one Result per slice
+    receiver.py   the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table
+    waiters.py    completion delivery to threads and to every asyncio loop
+    journal.py    one record per request end: its log line, per-peer histograms, failure windows
+    drain.py      what a drain dropped: the drain_dropped_* counters, the shutdown reports
+"""
