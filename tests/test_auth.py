@@ -576,40 +576,31 @@ def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
         ) as c:
             assert c.describe().role == "sender"
         peer_as_engine = Curve(keys.rx.pair, server_key=keys.tx.pair.public)
-        with (
-            Client(endpoint, timeout_s=0.5, curve=peer_as_engine) as peer,
-            pytest.raises(EngineUnavailable),
-        ):
-            peer.describe()
-        wait_until(
-            lambda: (
-                metric(
-                    metrics(d.probe_port),
-                    "kvxferd_gateway_auth_refused_total",
-                    'reason="unknown_key"',
-                )
-                >= 1
-            ),
-            WAIT_S,
-            "the peer key refused on the engine socket",
-            poll=0.1,
-        )
-        with Client(endpoint, timeout_s=0.5) as plain, pytest.raises(EngineUnavailable):
-            plain.describe()
-        # The auth thread counts the failed handshake from the socket's monitor (its poll).
-        wait_until(
-            lambda: (
-                metric(
-                    metrics(d.probe_port),
-                    "kvxferd_gateway_handshakes_failed_total",
-                    'kind="protocol"',
-                )
-                >= 1
-            ),
-            WAIT_S,
-            "the plaintext engine's failed handshake counted",
-            poll=0.1,
-        )
+
+        def counted(family: str, label: str) -> bool:
+            return metric(metrics(d.probe_port), family, label) >= 1
+
+        # Each client stays open (reconnecting) until its refusal is counted: a short call
+        # may end before its first handshake under load.
+        with Client(endpoint, timeout_s=0.5, curve=peer_as_engine) as peer:
+            with pytest.raises(EngineUnavailable):
+                peer.describe()
+            wait_until(
+                lambda: counted("kvxferd_gateway_auth_refused_total", 'reason="unknown_key"'),
+                WAIT_S,
+                "the peer key refused on the engine socket",
+                poll=0.1,
+            )
+        with Client(endpoint, timeout_s=0.5) as plain:
+            with pytest.raises(EngineUnavailable):
+                plain.describe()
+            # The auth thread counts the failed handshake from the socket's monitor.
+            wait_until(
+                lambda: counted("kvxferd_gateway_handshakes_failed_total", 'kind="protocol"'),
+                WAIT_S,
+                "the plaintext engine's failed handshake counted",
+                poll=0.1,
+            )
     finally:
         d.kill()
 

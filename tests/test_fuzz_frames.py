@@ -142,7 +142,11 @@ def security_env(variant: Variant, keys: Keys, name: str) -> dict[str, str]:
 
 
 def hostile_socket(
-    variant: Variant, endpoint: str, keys: Keys | None = None, server: str = ""
+    variant: Variant,
+    endpoint: str,
+    keys: Keys | None = None,
+    server: str = "",
+    before_connect: Callable[[zmq.Socket[bytes]], object] | None = None,
 ) -> zmq.Socket[bytes]:
     """A DEALER toward ``endpoint`` as the hostile peer of ``variant`` connects.
 
@@ -160,6 +164,8 @@ def hostile_socket(
         sock.setsockopt(zmq.CURVE_SERVERKEY, keys.pair(server)[0])
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    if before_connect is not None:  # e.g. a monitor, so that it sees the first connection
+        before_connect(sock)
     sock.connect(endpoint)
     return sock
 
@@ -315,8 +321,17 @@ def send_oversized(
     )
     disconnects = 0
     for _ in range(OVERSIZED_PER_SOCKET):
-        sock = hostile_socket(variant, endpoint, keys, server)
-        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | ended_by)
+        # The monitor is attached before the connect: a handshake refused at once must not
+        # end the connection before anything watches it (it flaked under load).
+        mons: list[zmq.Socket[bytes]] = []
+        sock = hostile_socket(
+            variant,
+            endpoint,
+            keys,
+            server,
+            lambda s, m=mons: m.append(s.get_monitor_socket(zmq.EVENT_CONNECTED | ended_by)),
+        )
+        mon = mons[0]
         try:
             deadline = time.monotonic() + CALL_S
             ended = False
