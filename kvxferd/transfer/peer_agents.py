@@ -19,8 +19,9 @@ data plane reconnects a stalled path only once the peer has been heard from sinc
 
 Owners: the listener registers, retires and notes messages; the workers count
 writes and ask ``is_gone``; the data plane reads ``heard_from``; probes read
-copies. ``_lock`` guards the counts, ``_retiring`` and ``_gone``; ``_heard`` is a
-dict written by the listener alone (single item writes, read without the lock).
+copies. ``_lock`` guards the counts, ``_retiring`` and ``_gone``; ``_heard`` takes
+single-item operations only (the listener sets, a removal pops, the data plane reads),
+each atomic under the GIL, so it needs no lock.
 """
 
 from __future__ import annotations

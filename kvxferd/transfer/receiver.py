@@ -89,7 +89,7 @@ from kvxferd.transfer.guard import Guard
 from kvxferd.transfer.journal import Ending, Journal
 from kvxferd.transfer.layout import check_blocks, check_layers
 from kvxferd.transfer.pool import IdAllocator, KvPool
-from kvxferd.transfer.reshard import plan_rank
+from kvxferd.transfer.reshard import declared, plan_rank
 from kvxferd.transfer.session import Fence, RxGroup, RxOutcome, RxSession, RxState
 from kvxferd.transfer.topology import Topology, instance_ranks
 from kvxferd.transfer.waiters import Once
@@ -277,9 +277,8 @@ class Receiver:
     def declare_topology(self, topology: Topology) -> None:
         """Set this rank's record (once; the same again is fine); INCOMPATIBLE if it does not
         describe the pool. Declare it before the first fetch: Registers carry it."""
-        from kvxferd.transfer.sender import declare_topology
-
-        declare_topology(self, topology)
+        layout = self.pool.layout
+        self.topology = declared(self.topology, topology, layout.block_bytes, layout.num_layers)
 
     def _check_dialable(self, endpoint: str) -> None:
         """Refuse a sender endpoint from request data before anything dials it: one libzmq

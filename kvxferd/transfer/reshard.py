@@ -97,6 +97,24 @@ def refuse(detail: str) -> RejectedError:
     return RejectedError(Reason.INCOMPATIBLE, detail)
 
 
+def declared(
+    current: Topology | None, topology: Topology, block_bytes: int, num_layers: int
+) -> Topology:
+    """The record a daemon keeps when its engine declares ``topology`` (``current``: the one
+    it holds); INCOMPATIBLE unless it describes the pool (``block_bytes`` per block, the
+    stage's ``num_layers``) and, once set, is the same record (peers were checked against it).
+    """
+    if (block_bytes, num_layers) != (topology.block_bytes, topology.num_stage_layers):
+        raise refuse(
+            f"topology does not describe this pool: block_bytes {block_bytes}, "
+            f"num_layers {num_layers} != the record's {topology.block_bytes}, "
+            f"{topology.num_stage_layers}"
+        )
+    if current is not None and current != topology:
+        raise refuse("a different topology is already declared (set once per daemon)")
+    return topology
+
+
 def check_pair(prefill: Topology, decode: Topology) -> None:
     """Raise INCOMPATIBLE unless a prefill rank's blocks can be mapped into a decode rank's."""
     for name in _EXACT:

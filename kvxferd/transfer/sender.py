@@ -83,7 +83,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import zmq
@@ -110,7 +109,7 @@ from kvxferd.transfer.layout import check_blocks, check_layers
 from kvxferd.transfer.ownership import IdentityLimits, Ownership, nixl_agent_name
 from kvxferd.transfer.peer_agents import PeerAgents
 from kvxferd.transfer.pool import IdAllocator, KvPool
-from kvxferd.transfer.reshard import piece_for
+from kvxferd.transfer.reshard import declared, piece_for
 from kvxferd.transfer.session import Slice, SliceState, TxOutcome, TxSession, TxState
 from kvxferd.transfer.topology import Topology
 from kvxferd.transfer.waiters import Once
@@ -312,7 +311,8 @@ class Sender:
         The record must describe the pool (block bytes, the stage's layer count): the
         receivers' descriptors are computed from it.
         """
-        declare_topology(self, topology)
+        layout = self.pool.layout
+        self.topology = declared(self.topology, topology, layout.block_bytes, layout.num_layers)
 
     def publish(
         self,
@@ -1362,27 +1362,6 @@ class Sender:
         )
         log.info("sender shutdown: %s", report)
         return report
-
-
-def declare_topology(service: Sender | Any, topology: Topology) -> None:
-    """Set a daemon's own record once (sender or receiver); INCOMPATIBLE when it cannot be.
-
-    The record must describe the pool: its block bytes and its stage's layer count.
-    A second declaration must be the same record (peers were checked against the first).
-    """
-    layout = service.pool.layout
-    if (layout.block_bytes, layout.num_layers) != (topology.block_bytes, topology.num_stage_layers):
-        raise RejectedError(
-            Reason.INCOMPATIBLE,
-            f"topology does not describe this pool: block_bytes {layout.block_bytes}, "
-            f"num_layers {layout.num_layers} != the record's {topology.block_bytes}, "
-            f"{topology.num_stage_layers}",
-        )
-    if service.topology is not None and service.topology != topology:
-        raise RejectedError(
-            Reason.INCOMPATIBLE, "a different topology is already declared (set once per daemon)"
-        )
-    service.topology = topology
 
 
 def piece_layers(peer: Peer, layer_begin: int, layer_end: int) -> tuple[int, int]:
