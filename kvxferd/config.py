@@ -463,6 +463,14 @@ class SenderSettings(_RoleSettings):
         validation_alias=AliasChoices("num_threads", "KVXFERD_NUM_THREADS"),
         description=f"sender worker threads; {THREADS_ENV} is read below KVXFERD_NUM_THREADS",
     )
+    inline_write_max_bytes: int = Field(
+        256 << 10,
+        ge=0,
+        le=1 << 30,
+        description="a request of at most this many bytes (all layers, aux included) is"
+        " written by the listener thread that read its fetch, with no hand-off to a worker;"
+        " larger ones go to the num_threads workers; 0: always a worker",
+    )
 
 
 class AccessSettings(_Frozen):

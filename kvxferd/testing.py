@@ -30,6 +30,7 @@ class ControlledXfer:
     dst: Descs
     kind: str = "descs"
     layers: tuple[int, int] = (0, 0)
+    notif: bytes = b""  # the notification the WRITE carries (the receiver gets it when DONE)
     state: XferState = "PROC"
     posted: threading.Event = field(default_factory=threading.Event)
     polled: threading.Event = field(default_factory=threading.Event)
@@ -66,6 +67,7 @@ class ControlledDataPlane:
         self.posted = threading.Condition()
         self.fail_next_post: Exception | None = None
         self.closed = False
+        self.delivered: list[tuple[str, bytes]] = []  # notifications for a receiver under test
         self.peers: set[str] = set()
 
     def metadata(self) -> bytes:
@@ -106,9 +108,9 @@ class ControlledDataPlane:
         self.pieces.pop(peer, None)
 
     def post_write(
-        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
+        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
     ) -> tuple[ControlledXfer, XferState]:
-        return self._post(ControlledXfer(peer, src, dst))
+        return self._post(ControlledXfer(peer, src, dst, notif=notif))
 
     def post_blocks(
         self,
@@ -117,11 +119,14 @@ class ControlledDataPlane:
         dst_blocks: IdArray,
         layer_begin: int,
         layer_end: int,
+        notif: bytes = b"",
     ) -> tuple[ControlledXfer, XferState]:
         if peer not in self.prepared:
             raise RuntimeError(f"no prepared descriptor list for peer {peer}")
         return self._post(
-            ControlledXfer(peer, src_blocks, dst_blocks, "blocks", (layer_begin, layer_end))
+            ControlledXfer(
+                peer, src_blocks, dst_blocks, "blocks", (layer_begin, layer_end), notif=notif
+            )
         )
 
     def _post(self, xfer: ControlledXfer) -> tuple[ControlledXfer, XferState]:
@@ -143,6 +148,15 @@ class ControlledDataPlane:
 
     def progress(self) -> None:
         return None
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """What ``deliver`` queued (a test stands in for the peer's notifications)."""
+        got, self.delivered = self.delivered, []
+        return got
+
+    def deliver(self, agent: str, payload: bytes) -> None:
+        """Queue a notification for the next ``notifications`` (a receiver's test double)."""
+        self.delivered.append((agent, payload))
 
     def close(self) -> None:
         self.closed = True

@@ -3,16 +3,16 @@
 Each bench child plays the engine of one daemon, exactly as an inference engine
 would: the ``tx`` child starts a sender daemon (``python -m kvxferd sender``),
 maps its pool with :func:`~kvxferd.engine.client.attach_pool`, writes the source
-blocks into it and, per request, calls ``publish`` and ``wait(close=True)``
-(wait and close in one round trip; a ``close`` follows only if that one could
-not close); each ``rx`` child starts a receiver daemon and, per request, calls
-``fetch`` and ``wait(close=True)``, verifying the bytes through its own mapping
-of the receiver's pool: four engine calls per request. Both engines run an
-:class:`~kvxferd.engine.client.AsyncClient` with one task per request in flight::
+blocks into it and, per request, calls ``publish_wait`` (publish, wait and close in
+one round trip; a ``close`` follows only if that one could not close); each ``rx``
+child starts a receiver daemon and, per request, calls ``fetch_wait`` likewise,
+verifying the bytes through its own mapping of the receiver's pool: two engine calls
+per request. Both engines run an :class:`~kvxferd.engine.client.AsyncClient` with one
+task per request in flight::
 
-    rx task s (of inflight)   requests s, s + inflight, ...: fetch -> wait(close)
+    rx task s (of inflight)   requests s, s + inflight, ...: fetch_wait(close)
     tx task s (of 2 x inflight, so publishes run ahead of the fetches)
-                              requests s, s + 2 x inflight, ...: publish -> wait(close)
+                              requests s, s + 2 x inflight, ...: publish_wait(close)
 
 A request's latency runs from the engine's ``fetch`` call to the outcome's
 arrival in the receiver engine, the close included (it frees the slot). Each child reads its daemon's CPU time (every thread's
@@ -217,23 +217,18 @@ class EngineTx(_Side):
             nonlocal published
             for n in range(s, len(order), lead):
                 i, k = order[n]
-                try:
-                    h = await client.publish(plan.request_id(rep, k, i), srcs[k][i])
-                except Exception as e:
-                    sys.stderr.write(f"bench engine publish: {e!r}\n")
-                    self._failures += 1
-                    continue
-                published += 1
+                rid = plan.request_id(rep, k, i)
+                published += 1  # counted as it is sent: one call carries publish and wait
                 if published >= lead:
                     first.set()
                 try:
-                    out = await client.wait(h, WAIT_TIMEOUT_S, close=True)
-                    if out is None or not out.ok:
+                    out = await client.publish_wait(rid, srcs[k][i], WAIT_TIMEOUT_S)
+                    if not out.ok:
                         self._failures += 1
-                    if out is None or not out.closed:
-                        await client.close(h, WAIT_TIMEOUT_S)
+                    if not out.closed and not await client.close(out.handle_id, WAIT_TIMEOUT_S):
+                        self._failures += 1
                 except Exception as e:
-                    sys.stderr.write(f"bench engine wait/close: {e!r}\n")
+                    sys.stderr.write(f"bench engine publish: {e!r}\n")
                     self._failures += 1
 
         tasks = [asyncio.create_task(task(s)) for s in range(lead)]
@@ -302,23 +297,21 @@ class EngineRx(_Destination):
             for i in range(s, count, w.inflight):
                 t = time.monotonic()
                 try:
-                    h = await client.fetch(
+                    out = await client.fetch_wait(
                         plan.request_id(rep, self.index, i),
                         self.endpoint,
                         self.slots[s],
+                        WAIT_TIMEOUT_S,
                         want_aux=False,
                     )
-                    out = await client.wait(h, WAIT_TIMEOUT_S, close=True)
                     done_at = time.monotonic()
-                    if out is None or not out.ok:
+                    if not out.ok:
                         failures += 1
                     else:
                         lat.append(done_at - t)
                         nbytes += out.nbytes
                         last = max(last, done_at)
-                    if not (out is not None and out.closed) and not await client.close(
-                        h, WAIT_TIMEOUT_S
-                    ):
+                    if not out.closed and not await client.close(out.handle_id, WAIT_TIMEOUT_S):
                         raise BenchError(f"slot {s} not reusable after close")
                 except BenchError:
                     raise

@@ -16,16 +16,28 @@ the daemon does not execute a call whose deadline has passed; ``publish`` and
 ``fetch`` are idempotent by key, and ``lookup`` / ``close_request`` find work
 whose handle was lost (docs/engine-api.md, section 5).
 
-Threads, loops and sockets::
+One round trip per request: ``fetch_wait`` and ``publish_wait`` start the transfer and
+are answered once, at its outcome (closing the handle unless ``close=False``); the
+two-step ``fetch``/``publish`` + ``wait`` remain for engines that poll.
 
-    Client        one DEALER, owned by its io thread "kvxferd-client-io"; callers from any
-                  thread enqueue a frame (under ``_lock``) and wait on their own event, so a
-                  long wait() in one thread never holds up another thread's call.
-    AsyncClient   one zmq.asyncio DEALER per event loop, created on first use in that loop,
-                  with its own reader task and semaphore; a reply resolves a future on the
-                  loop that made the call. ``_lock`` guards only the loop -> connection map.
-                  ``close_client`` (any thread) hands each connection's close to its loop
-                  and, if that loop stops first, closes it itself (``_LoopConn.close_raw``).
+Threads, loops and sockets (the socket: channel.py; a unix stream for ipc://, a ZMQ
+DEALER for tcp://)::
+
+    Client        one connection, no thread of its own: a caller sends its frame (under
+                  ``_send_lock``) and reads the socket itself if no other caller does
+                  (``_read_lock``), handing other callers' replies to their events; else it
+                  waits on its own event for its reply or its turn to read. A long wait()
+                  in one thread never holds up another thread's call.
+    AsyncClient   one connection per event loop, created on first use in that loop, read by
+                  a reader callback on that loop (``add_reader``) and written by the calling
+                  task; a reply resolves a future on the loop that made the call. ``_lock``
+                  guards only the loop -> connection map. ``close_client`` (any thread) hands
+                  each connection's close to its loop and, if that loop stops first, closes
+                  it itself (``_LoopConn.close_raw``).
+
+A connection that breaks (the daemon restarted or closed it) fails the calls in flight
+with ``peer_lost``; the next call opens a new one. Handles are per connection: after a
+reconnect, find open work with ``lookup``.
 
 A handle serves the daemon connection that created it, and those that found it
 by key (``lookup`` or a retried publish/fetch): for a Client, any thread may use
@@ -37,10 +49,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
+import select
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
@@ -49,10 +60,10 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 import zmq
-import zmq.asyncio
 
 from kvxferd.auth import Curve
 from kvxferd.engine import engine_protocol as ep
+from kvxferd.engine.channel import ChannelClosed, StreamChannel, ZmqChannel
 from kvxferd.engine.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.errors import KvxferdError, ProtocolError
 from kvxferd.transfer.control import process_context
@@ -74,7 +85,6 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 5.0  # a round trip to a local daemon; waits add their own timeout
-_IO_TICK_MS = 100
 _CLOSE_POLL_S = 0.005  # close_client: how often it checks whether a busy loop has stopped
 _call_ids = itertools.count(1)  # process-wide, never reused: a late reply can never match
 
@@ -154,14 +164,19 @@ def _publish_msg(
     expected_fetches: int,
     token: bool | str = False,
     allowed_receivers: Sequence[str] = (),
+    wait_ms: int = 0,
+    close: bool = False,
 ) -> Build:
     """The Publish message for a call id (block ids converted and checked once, here).
 
     ``token``: True to have the daemon issue a fetch token, or the token itself.
+    ``wait_ms`` > 0: answered once, at the outcome (closed when ``close``).
     """
     blocks = _blocks(block_ids)
     allowed = list(allowed_receivers)
     return lambda call_id, deadline: ep.Publish(
+        wait_ms=wait_ms,
+        close=close,
         call_id=call_id,
         request_id=request_id,
         block_ids=blocks,
@@ -184,11 +199,15 @@ def _fetch_msg(
     token: str = "",
     sender_key: str = "",
     instance: Instance = ((), (), ()),
+    wait_ms: int = 0,
+    close: bool = False,
 ) -> Build:
     lb, le = layers if layers is not None else (0, 0)
     blocks = _blocks(block_ids)
     endpoints, tokens, keys = (list(x) for x in instance)
     return lambda call_id, deadline: ep.Fetch(
+        wait_ms=wait_ms,
+        close=close,
         token=token,
         sender_key=sender_key,
         sender_endpoints=endpoints,
@@ -237,15 +256,53 @@ def _found(reply: ep.ToEngine) -> int | None:
     return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
 
 
+# -- the connection under both clients ------------------------------------------------------
+def _connect(endpoint: str, timeout: float, curve: Curve | None) -> StreamChannel | ZmqChannel:
+    """A channel to the daemon's engine socket (channel.py): a unix stream for ipc://, a
+    ZMQ DEALER (CURVE when ``curve``) for tcp://; EngineUnavailable when nothing listens."""
+    if endpoint.startswith("ipc://"):
+        try:
+            return StreamChannel.connect(endpoint, ep.MAX_FRAME_BYTES, timeout)
+        except OSError as e:
+            raise EngineUnavailable(
+                EngineReason.PEER_LOST, f"cannot connect to {endpoint}: {e}"
+            ) from None
+    sock: zmq.Socket[bytes] = process_context().socket(zmq.DEALER)
+    try:
+        _dealer_options(sock, curve)
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise EngineUnavailable(
+            EngineReason.PEER_LOST, f"cannot connect to {endpoint}: {e}"
+        ) from None
+    return ZmqChannel(sock)
+
+
+def _decode(frame: bytes, endpoint: str) -> ep.ToEngine | None:
+    try:
+        return ep.decode_to_engine([frame])
+    except ProtocolError as e:
+        log.warning("undecodable reply from %s: %s", endpoint, e)
+        return None
+
+
 # -- synchronous client -------------------------------------------------------------------
 @dataclass(slots=True)
 class _Slot:
-    event: threading.Event = field(default_factory=threading.Event)
+    event: threading.Event = field(default_factory=threading.Event)  # "look": done, or lead
     reply: ep.ToEngine | EngineError | None = None
 
 
 class Client:
-    """A thread-safe, synchronous connection to one kvxferd daemon's engine socket."""
+    """A thread-safe, synchronous connection to one kvxferd daemon's engine socket.
+
+    No thread of its own: the calling thread sends its frame and, if no other caller is
+    reading the socket, reads it itself until its reply comes (handing other callers'
+    replies to them); otherwise it waits on its own event until its reply is handed to
+    it or the reading caller is done and it takes over the reading. One caller in flight
+    therefore costs one system call each way and no thread wake-up on the engine side.
+    """
 
     def __init__(
         self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, curve: Curve | None = None
@@ -254,21 +311,13 @@ class Client:
         (``Curve(KeyPair(...), server_key=...)``); None for the ipc socket."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()  # guards _pending, _outbox, _closed and the eventfd write
+        self.curve = curve
+        self._lock = threading.Lock()  # guards _pending, _closed, _chan (replacement)
+        self._send_lock = threading.Lock()  # one writer at a time (and every ZMQ socket call)
+        self._read_lock = threading.Lock()  # held by the caller that reads the socket
         self._pending: dict[int, _Slot] = {}
-        self._outbox: deque[tuple[int, bytes]] = deque()
         self._closed = False
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._sock: zmq.Socket[bytes] = process_context().socket(zmq.DEALER)
-        try:
-            _dealer_options(self._sock, curve)
-        except zmq.ZMQError:
-            self._sock.close(linger=0)
-            os.close(self._wake)
-            raise
-        self._sock.connect(endpoint)
-        self._io = threading.Thread(target=self._run, name="kvxferd-client-io", daemon=True)
-        self._io.start()
+        self._chan: StreamChannel | ZmqChannel | None = None
 
     def __enter__(self) -> Client:
         return self
@@ -301,6 +350,41 @@ class Client:
         """
         reply = self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    def publish_wait(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        timeout: float,
+        *,
+        close: bool = True,
+        aux: bytes | None = None,
+        expected_fetches: int = 1,
+        fetch_token: str = "",
+        allowed_receivers: Sequence[str] = (),
+    ) -> Outcome:
+        """``publish``, answered once: when the request ended (fetched, expired, ...), its
+        Outcome, closed as by ``close`` when ``close`` (``outcome.closed``).
+
+        Not ended within ``timeout``: an Outcome in state ``published`` whose ``handle_id``
+        serves ``wait`` / ``close`` later. One round trip per request instead of publish +
+        wait. ``fetch_token``: a fetch token of the engine's own (a waiting publish cannot
+        ask the daemon for one).
+        """
+        reply = self._call(
+            _publish_msg(
+                request_id,
+                block_ids,
+                aux,
+                expected_fetches,
+                fetch_token or False,
+                allowed_receivers,
+                _ms(timeout) or 1,
+                close,
+            ),
+            timeout,
+        )
+        return _check(reply, ep.Outcome)  # type: ignore[no-any-return]
 
     def publish_for(
         self,
@@ -364,6 +448,49 @@ class Client:
             )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    def fetch_wait(
+        self,
+        request_id: str,
+        sender_endpoint: str,
+        block_ids: Sequence[int] | np.ndarray,
+        timeout: float,
+        *,
+        close: bool = True,
+        layers: tuple[int, int] | None = None,
+        timeout_ms: int | None = None,
+        want_aux: bool = True,
+        token: str = "",
+        sender_key: str = "",
+        sender_endpoints: Sequence[str] = (),
+        tokens: Sequence[str] = (),
+        sender_keys: Sequence[str] = (),
+    ) -> Outcome:
+        """``fetch``, answered once: its Outcome when the fetch ended (closed when ``close``:
+        ``outcome.closed`` says whether the blocks may be reused now).
+
+        Not ended within ``timeout``: an Outcome in state ``requested`` whose ``handle_id``
+        serves ``wait`` / ``close`` later. One round trip per request instead of fetch +
+        wait. ``timeout_ms`` is the transfer's own bound (the daemon's
+        ``kv_transfer_timeout_ms`` when None), as for ``fetch``.
+        """
+        reply = self._call(
+            _fetch_msg(
+                request_id,
+                sender_endpoint,
+                block_ids,
+                layers,
+                timeout_ms,
+                want_aux,
+                token,
+                sender_key,
+                (sender_endpoints, tokens, sender_keys),
+                _ms(timeout) or 1,
+                close,
+            ),
+            timeout,
+        )
+        return _check(reply, ep.Outcome)  # type: ignore[no-any-return]
 
     def lookup(
         self,
@@ -433,43 +560,111 @@ class Client:
         return bool(_check(reply, ep.Closed).safe)
 
     def close_client(self) -> None:
-        """Fail calls still waiting, stop the io thread and close the socket (bounded)."""
+        """Fail calls still waiting and close the connection."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            os.eventfd_write(self._wake, 1)
             pending, self._pending = self._pending, {}
+            chan, self._chan = self._chan, None
         for slot in pending.values():
             slot.reply = EngineUnavailable(EngineReason.PEER_LOST, "client closed")
             slot.event.set()
-        self._io.join(2 * _IO_TICK_MS / 1000 + 1.0)
-        if not self._io.is_alive():
-            os.close(self._wake)
+        if chan is not None:
+            with self._send_lock:
+                chan.close()
 
     # -- plumbing ------------------------------------------------------------------------
+    def _channel(self, bound: float) -> StreamChannel | ZmqChannel:
+        """The open connection, (re)connected if there is none (call with ``_send_lock``)."""
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
+            chan = self._chan
+        if chan is None or chan.closed:
+            chan = _connect(self.endpoint, bound, self.curve)
+            with self._lock:
+                if self._closed:
+                    chan.close()
+                    raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
+                self._chan = chan
+        return chan
+
     def _call(self, build: Build, wait_s: float = 0.0) -> ep.ToEngine:
         call_id = next(_call_ids)
         bound = max(0.0, wait_s) + self.timeout_s
+        deadline = time.monotonic() + bound
         frame = ep.encode(build(call_id, _deadline_ms(bound)))  # before the wait below starts
         slot = _Slot()
         with self._lock:
             if self._closed:
                 raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
             self._pending[call_id] = slot
-            self._outbox.append((call_id, frame))
-            os.eventfd_write(self._wake, 1)
-        if not slot.event.wait(bound):
+        try:
+            with self._send_lock:
+                chan = self._channel(bound)
+                chan.send_blocking(frame, deadline)
+        except ChannelClosed as e:
+            self._broken(EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}"))
+        except EngineUnavailable as e:
             with self._lock:
                 self._pending.pop(call_id, None)
-            raise EngineUnavailable(
-                EngineReason.TIMEOUT, f"no reply from {self.endpoint} within {bound:.1f}s"
-            )
+            raise e from None
+        while slot.reply is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                with self._lock:
+                    self._pending.pop(call_id, None)
+                raise EngineUnavailable(
+                    EngineReason.TIMEOUT, f"no reply from {self.endpoint} within {bound:.1f}s"
+                )
+            if self._read_lock.acquire(blocking=False):
+                try:
+                    self._lead(slot, chan, deadline)
+                finally:
+                    self._read_lock.release()
+                    self._hand_over()
+            else:
+                slot.event.wait(left)
+                slot.event.clear()
         reply = slot.reply
         if isinstance(reply, EngineError):
             raise reply
-        assert reply is not None
         return reply
+
+    def _lead(self, slot: _Slot, chan: StreamChannel | ZmqChannel, deadline: float) -> None:
+        """Read the socket (handing replies to their callers) until ours came or time is up."""
+        zmq_chan = isinstance(chan, ZmqChannel)
+        while slot.reply is None:
+            try:
+                if zmq_chan:
+                    with self._send_lock:
+                        frames = chan.recv()
+                else:
+                    frames = chan.recv()
+            except ChannelClosed as e:
+                self._broken(EngineUnavailable(EngineReason.PEER_LOST, f"connection lost: {e}"))
+                return
+            for frame in frames:
+                reply = _decode(frame, self.endpoint)
+                if reply is not None:
+                    self._finish(reply.call_id, reply)
+            if slot.reply is not None or frames:
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            # ZMQ's fd is edge-triggered and another caller's send may take an edge: look
+            # again every few ms there; a unix stream is level-triggered.
+            select.select([chan.fileno()], [], [], min(left, 0.005 if zmq_chan else left))
+
+    def _hand_over(self) -> None:
+        """The reading caller is done: wake one caller still waiting, to read in its place."""
+        with self._lock:
+            for s in self._pending.values():
+                if s.reply is None:
+                    s.event.set()
+                    return
 
     def _finish(self, call_id: int, reply: ep.ToEngine | EngineError) -> None:
         with self._lock:
@@ -478,58 +673,26 @@ class Client:
             slot.reply = reply
             slot.event.set()
 
-    def _run(self) -> None:
-        """The io thread: sole owner of the DEALER."""
-        sock = self._sock
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake, zmq.POLLIN)
-        try:
-            while True:
-                events = dict(poller.poll(_IO_TICK_MS))
-                if self._wake in events:
-                    try:
-                        os.eventfd_read(self._wake)
-                    except BlockingIOError:
-                        pass
-                with self._lock:
-                    if self._closed:
-                        return
-                    out = list(self._outbox)
-                    self._outbox.clear()
-                for call_id, frame in out:
-                    try:
-                        sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
-                    except zmq.ZMQError as e:  # Again: the daemon is not reading
-                        self._finish(
-                            call_id,
-                            EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}"),
-                        )
-                if sock in events:
-                    self._drain(sock)
-        finally:
-            sock.close(linger=0)
-
-    def _drain(self, sock: zmq.Socket[bytes]) -> None:
-        for _ in range(256):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                reply = ep.decode_to_engine(frames)
-            except ProtocolError as e:
-                log.warning("undecodable reply from %s: %s", self.endpoint, e)
-                continue
-            self._finish(reply.call_id, reply)
+    def _broken(self, error: EngineUnavailable) -> None:
+        """The connection broke: every call in flight fails; the next call reconnects."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            chan, self._chan = self._chan, None
+        if chan is not None:
+            chan.close()
+        for s in pending.values():
+            s.reply = error
+            s.event.set()
 
 
 # -- asyncio client -----------------------------------------------------------------------
 class _LoopConn:
-    """One event loop's DEALER, reader task and in-flight calls; touched only on that loop.
+    """One event loop's connection and in-flight calls; touched only on that loop.
 
-    The one exception: once the loop does not run, ``close_raw`` closes it from
-    another thread (nothing on the loop can touch it then).
+    The socket is read by a reader callback on the loop (``add_reader``), written
+    directly by the calling task (what the kernel does not take is written by a writer
+    callback); no task or thread of its own. The one exception: once the loop does not
+    run, ``close_raw`` closes it from another thread (nothing on the loop can touch it).
     """
 
     def __init__(
@@ -538,41 +701,68 @@ class _LoopConn:
         endpoint: str,
         max_inflight: int,
         curve: Curve | None = None,
+        connect_timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.loop = loop
-        ctx = zmq.asyncio.Context.shadow(process_context().underlying)
-        self.sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
-        _dealer_options(self.sock, curve)
-        self.sock.connect(endpoint)
         self.endpoint = endpoint
+        self.chan = _connect(endpoint, connect_timeout, curve)
+        self.fd = self.chan.fileno()
+        self.zmq = isinstance(self.chan, ZmqChannel)
         self.sem = asyncio.Semaphore(max_inflight)
         self.pending: dict[int, asyncio.Future[ep.ToEngine]] = {}
         self.closed = False
+        self._writing = False
         self._close_lock = threading.Lock()  # closed: set once, by the loop or by close_client
         self.shut = threading.Event()  # the socket is closed
-        self.reader = loop.create_task(self._read(), name="kvxferd-client-reader")
+        loop.add_reader(self.fd, self._on_readable)
 
-    async def _read(self) -> None:
-        while True:
-            try:
-                frames = await self.sock.recv_multipart()
-            except zmq.ZMQError as e:
-                if self.sock.closed:
-                    return
-                log.warning("reply from %s not received: %s", self.endpoint, e)
-                await asyncio.sleep(0.01)
+    def send(self, frame: bytes) -> None:
+        if self.closed:
+            raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
+        try:
+            self.chan.send(frame)
+        except ChannelClosed as e:
+            self._fail_all(f"send failed: {e}")
+            raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
+        if self.chan.wants_write and not self._writing:
+            self._writing = True
+            self.loop.add_writer(self.fd, self._on_writable)
+        if self.zmq:  # a send may take the edge of a reply that arrived meanwhile
+            self.loop.call_soon(self._on_readable)
+
+    def _on_writable(self) -> None:
+        try:
+            empty = self.chan.flush()
+        except ChannelClosed as e:
+            self._fail_all(f"send failed: {e}")
+            return
+        if empty and self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.fd)
+
+    def _on_readable(self) -> None:
+        if self.closed:
+            return
+        try:
+            frames = self.chan.recv()
+        except ChannelClosed as e:
+            self._fail_all(f"connection lost: {e}")
+            return
+        pending = self.pending
+        for frame in frames:
+            reply = _decode(frame, self.endpoint)
+            if reply is None:
                 continue
-            try:
-                reply = ep.decode_to_engine(frames)
-            except ProtocolError as e:
-                log.warning("undecodable reply from %s: %s", self.endpoint, e)
-                continue
-            fut = self.pending.pop(reply.call_id, None)
+            fut = pending.pop(reply.call_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
+    def _fail_all(self, why: str) -> None:
+        """The connection broke: calls in flight fail; the client opens a new one next time."""
+        self._close(on_loop=True, error=EngineUnavailable(EngineReason.PEER_LOST, why))
+
     def shutdown(self) -> None:
-        """Fail calls in flight, stop the reader, close the socket: on this conn's loop."""
+        """Fail calls in flight, stop reading, close the socket: on this conn's loop."""
         self._close(on_loop=True)
 
     def close_raw(self) -> None:
@@ -583,26 +773,38 @@ class _LoopConn:
         """
         self._close(on_loop=False)
 
-    def _close(self, on_loop: bool) -> None:
+    def _close(self, on_loop: bool, error: EngineUnavailable | None = None) -> None:
         with self._close_lock:  # at most once, whichever thread comes first
             if self.closed:
                 return
             self.closed = True
             pending, self.pending = self.pending, {}
+        error = error or EngineUnavailable(EngineReason.PEER_LOST, "client closed")
         try:
-            self.reader.cancel()
+            if on_loop or not self.loop.is_closed():
+                self.loop.remove_reader(self.fd)
+                if self._writing:
+                    self.loop.remove_writer(self.fd)
             for fut in pending.values():
                 if not fut.done():
-                    fut.set_exception(EngineUnavailable(EngineReason.PEER_LOST, "client closed"))
+                    if on_loop:
+                        fut.set_exception(error)
+                    else:
+                        self.loop.call_soon_threadsafe(_fail, fut, error)
         except RuntimeError as e:  # the loop is closed: no callback can be scheduled on it
             log.debug("failing a closed loop's calls: %s", e)
         try:
-            self.sock.close(linger=0)
+            self.chan.close()
         except Exception as e:
             if on_loop:
                 raise
             log.debug("closing a stopped loop's socket: %s", e)  # it is closed regardless
         self.shut.set()
+
+
+def _fail(fut: asyncio.Future[ep.ToEngine], error: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(error)
 
 
 def _time_out(fut: asyncio.Future[ep.ToEngine]) -> None:
@@ -639,7 +841,7 @@ class AsyncClient:
                 for lp in [lp for lp in self._conns if lp.is_closed()]:  # loops gone for good
                     self._conns.pop(lp).close_raw()
                 conn = self._conns[loop] = _LoopConn(
-                    loop, self.endpoint, self.max_inflight, self.curve
+                    loop, self.endpoint, self.max_inflight, self.curve, self.timeout_s
                 )
         return conn
 
@@ -654,11 +856,7 @@ class AsyncClient:
             # extra task and future per call (issue 12: the engine side's cost per call).
             timer = conn.loop.call_later(bound, _time_out, fut)
             try:
-                try:
-                    frame = ep.encode(build(call_id, _deadline_ms(bound)))
-                    await conn.sock.send(frame, flags=zmq.NOBLOCK)
-                except zmq.ZMQError as e:
-                    raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
+                conn.send(ep.encode(build(call_id, _deadline_ms(bound))))
                 return await fut
             except TimeoutError:
                 raise EngineUnavailable(
@@ -683,6 +881,34 @@ class AsyncClient:
     ) -> int:
         reply = await self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    async def publish_wait(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        timeout: float,
+        *,
+        close: bool = True,
+        aux: bytes | None = None,
+        expected_fetches: int = 1,
+        fetch_token: str = "",
+        allowed_receivers: Sequence[str] = (),
+    ) -> Outcome:
+        """See :meth:`Client.publish_wait`."""
+        reply = await self._call(
+            _publish_msg(
+                request_id,
+                block_ids,
+                aux,
+                expected_fetches,
+                fetch_token or False,
+                allowed_receivers,
+                _ms(timeout) or 1,
+                close,
+            ),
+            timeout,
+        )
+        return _check(reply, ep.Outcome)  # type: ignore[no-any-return]
 
     async def publish_for(
         self,
@@ -730,6 +956,42 @@ class AsyncClient:
             )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+
+    async def fetch_wait(
+        self,
+        request_id: str,
+        sender_endpoint: str,
+        block_ids: Sequence[int] | np.ndarray,
+        timeout: float,
+        *,
+        close: bool = True,
+        layers: tuple[int, int] | None = None,
+        timeout_ms: int | None = None,
+        want_aux: bool = True,
+        token: str = "",
+        sender_key: str = "",
+        sender_endpoints: Sequence[str] = (),
+        tokens: Sequence[str] = (),
+        sender_keys: Sequence[str] = (),
+    ) -> Outcome:
+        """See :meth:`Client.fetch_wait`."""
+        reply = await self._call(
+            _fetch_msg(
+                request_id,
+                sender_endpoint,
+                block_ids,
+                layers,
+                timeout_ms,
+                want_aux,
+                token,
+                sender_key,
+                (sender_endpoints, tokens, sender_keys),
+                _ms(timeout) or 1,
+                close,
+            ),
+            timeout,
+        )
+        return _check(reply, ep.Outcome)  # type: ignore[no-any-return]
 
     async def lookup(
         self,
@@ -794,7 +1056,7 @@ class AsyncClient:
             conn = self._conns.pop(loop, None)
         if conn is not None:
             conn.shutdown()
-            await asyncio.sleep(0)  # let the reader see its cancellation
+            await asyncio.sleep(0)  # let failed calls see their errors
 
     def close_client(self, timeout: float = 1.0) -> None:
         """Close every loop's connection; calls still in flight fail with peer_lost.

@@ -17,8 +17,10 @@ Calls and their replies (engine DEALER -> gateway ROUTER and back)::
     Describe                                         -> PoolInfo
     Publish(request_id, block_ids, aux, expected     -> Handle | Error     (sender only)
             [, token, allowed_receivers])               (+ sender description, token)
+    Publish(..., wait_ms > 0 [, close])              -> Outcome | Error    (one round trip)
     Fetch(request_id, sender_endpoint, block_ids...  -> Handle | Error     (receiver only)
           [, token, sender_key])
+    Fetch(..., wait_ms > 0 [, close])                -> Outcome | Error    (one round trip)
     Lookup(request_id[, sender_endpoint, layers])    -> Handle | Error(unknown_handle)
     Wait(handle_id, timeout_ms[, close])             -> Outcome | Pending | Error
     Poll(handle_id)                                  -> Outcome | Pending | Error
@@ -32,6 +34,13 @@ never starts a call whose deadline has passed: it answers ``Error(timeout)``.
 Publish and Fetch are idempotent by key (the request id on a sender; request
 id, sender endpoint and layer range on a receiver): a retry with the same key
 and parameters gets the same handle, with other parameters ``Error(duplicate)``.
+
+A Publish or Fetch with ``wait_ms`` > 0 is answered once: with the Outcome when the
+transfer ended (closed as by Close when ``close``; ``Outcome.closed`` says so), or,
+if it had not ended after ``wait_ms``, with an Outcome in its open state
+("published" / "requested"); either way ``Outcome.handle_id`` names the handle for
+later calls. A waiting Publish cannot ask the daemon for a token (the token would
+come only with the outcome): it passes its own ``fetch_token``.
 """
 
 from __future__ import annotations
@@ -55,7 +64,9 @@ from kvxferd.transfer.protocol import (
 )
 from kvxferd.transfer.topology import Topology
 
-ENGINE_PROTOCOL_VERSION = 3  # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch; 3: Wait.close
+# 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch; 3: Wait.close; 4: Publish/Fetch
+# wait_ms + close (one round trip per request), Outcome.handle_id; ipc:// is a unix stream.
+ENGINE_PROTOCOL_VERSION = 4
 MAGIC = b"KE"
 HEADER = MAGIC + bytes([ENGINE_PROTOCOL_VERSION])
 MAX_FRAME_BYTES = 16 << 20  # a Publish of 1M block ids fits; nothing bigger is accepted
@@ -173,6 +184,8 @@ class Publish(_Msg, tag="publish", frozen=True, omit_defaults=True):
     token: bool = False
     fetch_token: FetchToken = ""
     allowed_receivers: Allowed = []
+    wait_ms: WaitMs = 0  # > 0: answered once, with the Outcome (see the module docstring)
+    close: bool = False  # with wait_ms: close the handle once it ended
 
 
 class Fetch(_Msg, tag="fetch", frozen=True, omit_defaults=True):
@@ -201,6 +214,8 @@ class Fetch(_Msg, tag="fetch", frozen=True, omit_defaults=True):
     sender_endpoints: Annotated[list[Endpoint], Meta(max_length=4096)] = []
     tokens: Annotated[list[FetchToken], Meta(max_length=4096)] = []
     sender_keys: Annotated[list[PublicKey], Meta(max_length=4096)] = []
+    wait_ms: WaitMs = 0  # > 0: answered once, with the Outcome (see the module docstring)
+    close: bool = False  # with wait_ms: close the handle once it ended
 
 
 class Lookup(_Msg, tag="lookup", frozen=True):
@@ -327,6 +342,7 @@ class Outcome(_Msg, tag="outcome", frozen=True):
     in_doubt: bool = False
     reusable: bool = False
     closed: bool | None = None  # Wait(close=True): True = closed safe and forgotten, as Close
+    handle_id: U63 = 0  # the handle it is about (set in replies to a waiting Publish/Fetch)
 
     @property
     def ok(self) -> bool:

@@ -1,50 +1,60 @@
-"""The engine gateway: a local engine drives this daemon's Sender or Receiver through one ROUTER socket.
+"""The engine gateway: a local engine drives this daemon's Sender or Receiver through one socket.
 
-The daemon creates one :class:`Gateway` around its service and runs it on its
-asyncio loop::
+The daemon creates one :class:`Gateway` around its service once the service runs::
 
     gw = Gateway(sender, settings.service.engine_socket,
                  max_inflight=settings.service.max_client_inflight)
-    await gw.start()            # bind; serve until stop
+    gw.start()                  # bind; from now on the service's io thread serves it
     gw.refuse_new("draining")   # the drain began: publish/fetch refused, the rest still served
-    await gw.stop(timeout=2.0)  # cancel outstanding calls (each gets an Error), close the socket
+    gw.stop(timeout=2.0)        # outstanding calls get Error(shutting_down); sockets closed
 
-Where things run::
+Where things run. The gateway has no thread of its own: it is an
+:class:`~kvxferd.transfer.iohooks.IoHook` of its service's io thread (the Sender's
+``kvxferd-listener``, the Receiver's ``kvxferd-rx-io``), which polls the engine socket
+beside its peers' sockets. An engine's Fetch is therefore read, started and its
+RequestData sent by one thread, and its outcome is written back to the engine by the
+thread that saw the fetch end, with no hand-off (issue 22: the asyncio loop the
+gateway used to run on held 77-86 % of a daemon's GIL, and every hop between it and
+the io thread cost a wake-up)::
 
-    what                         runs on                   owns
-    ---------------------------  ------------------------  -------------------------------------
-    reader, serve task (a tick), the loop start() ran on   the ROUTER (a plain zmq socket, read
-    call tasks                                             when its fd is readable), _handles,
-                                                           _work, _calls, _refusing; no lock: only
-                                                           this loop touches them
-    publish / fetch / lookup /   the loop, inline, as the  nothing; the service calls never wait
-    cancel, a Wait or Close      frame is read             on a peer (a lock held for microseconds,
-    that need not wait                                     an eventfd write)
-    Wait that must wait          a call task (wait_async)  the awaiting future, on this loop
-    Close that must wait         kvxferd-gw-close threads  nothing; they may block up to timeout
+    what                              runs on                      owns
+    --------------------------------  ---------------------------  -----------------------------
+    reading frames, every call,       the service's io thread      the listening socket and its
+    replies, timers (a Wait's                                      connections (or the ROUTER
+    timeout, a Close that waits                                    of a tcp:// socket), _handles,
+    for writes in flight)                                          _work, _calls, _timers, _soon
+    a transfer ends elsewhere (a      that thread queues the       nothing: ``_post`` hands the
+    sender worker, shutdown)          reply (``IoHooks.call_soon``) reply to the io thread
 
-A call that may block never runs on the loop; a call that cannot block runs
-inline, with no task and no thread hand-off (issue 12: the asyncio socket, the
-task and the thread-pool hop per call were most of a daemon's CPU per request).
-Calls served at once are bounded by ``max_inflight``: while that many wait, one
-more (inline or not) gets ``Error(busy)`` at once, it is never queued.
-Describe and Poll answer inline and are not counted. A malformed frame gets
-``Error(malformed)`` (or the ProtocolError's reason), is counted in ``stats``,
-and never stops the serve task. An unexpected exception in the serve task or a
-call task goes through ``self.guard`` (logged, counted, ``broken()`` names it)
-and the engine gets ``Error(internal)``; the serve task goes on.
+No call ever blocks that thread: a Wait that must wait registers a callback on the
+transfer's completion and a timer for its timeout; a Close that must wait for writes in
+flight re-checks every ``CLOSE_POLL_S`` until they ended or its timeout passed.
 
-Deadlines. A call's ``deadline_unix_ms`` is when its engine stops waiting. A
-call whose deadline has passed is not executed: it is checked when the frame is
-decoded (a daemon that was frozen reads its calls late), again right before the
-service is called, and on the close thread, and gets ``Error(timeout)``
-(``rejected_timeout``). A Close still runs waits at most until its deadline.
+The socket. ``ipc://`` is a unix stream socket carrying length-prefixed frames
+(channel.py: one system call per batch of frames, no ZMQ I/O threads); its file gets
+``socket_mode`` (0600: the daemon's user only). ``tcp://`` is a ZMQ ROUTER and a CURVE
+server admitting only ``engine_keys_dir``'s keys (required by the settings).
+
+Calls in flight are bounded by ``max_inflight``: while that many wait, one more
+(inline or not) gets ``Error(busy)`` at once, it is never queued. Describe and Poll
+are not counted. A malformed frame gets ``Error(malformed)`` (or the ProtocolError's
+reason) and is counted in ``stats``; an unexpected exception in a call goes through
+``self.guard`` (logged, counted, ``broken()`` names it) and the engine gets
+``Error(internal)``; the io thread goes on.
+
+Deadlines. A call's ``deadline_unix_ms`` is when its engine stops waiting. A call whose
+deadline has passed is not executed: it is checked when the frame is decoded (a daemon
+that was frozen reads its calls late) and right before the service is called, and gets
+``Error(timeout)`` (``rejected_timeout``). A Close waits at most until its deadline.
+
+One round trip. A Publish or Fetch with ``wait_ms`` is started, then waited on as a
+Wait of the new handle would be (closing it when ``close``): the engine gets one reply,
+the Outcome, with ``handle_id`` (engine_protocol.py).
 
 Keys and handles. Publish is keyed by request id, Fetch by (request id, sender
-endpoint, layer range). ``_work`` maps a key to its :class:`_Work`. The service
-call runs inline on the loop, so a key is taken and settled in one step: a
-retry or Lookup is read only after the first call returned (before issue 12 the
-call ran on a thread and a key had a "running" state that retries waited on)::
+endpoint, layer range). ``_work`` maps a key to its :class:`_Work`. A call runs on the
+io thread, so a key is taken and settled in one step: a retry or Lookup is read only
+after the first call returned::
 
     key state     _work[key]                  a Publish/Fetch with that key        Lookup
     ------------  --------------------------  -----------------------------------  --------------
@@ -54,44 +64,46 @@ call ran on a thread and a key had a "running" state that retries waited on)::
                                               parameters: duplicate
     (Close(safe) of the handle: open -> free)
 
-A handle id comes from a counter that starts at the daemon's start time in ms
-shifted left by 20 bits, so no id is ever reused, not even by a restarted
-daemon. A handle serves the connections (routing ids) that created it or found
-it by key (a retried Publish/Fetch or a Lookup; the last ``MAX_OWNERS``); any
-other connection gets ``Error(unknown_handle)``. Close forgets a handle only when
-it reports the memory safe; otherwise the handle stays so the engine can Poll or
-Close again.
+A handle id comes from a counter that starts at the daemon's start time in ms shifted
+left by 20 bits, so no id is ever reused, not even by a restarted daemon. A handle
+serves the connections that created it or found it by key (a retried Publish/Fetch or
+a Lookup; the last ``MAX_OWNERS``); any other connection gets
+``Error(unknown_handle)``. Close forgets a handle only when it reports the memory
+safe; otherwise the handle stays so the engine can Poll or Close again.
 
-Known limit: ZMQ does not say when an engine disconnects, so handles of an
-engine that died stay in the table (bounded by ``max_handles``) until an engine
-finds them by key and closes them, or the daemon stops; the service ends their
-sessions (publish_ttl / kv_transfer_timeout) in the meantime.
+Known limit: handles of an engine that died stay in the table (bounded by
+``max_handles``) until an engine finds them by key and closes them, or the daemon
+stops; the service ends their sessions (publish_ttl / kv_transfer_timeout) meanwhile.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
+import heapq
 import itertools
 import logging
 import os
 import secrets
+import stat
+import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import zmq
 
 from kvxferd.auth import Transport, watch_server
 from kvxferd.engine import engine_protocol as ep
+from kvxferd.engine.channel import ChannelClosed, StreamChannel, StreamListener
 from kvxferd.errors import ProtocolError, RejectedError
 from kvxferd.stats import Stats
 from kvxferd.transfer.control import process_context
 from kvxferd.transfer.guard import Guard
+from kvxferd.transfer.iohooks import Item
 from kvxferd.transfer.pool import KvPool
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.sender import Sender, TxHandle
@@ -102,17 +114,19 @@ log = logging.getLogger("kvxferd.gateway")
 T = TypeVar("T")
 
 MAX_HANDLES = 65_536  # live handles across all engines; one more publish/fetch gets BUSY
-CLOSE_THREADS = 32  # close(timeout): may block up to the engine's timeout
-TICK_S = 1.0  # the serve task's tick: last_progress, and a read in case an fd edge was missed
-READ_BATCH = 256  # frames read per turn of the loop before other callbacks get a turn
+MAX_CONNECTIONS = 1024  # engine connections on a unix socket; one more is closed at once
+CLOSE_POLL_S = 0.002  # a Close that waits for writes in flight looks again this often
+TICK_S = 1.0  # last_progress while nothing happens
+READ_BATCH = 256  # ROUTER frames read per turn before the io thread's other sockets get a turn
 MAX_OWNERS = 16  # connections that may use one handle (its creator, then those that found it)
 
 _Key = tuple[str, str, str, int, int]  # (kind, request id, sender endpoint, layer begin, end)
+_conn_ids = itertools.count(1)
 
 
 @dataclass(slots=True)
 class _Entry:
-    owners: list[bytes]  # routing ids that may use the handle, oldest first
+    owners: list[bytes]  # connections that may use the handle, oldest first
     handle: TxHandle | RxHandle
     key: _Key
     token: str = ""  # a publish's fetch token (the same in every reply for this handle)
@@ -124,6 +138,32 @@ class _Work:
 
     digest: bytes
     handle_id: int
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """A call that waits: a Wait (or a waiting Publish/Fetch) or a Close; io thread only."""
+
+    rid: bytes
+    call_id: int
+    handle_id: int
+    entry: _Entry
+    close: bool  # close once ended (Wait.close, Close, a waiting Publish/Fetch's close)
+    until: float  # monotonic: its timeout (Pending / an open outcome / closed False then)
+    deadline_ms: int  # the engine's deadline_unix_ms (0: none)
+    kind: Literal["wait", "close", "start"]  # Wait, Close, or a waiting Publish/Fetch
+    closing: bool = False  # ended; waiting for its writes before the close answers
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    """One engine connection on the unix socket."""
+
+    rid: bytes
+    channel: StreamChannel
+    fd: int
+    writing: bool = False  # registered for POLLOUT (its outbox is not empty)
 
 
 class _UnknownHandle(Exception):
@@ -143,20 +183,16 @@ def _left_s(deadline_ms: int) -> float | None:
     return None if deadline_ms == 0 else (deadline_ms - _now_ms()) / 1000
 
 
-def _before(deadline_ms: int, fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn``, run only if ``deadline_ms`` has not passed when a gateway thread gets to it."""
-
-    def run() -> T:
-        left = _left_s(deadline_ms)
-        if left is not None and left <= 0:
-            raise _Expired
-        return fn()
-
-    return run
+def _before(deadline_ms: int, fn: Callable[[], T]) -> T:
+    """``fn()``, only if ``deadline_ms`` has not passed yet."""
+    left = _left_s(deadline_ms)
+    if left is not None and left <= 0:
+        raise _Expired
+    return fn()
 
 
 class Gateway:
-    """Serves the engine protocol for one Sender or Receiver, on the loop ``start`` ran on."""
+    """Serves the engine protocol for one Sender or Receiver, on that service's io thread."""
 
     def __init__(
         self,
@@ -186,68 +222,81 @@ class Gateway:
         self.transport = transport
         self.engine_keys_dir = engine_keys_dir  # its allow-list: the engines' keys
         self.stats = Stats()
-        self.guard = Guard(self.stats, log)  # unexpected errors of its threads
-        self.last_progress = time.monotonic()  # the serve task took a message or ticked
+        self.guard = Guard(self.stats, log)  # unexpected errors while serving
+        self.last_progress = time.monotonic()  # the io thread served us (or ticked)
         self._handle_ids = itertools.count((_now_ms() << 20) + 1)  # never an earlier daemon's
         self._handles: dict[int, _Entry] = {}
         self._work: dict[_Key, _Work] = {}
-        self._calls: dict[asyncio.Task[None], int] = {}  # call task -> call id
+        self._calls: set[_Call] = set()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = itertools.count()
+        self._soon: deque[Callable[[], None]] = deque()  # io thread only: replies to send now
         self._refusing: ep.EngineReason | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sock: zmq.Socket[bytes] | None = None
-        self._fd: int | None = None  # the ROUTER's fd, watched by the loop (add_reader)
-        self._read_soon = False  # a _read is scheduled with call_soon
-        self._serve_task: asyncio.Task[None] | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._listener: StreamListener | None = None
+        self._conns: dict[bytes, _Conn] = {}
+        self._by_fd: dict[int, _Conn] = {}
         self._ipc_path: str | None = None
-        self._slow: ThreadPoolExecutor | None = None
         self._pool_info: ep.PoolInfo | None = None
+        self._started = False
+        self._stopped = threading.Event()  # io_stop ran: every socket is closed
 
     # -- lifecycle -----------------------------------------------------------------------
-    async def start(self) -> str:
-        """Bind the ROUTER and start serving on the running loop; the bound endpoint."""
-        if self._sock is not None:
+    def start(self) -> str:
+        """Bind the engine socket and hand the gateway to the service's io thread; the endpoint."""
+        if self._started:
             raise RuntimeError("gateway already started")
-        self._loop = asyncio.get_running_loop()
         self._pool_info = _pool_info(self.service)
+        endpoint = self.requested_endpoint
+        if endpoint.startswith("ipc://"):
+            self._listen_ipc(endpoint)
+        else:
+            self._listen_tcp(endpoint)
+        self._started = True
+        self.service.io.attach(self)
+        log.info("engine gateway (%s) serving at %s", self.role, self.endpoint)
+        assert self.endpoint is not None
+        return self.endpoint
+
+    def _listen_ipc(self, endpoint: str) -> None:
+        if not endpoint.startswith("ipc://@"):
+            path = endpoint[len("ipc://") :]
+            parent = os.path.dirname(os.path.abspath(path))
+            os.makedirs(parent, mode=_dir_mode(self.socket_mode), exist_ok=True)
+            try:
+                if stat.S_ISSOCK(os.stat(path).st_mode):
+                    os.unlink(path)  # stale (preflight made sure no daemon serves it), as ZMQ does
+            except FileNotFoundError:
+                pass
+            self._ipc_path = path
+        self._listener = StreamListener(endpoint)
+        if self._ipc_path is not None:
+            # bind created the file with the umask's mode; narrow it before serving.
+            os.chmod(self._ipc_path, self.socket_mode)
+        self.endpoint = endpoint
+
+    def _listen_tcp(self, endpoint: str) -> None:
         sock: zmq.Socket[bytes] = process_context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone engine fails, is counted
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
-        endpoint = self.requested_endpoint
+        if endpoint.endswith(":0"):
+            endpoint = endpoint[:-2] + ":*"
         try:
-            if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-                self._ipc_path = endpoint[len("ipc://") :]
-                parent = os.path.dirname(os.path.abspath(self._ipc_path))
-                os.makedirs(parent, mode=_dir_mode(self.socket_mode), exist_ok=True)
-            elif endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-                endpoint = endpoint[:-2] + ":*"
-            if self.transport is not None and endpoint.startswith("tcp://"):
+            if self.transport is not None:
                 curve = self.transport.server_curve("engine", self.stats, self.engine_keys_dir)
                 if curve is not None:
                     curve.apply_server(sock)
                     watch_server(sock, self.stats, curve.zap_domain)
             sock.bind(endpoint)
-            if self._ipc_path is not None:
-                # libzmq creates the file with the umask's mode; narrow it before serving.
-                os.chmod(self._ipc_path, self.socket_mode)
         except BaseException:
             sock.close(linger=0)
             raise
         bound = sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint = bound.decode() if isinstance(bound, bytes) else str(bound)
-        self._sock = sock
-        self._slow = ThreadPoolExecutor(
-            max_workers=min(self.max_inflight, CLOSE_THREADS), thread_name_prefix="kvxferd-gw-close"
-        )
-        self._fd = fd = cast(int, sock.getsockopt(zmq.FD))
-        self._loop.add_reader(fd, self._read)
-        self._serve_task = self._loop.create_task(self._serve(), name="kvxferd-gateway")
-        self._serve_task.add_done_callback(self._serve_done)
-        self._read_later()  # frames that came before the reader was in place
-        log.info("engine gateway (%s) serving at %s", self.role, self.endpoint)
-        return self.endpoint
+        self._router = sock
 
     def refuse_new(self, reason: str | ep.EngineReason = ep.EngineReason.DRAINING) -> None:
         """From now on Publish/Fetch get ``Error(reason)``; Wait/Poll/Cancel/Close still work.
@@ -263,11 +312,16 @@ class Gateway:
         self._refusing = r
 
     def broken(self) -> str | None:
-        """Why the gateway is not live (a caught unexpected error, its serve task ended), or None."""
+        """Why the gateway is not live (a caught unexpected error, its io thread gone), or None."""
         why = self.guard.broken()
-        task = self._serve_task
-        if why is None and task is not None and task.done() and self._sock is not None:
-            return "gateway serve task ended"
+        if (
+            why is None
+            and self._started
+            and self._refusing is None
+            and not self._stopped.is_set()
+            and not self.service.io.running
+        ):
+            return "the service's io thread no longer serves the engine socket"
         return why
 
     @property
@@ -282,65 +336,164 @@ class Gateway:
     def handle_count(self) -> int:
         return len(self._handles)
 
-    async def stop(self, timeout: float) -> None:
-        """Stop serving: outstanding calls are cancelled (each engine gets Error(shutting_down)),
-        then the socket is closed; returns within ``timeout`` (plus a loop turn).
+    def stop(self, timeout: float) -> None:
+        """Stop serving: outstanding calls get Error(shutting_down), sockets close; bounded.
 
-        Must be awaited on the loop the gateway was started on.
+        Safe from any thread. The io thread does it (``io_stop``) while it runs; once it
+        has ended (the service shut down), its own end already did.
         """
-        sock = self._sock
-        if sock is None:
+        if not self._started or self._stopped.is_set():
             return
         if self._refusing is None:
             self._refusing = ep.EngineReason.SHUTTING_DOWN
-        tasks: list[asyncio.Task[Any]] = list(self._calls)
-        if self._serve_task is not None:
-            tasks.append(self._serve_task)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=max(0.0, timeout))
-            if late:
-                log.warning("gateway stop: %d tasks still running after %.1fs", len(late), timeout)
-        self._sock = None
-        if self._fd is not None:
-            self._loop.remove_reader(self._fd)  # type: ignore[union-attr]
-            self._fd = None
-        sock.close(linger=0)
-        if self._slow is not None:  # running closes end on their own bounds; queued ones drop
-            self._slow.shutdown(wait=False, cancel_futures=True)
-        self._handles.clear()
-        self._work.clear()
+        io = self.service.io
+        if io.call_soon(self.io_stop):
+            if not self._stopped.wait(max(0.0, timeout)):
+                log.warning("gateway stop: the io thread did not close it within %.1fs", timeout)
+                return
+        elif not io.running:  # never served, or the io thread has ended: nobody else touches it
+            self.io_stop()
+        io.detach(self)
         log.info("engine gateway stopped (%s)", self.endpoint)
 
-    # -- serving ------------------------------------------------------------------------
-    async def _serve(self) -> None:
-        """The tick: ``last_progress`` while the loop runs, and a read in case an edge was missed."""
-        while self._sock is not None:
-            await asyncio.sleep(TICK_S)
-            self.last_progress = time.monotonic()
-            self._read()
+    # -- the io thread's side (IoHook) -------------------------------------------------------
+    def io_items(self) -> Sequence[Item]:
+        if self._stopped.is_set():
+            return []
+        if self._router is not None:
+            return [(self._router, zmq.POLLIN)]
+        items: list[Item] = []
+        if self._listener is not None:
+            items.append((self._listener.fileno(), zmq.POLLIN))
+        for c in self._conns.values():
+            items.append((c.fd, zmq.POLLIN | (zmq.POLLOUT if c.writing else 0)))
+        return items
 
-    def _read_later(self, delay: float = 0.0) -> None:
-        """Read again soon: after a send (ZMQ's fd is edge-triggered; a send can take the
-        edge of a frame that arrived meanwhile), after a full batch, after an error."""
-        if self._loop is None or self._sock is None:
+    def io_ready(self, item: Any, events: int, now: float) -> None:
+        self.last_progress = now
+        if item is self._router:
+            self._read_router()
             return
-        if delay:
-            self._loop.call_later(delay, self._read)
-        elif not self._read_soon:
-            self._read_soon = True
-            self._loop.call_soon(self._read)
+        if self._listener is not None and item == self._listener.fileno():
+            self._accept()
+            return
+        conn = self._by_fd.get(item)
+        if conn is None:
+            return
+        try:
+            if events & zmq.POLLOUT:
+                self._flush(conn)
+            if events & zmq.POLLIN:
+                for frame in conn.channel.recv():
+                    self._on_frame(conn.rid, frame)
+        except ChannelClosed as e:
+            self._drop(conn, str(e))
 
-    def _read(self) -> None:
-        """Take every frame waiting on the ROUTER (up to a batch), each handled inline."""
-        self._read_soon = False
-        sock = self._sock
-        if sock is None:
+    def io_turn(self, now: float) -> float | None:
+        if now - self.last_progress >= TICK_S:
+            self.last_progress = now
+        soon = self._soon
+        for _ in range(65_536):
+            if not soon:
+                break
+            fn = soon.popleft()
+            self._guarded(fn)
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            self._guarded(heapq.heappop(timers)[2])
+        if self._router is not None and self._router_readable():
+            return 0.0  # ZMQ's fd is edge-triggered: a reply may have taken the edge
+        if soon:
+            return 0.0
+        return TICK_S if not timers else max(0.0, timers[0][0] - now)
+
+    def io_stop(self) -> None:
+        """The io thread ends (or ``stop``): outstanding calls get shutting_down; close."""
+        if self._stopped.is_set():
             return
+        for call in list(self._calls):
+            self._answer(
+                call,
+                ep.Error(
+                    call_id=call.call_id,
+                    reason=ep.EngineReason.SHUTTING_DOWN,
+                    detail="the gateway is stopping",
+                ),
+            )
+        for c in list(self._conns.values()):
+            try:
+                c.channel.flush()
+            except ChannelClosed:
+                pass
+            c.channel.close()
+        self._conns.clear()
+        self._by_fd.clear()
+        if self._listener is not None:
+            self._listener.close()
+        if self._router is not None:
+            self._router.close(linger=0)
+        self._handles.clear()
+        self._work.clear()
+        self._timers.clear()
+        self._stopped.set()
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            self.guard.caught("gateway")
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the io thread: at the end of this turn if we are on it, else soon."""
+        io = self.service.io
+        if io.on_io_thread():
+            self._soon.append(fn)
+        else:
+            io.call_soon(lambda: self._soon.append(fn))
+
+    def _timer(self, when: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (when, next(self._timer_seq), fn))
+
+    # -- connections -----------------------------------------------------------------------
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(64):
+            sock = self._listener.accept()
+            if sock is None:
+                return
+            if len(self._conns) >= MAX_CONNECTIONS:
+                self.stats.add("engine_connections_refused")
+                sock.close()
+                continue
+            channel = StreamChannel(sock, self.max_frame_bytes)
+            rid = b"\x01" + next(_conn_ids).to_bytes(8, "little")
+            conn = _Conn(rid, channel, channel.fileno())
+            self._conns[rid] = conn
+            self._by_fd[conn.fd] = conn
+            self.stats.add("engine_connections")
+            self.service.io.changed()
+
+    def _drop(self, conn: _Conn, why: str) -> None:
+        if self._conns.pop(conn.rid, None) is None:
+            return
+        self._by_fd.pop(conn.fd, None)
+        conn.channel.close()
+        if "closed by the peer" not in why:
+            self.stats.add("engine_connections_dropped")
+            log.warning("engine connection dropped: %s", why)
+        self.service.io.changed()
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.channel.flush() and conn.writing:
+            conn.writing = False
+            self.service.io.changed()
+
+    def _read_router(self) -> None:
+        sock = self._router
+        assert sock is not None
         for _ in range(READ_BATCH):
             try:
-                if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                if not self._router_readable():
                     return
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -350,49 +503,79 @@ class Gateway:
                     return
                 self.stats.add("recv_errors")
                 log.warning("gateway: receive failed: %s", e)
-                self._read_later(0.01)
                 return
-            except Exception:  # a bug on one turn must not stop the gateway
-                self.guard.caught("gateway")
-                self._read_later(0.01)  # never spin on a persistent error
-                return
-            self.last_progress = time.monotonic()
-            try:
-                self._on_frames(frames)
-            except Exception:
-                self.guard.caught("gateway")
-                self.stats.add("internal_errors")
+            if len(frames) != 2:
+                self.stats.add(f"rejected_{ep.EngineReason.MALFORMED}")
                 self._reply(
                     frames[0],
                     ep.Error(
                         call_id=ep.salvage_call_id(frames[1:]),
-                        reason=ep.EngineReason.INTERNAL,
-                        detail="the daemon failed on this message (a bug; see its log)",
+                        reason=ep.EngineReason.MALFORMED,
+                        detail=f"{len(frames) - 1} frames, expected 1",
                     ),
                 )
-        self._read_later()  # more may wait: let the loop's other callbacks run first
+                continue
+            self._on_frame(frames[0], frames[1])
 
-    def _serve_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
+    def _router_readable(self) -> bool:
+        sock = self._router
+        return (
+            sock is not None
+            and not sock.closed
+            and bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        )
+
+    def _reply(self, rid: bytes, msg: ep._Msg) -> None:
+        frame = ep.encode(msg)
+        if self._router is not None:
+            # NOBLOCK: a gone engine (ROUTER_MANDATORY), a full queue or a closing socket
+            # drops the reply, counted.
+            try:
+                self._router.send_multipart([rid, frame], flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                self.stats.add("reply_dropped")
             return
-        exc = task.exception()
-        if exc is not None:
-            log.error("gateway: serve task died", exc_info=exc)
-            self.guard.dead("gateway")
-        elif self._sock is not None:  # its socket closed while the gateway was not stopping
-            self.guard.dead("gateway")
-
-    def _on_frames(self, frames: list[bytes]) -> None:
-        rid, body = frames[0], frames[1:]
+        conn = self._conns.get(rid)
+        if conn is None:
+            self.stats.add("reply_dropped")
+            return
         try:
-            msg = ep.decode_to_gateway(body, self.max_frame_bytes)
-        except ProtocolError as e:
-            self.stats.add(f"rejected_{e.reason}")
-            call_id = ep.salvage_call_id(body)
+            conn.channel.send(frame)
+        except ChannelClosed as e:
+            self.stats.add("reply_dropped")
+            self._drop(conn, str(e))
+            return
+        if conn.channel.wants_write and not conn.writing:
+            conn.writing = True
+            self.service.io.changed()
+
+    # -- calls -------------------------------------------------------------------------------
+    def _on_frame(self, rid: bytes, body: bytes) -> None:
+        try:
+            self._serve(rid, body)
+        except Exception:
+            self.guard.caught("gateway")
+            self.stats.add("internal_errors")
             self._reply(
                 rid,
                 ep.Error(
-                    call_id=call_id, reason=ep.EngineReason(e.reason.value), detail=e.detail[:1024]
+                    call_id=ep.salvage_call_id([body]),
+                    reason=ep.EngineReason.INTERNAL,
+                    detail="the daemon failed on this message (a bug; see its log)",
+                ),
+            )
+
+    def _serve(self, rid: bytes, body: bytes) -> None:
+        try:
+            msg = ep.decode_to_gateway([body], self.max_frame_bytes)
+        except ProtocolError as e:
+            self.stats.add(f"rejected_{e.reason}")
+            self._reply(
+                rid,
+                ep.Error(
+                    call_id=ep.salvage_call_id([body]),
+                    reason=ep.EngineReason(e.reason.value),
+                    detail=e.detail[:1024],
                 ),
             )
             return
@@ -420,172 +603,159 @@ class Gateway:
                 ),
             )
             return
-        reply = self._now(rid, msg)
-        if reply is not None:
-            self._reply(rid, reply)
-            return
-        assert self._loop is not None
-        task = self._loop.create_task(self._call(rid, msg))
-        self._calls[task] = msg.call_id
-        task.add_done_callback(self._call_done)
-
-    def _describe(self, msg: ep.Describe) -> ep._Msg:
-        """PoolInfo; with a topology, the engine declares its rank's record first."""
-        assert self._pool_info is not None
-        if msg.topology is not None:
-            try:
-                self.service.declare_topology(msg.topology)
-            except RejectedError as e:
-                return self._refuse(msg.call_id, ep.EngineReason(e.reason.value), e.detail)
-        return msgspec.structs.replace(
-            self._pool_info, call_id=msg.call_id, topology=self.service.topology
-        )
-
-    def _now(self, rid: bytes, msg: ep.ToGateway) -> ep._Msg | None:
-        """The reply of a call that needs no wait, served inline; None: it needs a call task."""
         try:
-            if isinstance(msg, ep.Publish | ep.Fetch):
-                return self._start(rid, msg)
-            if isinstance(msg, ep.Lookup):
-                return self._lookup(rid, msg)
-            if isinstance(msg, ep.Wait):
-                entry = self._entry(rid, msg.handle_id)
-                completion = entry.handle.session.completion
-                if completion.done():
-                    if msg.close and not _closes_at_once(entry.handle):
-                        return None  # the close may wait for writes in flight
-                    value = completion.value()
-                    assert value is not None
-                    out = _outcome(msg.call_id, entry.handle, value)
-                    if msg.close:
-                        safe = _close(entry.handle, 0, msg.deadline_unix_ms)
-                        out = self._closed_outcome(out, msg.handle_id, entry, safe)
-                    return out
-                return ep.Pending(call_id=msg.call_id) if msg.timeout_ms == 0 else None
-            if isinstance(msg, ep.Cancel):
-                entry = self._entry(rid, msg.handle_id)
-                _before(msg.deadline_unix_ms, entry.handle.cancel)()
-                return ep.Ok(call_id=msg.call_id)
-            if isinstance(msg, ep.Close):
-                entry = self._entry(rid, msg.handle_id)
-                if not _closes_at_once(entry.handle):
-                    return None
-                safe = _close(entry.handle, 0, msg.deadline_unix_ms)
-                return self._closed(msg, entry, safe)
-        except Exception as e:
-            return self._call_error(msg, e)
-        return None
-
-    def _call_done(self, task: asyncio.Task[None]) -> None:
-        self._calls.pop(task, None)
-        exc = None if task.cancelled() else task.exception()
-        if exc is not None:  # _call answers every error itself; this one escaped it (a bug)
-            self.stats.add("internal_errors")
-            try:
-                raise exc
-            except Exception:
-                self.guard.caught("gateway call")
-
-    def _reply(self, rid: bytes, msg: ep._Msg) -> None:
-        sock = self._sock
-        if sock is None:
-            self.stats.add("reply_dropped")
-            return
-        # NOBLOCK: the loop never waits; a gone engine (ROUTER_MANDATORY), a full queue or a
-        # closing socket drops the reply, counted.
-        try:
-            sock.send_multipart([rid, ep.encode(msg)], flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:
-            self.stats.add("reply_dropped")
-        self._read_later()
-
-    async def _call(self, rid: bytes, msg: ep.ToGateway) -> None:
-        reply: ep._Msg
-        try:
-            reply = await self._dispatch(rid, msg)
-        except asyncio.CancelledError:
-            self._reply(
-                rid,
-                ep.Error(
-                    call_id=msg.call_id,
-                    reason=ep.EngineReason.SHUTTING_DOWN,
-                    detail="the gateway is stopping",
-                ),
-            )
-            raise
+            reply = self._call(rid, msg)
         except Exception as e:
             reply = self._call_error(msg, e)
-        # No longer in flight once answered: the engine's next call must not find it counted.
-        self._calls.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-        self._reply(rid, reply)
+        if reply is not None:
+            self._reply(rid, reply)
 
-    def _call_error(self, msg: ep.ToGateway, e: Exception) -> ep.Error:
-        """The Error reply for a call that raised ``e`` (counted; a bug is logged as one)."""
-        if isinstance(e, _UnknownHandle):
-            self.stats.add("rejected_unknown_handle")
-            return ep.Error(
-                call_id=msg.call_id,
-                reason=ep.EngineReason.UNKNOWN_HANDLE,
-                detail="no such handle on this connection",
-            )
-        if isinstance(e, _Expired):
-            self.stats.add("rejected_timeout")
-            return _expired(msg.call_id, "the gateway got to it")
-        if isinstance(e, RejectedError):
-            self.stats.add(f"rejected_{e.reason}")
-            return ep.Error(
-                call_id=msg.call_id, reason=ep.EngineReason(e.reason.value), detail=e.detail[:1024]
-            )
-        try:
-            raise e
-        except Exception:
-            self.guard.caught(f"gateway {msg.__struct_config__.tag} call")
-        self.stats.add("internal_errors")
-        return ep.Error(call_id=msg.call_id, reason=ep.EngineReason.INTERNAL, detail=repr(e)[:1024])
-
-    async def _dispatch(self, rid: bytes, msg: ep.ToGateway) -> ep._Msg:
-        """A Wait or Close that must wait (every other call is answered inline by ``_now``)."""
+    def _call(self, rid: bytes, msg: ep.ToGateway) -> ep._Msg | None:
+        """The reply of a call, or None when it waits (its reply comes from ``_answer``)."""
+        if isinstance(msg, ep.Publish | ep.Fetch):
+            return self._start(rid, msg)
+        if isinstance(msg, ep.Lookup):
+            return self._lookup(rid, msg)
         if isinstance(msg, ep.Wait):
             entry = self._entry(rid, msg.handle_id)
-            started = time.monotonic()
-            value = await entry.handle.wait_async(msg.timeout_ms / 1000)
-            if value is None:
+            if msg.timeout_ms == 0 and not entry.handle.session.completion.done():
                 return ep.Pending(call_id=msg.call_id)
-            out = _outcome(msg.call_id, entry.handle, value)
-            if not msg.close:
-                return out
-            left_ms = max(0, msg.timeout_ms - int((time.monotonic() - started) * 1000))
-            if _closes_at_once(entry.handle):
-                safe = _close(entry.handle, 0, msg.deadline_unix_ms)
-            else:
-                safe = await self._blocking(
-                    self._slow,
-                    functools.partial(_close, entry.handle, left_ms, msg.deadline_unix_ms),
+            return self._wait(
+                _Call(
+                    rid,
+                    msg.call_id,
+                    msg.handle_id,
+                    entry,
+                    msg.close,
+                    time.monotonic() + msg.timeout_ms / 1000,
+                    msg.deadline_unix_ms,
+                    "wait",
                 )
-            # The outcome as it stands after the close (reusable may have turned true).
-            out = _outcome(msg.call_id, entry.handle, value)
-            return self._closed_outcome(out, msg.handle_id, entry, safe)
+            )
+        if isinstance(msg, ep.Cancel):
+            entry = self._entry(rid, msg.handle_id)
+            _before(msg.deadline_unix_ms, entry.handle.cancel)
+            return ep.Ok(call_id=msg.call_id)
         if isinstance(msg, ep.Close):
             entry = self._entry(rid, msg.handle_id)
-            safe = await self._blocking(
-                self._slow,
-                functools.partial(_close, entry.handle, msg.timeout_ms, msg.deadline_unix_ms),
+            call = _Call(
+                rid,
+                msg.call_id,
+                msg.handle_id,
+                entry,
+                True,
+                time.monotonic() + msg.timeout_ms / 1000,
+                msg.deadline_unix_ms,
+                "close",
             )
-            return self._closed(msg, entry, safe)
-        raise AssertionError(f"unexpected message {type(msg).__name__}")  # the rest inline
+            return self._begin_close(call)
+        raise AssertionError(f"unexpected message {type(msg).__name__}")
 
-    def _closed(self, msg: ep.Close, entry: _Entry, safe: bool) -> ep.Closed:
-        """A Close's reply; a handle closed safe is forgotten, and its key freed."""
-        self._forget(msg.handle_id, entry, safe)
-        return ep.Closed(call_id=msg.call_id, safe=bool(safe))
+    # -- waiting ----------------------------------------------------------------------------
+    def _wait(self, call: _Call) -> ep._Msg | None:
+        """Answer ``call`` now if its transfer ended (and, closing, its writes too), else later."""
+        completion = call.entry.handle.session.completion
+        if completion.done():
+            return self._ended(call)
+        self._calls.add(call)
+        completion.add_done_callback(functools.partial(self._done_callback, call))
+        self._timer(call.until, functools.partial(self._on_timeout, call))
+        return None
 
-    def _closed_outcome(
-        self, out: ep.Outcome, handle_id: int, entry: _Entry, safe: bool
-    ) -> ep.Outcome:
-        """A Wait(close=True)'s outcome; the handle forgotten as by Close when safe."""
-        self._forget(handle_id, entry, safe)
+    def _done_callback(self, call: _Call, _value: object) -> None:
+        """The transfer ended (on whatever thread ended it): answer on the io thread."""
+        self._post(functools.partial(self._on_done, call))
+
+    def _on_done(self, call: _Call) -> None:
+        if call.done or call.closing:
+            return
+        reply = self._ended(call)
+        if reply is not None:
+            self._answer(call, reply)
+
+    def _on_timeout(self, call: _Call) -> None:
+        if call.done:
+            return
+        if call.closing:  # the writes did not end in time: close answers what it can
+            self._answer(call, self._close_now(call))
+            return
+        if call.kind == "wait":
+            self._answer(call, ep.Pending(call_id=call.call_id))
+        else:
+            self._answer(call, self._open_outcome(call))
+
+    def _ended(self, call: _Call) -> ep._Msg | None:
+        """The transfer of ``call`` ended: its outcome, closed if asked (None: the close waits)."""
+        if not call.close:
+            return self._outcome_of(call)
+        if _closes_at_once(call.entry.handle) or time.monotonic() >= call.until:
+            return self._close_now(call)
+        if not call.closing:  # the outcome is known; its writes in flight are not over yet
+            call.closing = True
+            self._calls.add(call)
+            self._timer(time.monotonic() + CLOSE_POLL_S, functools.partial(self._close_poll, call))
+        return None
+
+    def _close_poll(self, call: _Call) -> None:
+        if call.done:
+            return
+        if _closes_at_once(call.entry.handle) or time.monotonic() >= call.until:
+            self._answer(call, self._close_now(call))
+        else:
+            self._timer(time.monotonic() + CLOSE_POLL_S, functools.partial(self._close_poll, call))
+
+    def _begin_close(self, call: _Call) -> ep._Msg | None:
+        """A Close: cancel if open; answered at once when safe, else once its writes ended."""
+        handle = call.entry.handle
+        if _closes_at_once(handle):
+            return self._close_now(call)
+        safe = _before(call.deadline_ms, lambda: handle.close(0))  # cancels an open transfer
+        if safe or time.monotonic() >= call.until:
+            return self._closed_reply(call, safe)
+        call.closing = True
+        self._calls.add(call)
+        self._timer(time.monotonic() + CLOSE_POLL_S, functools.partial(self._close_poll, call))
+        return None
+
+    def _close_now(self, call: _Call) -> ep._Msg:
+        """Close the handle with no further wait; the reply (Closed, or the closed Outcome)."""
+        try:
+            safe = _close(call.entry.handle, call.deadline_ms)
+        except _Expired:
+            self.stats.add("rejected_timeout")
+            return _expired(call.call_id, "its close was due")
+        return self._closed_reply(call, safe)
+
+    def _closed_reply(self, call: _Call, safe: bool) -> ep._Msg:
+        self._forget(call.handle_id, call.entry, safe)
+        if call.kind == "close":
+            return ep.Closed(call_id=call.call_id, safe=bool(safe))
+        out = self._outcome_of(call)
         return msgspec.structs.replace(out, closed=bool(safe))
 
+    def _outcome_of(self, call: _Call) -> ep.Outcome:
+        handle = call.entry.handle
+        value = handle.session.completion.value()
+        if value is None:  # pragma: no cover - only asked once ended
+            return self._open_outcome(call)
+        hid = call.handle_id if call.kind == "start" else 0
+        return _outcome(call.call_id, handle, value, hid)
+
+    def _open_outcome(self, call: _Call) -> ep.Outcome:
+        """A waiting Publish/Fetch not ended within its wait: its open state and handle."""
+        state: Literal["published", "requested"] = (
+            "published" if isinstance(call.entry.handle, TxHandle) else "requested"
+        )
+        return ep.Outcome(call_id=call.call_id, state=state, handle_id=call.handle_id)
+
+    def _answer(self, call: _Call, reply: ep._Msg) -> None:
+        if call.done:
+            return
+        call.done = True
+        self._calls.discard(call)
+        self._reply(call.rid, reply)
+
+    # -- publish / fetch ----------------------------------------------------------------------
     def _forget(self, handle_id: int, entry: _Entry, safe: bool) -> None:
         if safe and self._handles.get(handle_id) is entry:
             del self._handles[handle_id]
@@ -593,12 +763,19 @@ class Gateway:
             if work is not None and work.handle_id == handle_id:
                 del self._work[entry.key]
 
-    def _start(self, rid: bytes, msg: ep.Publish | ep.Fetch) -> ep._Msg:
-        """Publish or Fetch: the handle of the open call with this key, or a new one (inline)."""
+    def _start(self, rid: bytes, msg: ep.Publish | ep.Fetch) -> ep._Msg | None:
+        """Publish or Fetch: the handle of the open call with this key, or a new one; with
+        ``wait_ms``, waited on in the same call."""
         want = "sender" if isinstance(msg, ep.Publish) else "receiver"
         if want != self.role:
             return self._refuse(
                 msg.call_id, ep.EngineReason.WRONG_ROLE, f"this daemon is a {self.role}"
+            )
+        if msg.wait_ms and isinstance(msg, ep.Publish) and msg.token:
+            return self._refuse(
+                msg.call_id,
+                ep.EngineReason.MALFORMED,
+                "a waiting publish cannot ask for a token: pass fetch_token",
             )
         key, digest = self._key(msg), _digest(msg)
         if (work := self._work.get(key)) is not None and work.handle_id in self._handles:
@@ -612,7 +789,7 @@ class Gateway:
             found = self._share(rid, key)
             assert found is not None
             self.stats.add("calls_found_by_key")
-            return self._handle_reply(msg, found, self._handles[found].token)
+            return self._started_reply(rid, msg, found)
         if self._refusing is not None:
             return self._refuse(
                 msg.call_id,
@@ -633,11 +810,29 @@ class Gateway:
                 )
             # 128 random bits, URL-safe: it travels in the engine's transfer parameters.
             token = msg.fetch_token or (secrets.token_urlsafe(16) if msg.token else "")
-        handle = _before(msg.deadline_unix_ms, self._service_call(msg, token))()
+        handle = _before(msg.deadline_unix_ms, self._service_call(msg, token))
         hid = next(self._handle_ids)
         self._handles[hid] = _Entry([rid], handle, key, token)
         self._work[key] = _Work(digest, hid)
-        return self._handle_reply(msg, hid, token)
+        return self._started_reply(rid, msg, hid)
+
+    def _started_reply(self, rid: bytes, msg: ep.Publish | ep.Fetch, hid: int) -> ep._Msg | None:
+        """The Handle; for a waiting call, its Outcome (now or later)."""
+        entry = self._handles[hid]
+        if not msg.wait_ms:
+            return self._handle_reply(msg, hid, entry.token)
+        return self._wait(
+            _Call(
+                rid,
+                msg.call_id,
+                hid,
+                entry,
+                msg.close,
+                time.monotonic() + msg.wait_ms / 1000,
+                msg.deadline_unix_ms,
+                "start",
+            )
+        )
 
     def _handle_reply(self, msg: ep.Publish | ep.Fetch, hid: int, token: str) -> ep.Handle:
         """A Handle; a Publish that restricted its fetchers also gets the sender's description.
@@ -659,8 +854,20 @@ class Gateway:
             token=token,
         )
 
+    def _describe(self, msg: ep.Describe) -> ep._Msg:
+        """PoolInfo; with a topology, the engine declares its rank's record first."""
+        assert self._pool_info is not None
+        if msg.topology is not None:
+            try:
+                self.service.declare_topology(msg.topology)
+            except RejectedError as e:
+                return self._refuse(msg.call_id, ep.EngineReason(e.reason.value), e.detail)
+        return msgspec.structs.replace(
+            self._pool_info, call_id=msg.call_id, topology=self.service.topology
+        )
+
     def _lookup(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
-        """The open call with this key, shared with this connection (inline)."""
+        """The open call with this key, shared with this connection."""
         if self.role == "receiver" and msg.sender_endpoint is None:
             return self._refuse(
                 msg.call_id, ep.EngineReason.MALFORMED, "lookup on a receiver needs sender_endpoint"
@@ -699,8 +906,7 @@ class Gateway:
         if isinstance(msg, ep.Publish):
             sender = self.service
             assert isinstance(sender, Sender)
-            return functools.partial(
-                sender.publish,
+            return lambda: sender.publish(
                 msg.request_id,
                 msg.block_ids,
                 aux=msg.aux,
@@ -713,8 +919,7 @@ class Gateway:
         layers = None
         if msg.layer_begin or msg.layer_end:
             layers = (msg.layer_begin, msg.layer_end or receiver.pool.layout.num_layers)
-        return functools.partial(
-            receiver.fetch,
+        return lambda: receiver.fetch(
             msg.request_id,
             msg.sender_endpoint,
             msg.block_ids,
@@ -753,11 +958,29 @@ class Gateway:
             return ep.Pending(call_id=msg.call_id)
         return _outcome(msg.call_id, entry.handle, value)
 
-    async def _blocking(self, executor: ThreadPoolExecutor | None, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on a gateway thread (a Close that may wait); shielded from cancellation:
-        a cancelled call leaves the close to finish on its own bound."""
-        assert self._loop is not None and executor is not None
-        return await asyncio.shield(self._loop.run_in_executor(executor, fn))
+    def _call_error(self, msg: ep.ToGateway, e: Exception) -> ep.Error:
+        """The Error reply for a call that raised ``e`` (counted; a bug is logged as one)."""
+        if isinstance(e, _UnknownHandle):
+            self.stats.add("rejected_unknown_handle")
+            return ep.Error(
+                call_id=msg.call_id,
+                reason=ep.EngineReason.UNKNOWN_HANDLE,
+                detail="no such handle on this connection",
+            )
+        if isinstance(e, _Expired):
+            self.stats.add("rejected_timeout")
+            return _expired(msg.call_id, "the gateway got to it")
+        if isinstance(e, RejectedError):
+            self.stats.add(f"rejected_{e.reason}")
+            return ep.Error(
+                call_id=msg.call_id, reason=ep.EngineReason(e.reason.value), detail=e.detail[:1024]
+            )
+        try:
+            raise e
+        except Exception:
+            self.guard.caught(f"gateway {msg.__struct_config__.tag} call")
+        self.stats.add("internal_errors")
+        return ep.Error(call_id=msg.call_id, reason=ep.EngineReason.INTERNAL, detail=repr(e)[:1024])
 
 
 def _expired(call_id: int, when: str) -> ep.Error:
@@ -783,13 +1006,12 @@ def _digest(msg: ep.Publish | ep.Fetch) -> bytes:
     return hashlib.blake2b(msgspec.msgpack.encode(params), digest_size=16).digest()
 
 
-def _close(handle: TxHandle | RxHandle, timeout_ms: int, deadline_ms: int) -> bool:
-    """Close on a gateway thread: not at all once the deadline passed, else waiting at most until it."""
+def _close(handle: TxHandle | RxHandle, deadline_ms: int) -> bool:
+    """Close without waiting (the io thread never waits): not at all once the deadline passed."""
     left = _left_s(deadline_ms)
     if left is not None and left <= 0:
         raise _Expired
-    timeout = timeout_ms / 1000 if left is None else min(timeout_ms / 1000, left)
-    return handle.close(timeout)
+    return handle.close(0)
 
 
 def _closes_at_once(handle: TxHandle | RxHandle) -> bool:
@@ -800,7 +1022,9 @@ def _closes_at_once(handle: TxHandle | RxHandle) -> bool:
     return rx.ended and rx.fence_done.is_set()
 
 
-def _outcome(call_id: int, handle: TxHandle | RxHandle, value: TxOutcome | RxOutcome) -> ep.Outcome:
+def _outcome(
+    call_id: int, handle: TxHandle | RxHandle, value: TxOutcome | RxOutcome, handle_id: int = 0
+) -> ep.Outcome:
     if isinstance(handle, TxHandle):
         assert isinstance(value, TxOutcome)
         tx = handle.session
@@ -812,6 +1036,7 @@ def _outcome(call_id: int, handle: TxHandle | RxHandle, value: TxOutcome | RxOut
             nbytes=sum(sl.nbytes for sl in tx.slices()),
             in_doubt=value.in_doubt,
             reusable=tx.drained,
+            handle_id=handle_id,
         )
     assert isinstance(value, RxOutcome)
     rx = handle.session
@@ -824,6 +1049,7 @@ def _outcome(call_id: int, handle: TxHandle | RxHandle, value: TxOutcome | RxOut
         aux=value.aux,
         in_doubt=rx.fence is Fence.IN_DOUBT,
         reusable=rx.blocks_reusable,
+        handle_id=handle_id,
     )
 
 

@@ -45,6 +45,7 @@ daemon installs its signal handlers on the loop and removes them on exit.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -180,7 +181,7 @@ class Daemon:
             engine_keys_dir=self.settings.security.engine_keys_dir,
         )
         probe.gateway = self.gateway  # a broken gateway fails liveness (and the watchdog)
-        engine_socket = await self.gateway.start()
+        engine_socket = self.gateway.start()
         await asyncio.to_thread(self._start_discovery, probe, endpoint)
         self.probe_server = ProbeServer(
             probe,
@@ -194,6 +195,7 @@ class Daemon:
         status = f"ready: {self.role} at {endpoint}, engines at {engine_socket}"
         self.notifier.ready(status)
         log.info(status)
+        _tune_gc()
         sys.stdout.write(
             json.dumps(
                 {
@@ -328,8 +330,22 @@ class Daemon:
     async def _teardown(self) -> None:
         if self.watcher is not None:
             await asyncio.to_thread(self.watcher.stop, 1.0)
-        await self.gateway.stop(timeout=0.3)
+        await asyncio.to_thread(self.gateway.stop, 0.3)
         await self.probe_server.stop()
+
+
+def _tune_gc() -> None:
+    """Fewer garbage collections in the serving daemon: what start-up built lives for good.
+
+    Each request allocates a few hundred short-lived objects; with CPython's defaults the
+    collector ran every 700 allocations and walked everything start-up built, a tenth
+    of each io thread's time per small request (issue 22). Start-up's objects are frozen
+    out of the collector; young collections come 30x less often. Reference cycles are
+    still collected, later.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
 
 
 def serve(role: Literal["sender", "receiver"], settings: SenderSettings | ReceiverSettings) -> int:

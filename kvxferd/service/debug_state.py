@@ -77,8 +77,9 @@ def sender_state(
         slices = copy_values(session._slices)
         for sl in slices:
             if sl.writes_in_flight > 0:
-                worker = snd._worker_for(session.request_id, sl.peer_id)
-                per_worker[worker.index] += sl.writes_in_flight
+                worker = snd._worker_for(session, sl.peer_id)
+                if not worker.inline:
+                    per_worker[worker.index] += sl.writes_in_flight
         if (not session.ended or session.writes_in_flight) and len(listed) < limit:
             listed.append(_tx_session_view(session, slices, now))
     seen: dict[bytes, float] = _copy(lambda: dict(snd._peer_seen), {})

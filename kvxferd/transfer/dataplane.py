@@ -146,23 +146,32 @@ class DataPlane(Protocol):
         dst_blocks: IdArray,
         layer_begin: int,
         layer_end: int,
+        notif: bytes = b"",
     ) -> tuple[Xfer, XferState]:
         """Post one KV WRITE of checked block ids through the prepared lists (``prepare_peer``
         or ``prepare_piece`` returned True); raises when nothing was posted.
 
         For a piece the layers are absolute (inside the piece's), the bytes moved those of
-        the piece's ranges of each block, as ``piece_descriptors`` would build them."""
+        the piece's ranges of each block, as ``piece_descriptors`` would build them.
+        ``notif``: a notification the peer receives once the WRITE is complete."""
         ...
 
     def remove_peer(self, peer: str) -> None: ...
 
     def post_write(
-        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
+        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
     ) -> tuple[Xfer, XferState]:
         """Post one WRITE and return it with its first state; raises when nothing was posted."""
         ...
 
-    def progress(self) -> None: ...
+    def progress(self) -> None:
+        """Drive the transport (a receiver's agent must progress for writes toward it to
+        connect); notifications that came meanwhile are dropped."""
+        ...
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Progress, and take the notifications that came: (sender agent name, payload)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -591,6 +600,7 @@ class NixlDataPlane:
         dst_blocks: IdArray,
         layer_begin: int,
         layer_end: int,
+        notif: bytes = b"",
     ) -> tuple[Xfer, XferState]:
         """Post one KV WRITE by block indices; raises on a build or post error (nothing in flight)."""
         free: list[tuple[Any, object]] = []
@@ -624,7 +634,7 @@ class NixlDataPlane:
                     lists.piece, lists.num_blocks, dst_blocks, layer_begin, layer_end
                 )
             handle = path.agent.make_prepped_xfer(
-                "WRITE", local, local_idx, lists.remote, remote_idx
+                "WRITE", local, local_idx, lists.remote, remote_idx, notif
             )
         except Exception:
             self._mark_broken(key)
@@ -897,7 +907,7 @@ class NixlDataPlane:
         self._release_lists(free)
 
     def post_write(
-        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
+        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
     ) -> tuple[Xfer, XferState]:
         """Post one WRITE; raises on a build or post error (nothing in flight then)."""
         free: list[tuple[Any, object]] = []
@@ -911,7 +921,7 @@ class NixlDataPlane:
         try:
             local = agent.get_xfer_descs(src, src_mem)
             remote = agent.get_xfer_descs(dst, dst_mem)
-            handle = agent.initialize_xfer("WRITE", local, remote, peer)
+            handle = agent.initialize_xfer("WRITE", local, remote, peer, notif)
         except Exception:
             self._mark_broken(key)
             self._write_released(key, wid)
@@ -919,9 +929,15 @@ class NixlDataPlane:
         return self._start(path, handle, key, lambda: self._write_released(key, wid))
 
     def progress(self) -> None:
+        self.notifications()
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        got: list[tuple[str, bytes]] = []
         for path in list(self._paths):  # appended under the lock, never removed before close
             if not path.connecting:
-                path.agent.get_new_notifs()
+                for agent, msgs in path.agent.get_new_notifs().items():
+                    got.extend((agent, m) for m in msgs)
+        return got
 
     def close(self) -> None:
         """Deregister the pool on every path. The caller guarantees no write is in flight."""

@@ -11,6 +11,13 @@ a :class:`~kvxferd.errors.ProtocolError` with a reason code, never an
 exception that could kill a thread. ``docs/protocol.md`` is the full
 description, complete enough to write a compatible peer.
 
+A fetch whose RequestData carries ``notify`` (a nonce) completes by a NIXL notification
+attached to its last WRITE (NIXL sends it once the WRITE is complete), not by a done
+Result; failures still come as Results::
+
+    notification = b"KN" + version(1 byte) + fetch_id(u64) + nonce(8 bytes)
+                   + nbytes(u64) + aux_bytes(u32)          (little-endian, 31 bytes)
+
 Direction and socket::
 
     receiver DEALER -> sender ROUTER   Register, RequestData, Cancel
@@ -20,6 +27,7 @@ Direction and socket::
 
 from __future__ import annotations
 
+import struct
 from typing import Annotated, Literal
 
 import msgspec
@@ -30,7 +38,7 @@ from kvxferd.transfer.layout import Layout
 from kvxferd.transfer.reshard import check_pair
 from kvxferd.transfer.topology import Topology
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: RequestData.notify, a fetch completed by its NIXL notification
 MAGIC = b"KX"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 
@@ -75,6 +83,24 @@ class WireLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=True):
     pass
+
+
+NONCE_BYTES = 8
+NOTIFY_MAGIC = b"KN" + bytes([PROTOCOL_VERSION])
+_NOTIFICATION = struct.Struct("<3sQ8sQI")
+
+
+def encode_notification(fetch_id: int, nonce: bytes, nbytes: int, aux_bytes: int) -> bytes:
+    """The NIXL notification the last WRITE of a fetch carries (see the module docstring)."""
+    return _NOTIFICATION.pack(NOTIFY_MAGIC, fetch_id, nonce, nbytes, aux_bytes)
+
+
+def decode_notification(payload: bytes) -> tuple[int, bytes, int, int] | None:
+    """(fetch_id, nonce, nbytes, aux_bytes) of a notification, or None if it is not one of ours."""
+    if len(payload) != _NOTIFICATION.size or not payload.startswith(NOTIFY_MAGIC):
+        return None
+    _, fetch_id, nonce, nbytes, aux_bytes = _NOTIFICATION.unpack(payload)
+    return fetch_id, nonce, nbytes, aux_bytes
 
 
 class Register(_Msg, tag="register", omit_defaults=True):
@@ -131,6 +157,9 @@ class RequestData(_Msg, tag="request_data", omit_defaults=True):
     # The fetch token the publisher issued for this request ("" when none was given); only
     # sent when set (fields at their default are omitted), so older senders still read it.
     token: FetchToken = ""
+    # A random nonce of the receiver's: the slice's last WRITE then carries a NIXL
+    # notification (``encode_notification``) and no done Result is sent. b"": done Results.
+    notify: Annotated[bytes, Meta(max_length=NONCE_BYTES)] = b""
 
 
 class Cancel(_Msg, tag="cancel"):

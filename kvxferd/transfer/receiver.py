@@ -53,6 +53,7 @@ up to ``drain_timeout_ms`` for the open ones, ends the rest ``failed``/``shuttin
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import os
@@ -86,8 +87,10 @@ from kvxferd.transfer.control import (
 from kvxferd.transfer.dataplane import DataPlane, NixlDataPlane
 from kvxferd.transfer.drain import DROPPED_CUT, RxShutdownReport
 from kvxferd.transfer.guard import Guard
+from kvxferd.transfer.iohooks import IoHooks
 from kvxferd.transfer.journal import Ending, Journal
 from kvxferd.transfer.layout import check_blocks, check_layers
+from kvxferd.transfer.poller import Poller, tight_timers
 from kvxferd.transfer.pool import IdAllocator, KvPool
 from kvxferd.transfer.reshard import declared, plan_rank
 from kvxferd.transfer.session import Fence, RxGroup, RxOutcome, RxSession, RxState
@@ -102,6 +105,12 @@ _fetch_ids = itertools.count((int.from_bytes(os.urandom(6), "little") << 8) + 1)
 _monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
+_DEADLINES_EVERY_S = 0.002  # deadlines and in-doubt re-asks are looked at this often, at most
+_DIALABLE_CACHE = 4096  # endpoints whose dial verdict is kept
+_UNCHECKED = object()
+# How often NIXL is asked for notifications while fetches are open: from this, doubling
+# while nothing arrives (a notification comes tens of microseconds after the WRITE).
+_NOTIF_WAIT_MIN_S, _NOTIF_WAIT_MAX_S = 25e-6, 2e-3
 _NO_RECORD = "sender at {} declared no topology: a fetch from a prefill instance needs one"
 _MONITORED = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | HANDSHAKE_FAILED
@@ -201,6 +210,7 @@ class Receiver:
         process_context(sockets_needed(0, settings.limits.max_peers))  # before any socket
         # Sender endpoints come from request data: only those the operator allows are dialled.
         self.dial_allow = DialAllow(settings.access.dial_allow)
+        self._dialable: dict[str, object] = {}  # endpoint -> None or (reason, why not)
         self.transport = Transport(settings.security, "receiver", self.stats)  # ZAP: a socket
         self.public_key = self.transport.public_key  # what Publish/PoolInfo tell engines
         self.socket_limits = SocketLimits.of(
@@ -220,6 +230,10 @@ class Receiver:
         self._aux_quarantined = 0  # aux slots held by those fetches
         self._commands: deque[tuple[str, Any]] = deque()  # (kind, RxSession | PeerEvent | None)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # The engine gateway is served by the io thread too (iohooks.py).
+        self.io = IoHooks(self.guard)
+        self._notif_wait = _NOTIF_WAIT_MIN_S  # io thread only
+        self._deadlines_at = 0.0  # io thread only: when deadlines are looked at next
         self._links: dict[str, _Link] = {}  # io thread only
         self._by_socket: dict[zmq.Socket[bytes], _Link] = {}  # io thread only: dealers, monitors
         self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
@@ -283,14 +297,28 @@ class Receiver:
     def _check_dialable(self, endpoint: str) -> None:
         """Refuse a sender endpoint from request data before anything dials it: one libzmq
         would read otherwise (``bad_endpoint``), or one ``access.dial_allow`` does not admit
-        (``not_authorized``, counted ``endpoints_refused``)."""
-        problem = connect_problem(endpoint)
-        if problem is not None:
-            raise RejectedError(Reason.BAD_ENDPOINT, problem)
-        problem = self.dial_allow.problem(endpoint)
-        if problem is not None:
+        (``not_authorized``, counted ``endpoints_refused``).
+
+        The verdict depends on the endpoint alone (the rules are fixed at start), so it is
+        kept per endpoint: parsing an address per fetch was a fifth of the io thread's time.
+        """
+        verdict = self._dialable.get(endpoint, _UNCHECKED)
+        if verdict is _UNCHECKED:
+            problem = connect_problem(endpoint)
+            if problem is not None:
+                verdict = (Reason.BAD_ENDPOINT, problem)
+            else:
+                problem = self.dial_allow.problem(endpoint)
+                verdict = None if problem is None else (Reason.NOT_AUTHORIZED, problem)
+            if len(self._dialable) >= _DIALABLE_CACHE:
+                self._dialable.clear()
+            self._dialable[endpoint] = verdict
+        if verdict is None:
+            return
+        assert isinstance(verdict, tuple)
+        if verdict[0] is Reason.NOT_AUTHORIZED:
             self.stats.add("endpoints_refused")
-            raise RejectedError(Reason.NOT_AUTHORIZED, problem)
+        raise RejectedError(*verdict)
 
     def fetch(
         self,
@@ -403,7 +431,8 @@ class Receiver:
             else:
                 self._fetches[rx.fetch_id] = rx
                 self._commands.append(("fetch", rx))
-                os.eventfd_write(self._wake, 1)
+                if not self.io.on_io_thread():  # the io thread itself runs it this turn
+                    os.eventfd_write(self._wake, 1)
                 return RxHandle(self, rx)
         if aux_slot >= 0:
             self.aux_slots.give_back([aux_slot])
@@ -471,7 +500,8 @@ class Receiver:
             else:
                 self._unplanned[group.fetch_id] = group
                 self._commands.append(("group", group))
-                os.eventfd_write(self._wake, 1)
+                if not self.io.on_io_thread():
+                    os.eventfd_write(self._wake, 1)
                 self.stats.add("instance_fetches")
                 return RxHandle(self, group)
         if aux_slot >= 0:
@@ -513,39 +543,66 @@ class Receiver:
             if self._stopping.is_set():
                 return  # the io thread is gone; shutdown ends every open fetch itself
             self._commands.append(cmd)
-            os.eventfd_write(self._wake, 1)
+            if not self.io.on_io_thread():  # the io thread itself runs it later this turn
+                os.eventfd_write(self._wake, 1)
 
     # -- io thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        poller: zmq.Poller | None = None
-        polled: list[zmq.Socket[bytes]] = []
+        poller: Poller | None = None
+        polled: tuple[list[zmq.Socket[bytes]], int] = ([], -1)
+        io = self.io
+        io.bind_thread()
+        tight_timers()
+        delay: float | None = None
         try:
             while not self._stopping.is_set():
                 self.io_progress = time.monotonic()
                 try:
                     socks = list(self._by_socket)
-                    if poller is None or socks != polled:  # links changed: rebuild the poll set
-                        poller, polled = zmq.Poller(), socks
+                    if poller is None or (socks, io.version) != polled:
+                        # links or the hooks' sockets changed: rebuild the poll set
+                        poller, polled = Poller(), (socks, io.version)
                         poller.register(self._router, zmq.POLLIN)
                         poller.register(self._wake, zmq.POLLIN)
                         for sock in socks:
                             poller.register(sock, zmq.POLLIN)
-                    self._turn(dict(poller.poll(int(_TICK_S * 1000))))
+                        for item, flags in io.items():
+                            poller.register(item, flags)
+                    wait_s = _TICK_S if delay is None else min(_TICK_S, delay)
+                    if self._fetches:  # fetches sent: their notifications come through NIXL
+                        wait_s = min(wait_s, self._notif_wait)
+                        self._notif_wait = min(self._notif_wait * 2, _NOTIF_WAIT_MAX_S)
+                    if self._commands or io.pending():
+                        wait_s = 0.0
+                    ready = poller.poll(wait_s)
+                    if ready:
+                        self._notif_wait = _NOTIF_WAIT_MIN_S
+                    delay = self._turn(ready)
                 except Exception:
                     self.guard.caught("rx-io")
                     poller = None
+                    delay = None
         finally:
+            io.stop()  # the engine gateway answers what is outstanding and closes
             for link in list(self._links.values()):
                 self._close_link(link)
             self._router.close(linger=0)
 
-    def _turn(self, events: dict[Any, int]) -> None:
-        """One turn of the io thread: commands, sockets, deadlines, NIXL progress."""
-        if self._wake in events:
-            try:
-                os.eventfd_read(self._wake)
-            except BlockingIOError:
-                pass
+    def _turn(self, ready: list[tuple[Any, int]]) -> float | None:
+        """One turn of the io thread: commands, sockets, deadlines, NIXL progress, hooks.
+
+        Returns how soon the hooks need the next turn (None: no timer of theirs is due).
+        """
+        now = time.monotonic()
+        events: dict[Any, int] = {}
+        for sock, ev in ready:
+            if sock is self._wake or (isinstance(sock, int) and sock == self._wake):
+                try:
+                    os.eventfd_read(self._wake)
+                except BlockingIOError:
+                    pass
+            elif not self.io.dispatch(sock, ev, now):
+                events[sock] = ev
         self._run_commands()
         for sock in events:
             link = self._by_socket.get(sock)
@@ -553,10 +610,15 @@ class Receiver:
                 self._on_monitor(link)
             elif sock is self._router or link is not None:
                 self._drain_socket(sock)
+        self._run_commands()  # what the engine gateway started this turn goes out now
         now = time.monotonic()
-        self._check_deadlines(now)
-        self._retry_in_doubt(now)
-        self.dataplane.progress()
+        if now >= self._deadlines_at:  # not every turn: they walk every open fetch
+            self._deadlines_at = now + _DEADLINES_EVERY_S
+            self._check_deadlines(now)
+            self._retry_in_doubt(now)
+        if self._take_notifications():
+            self._notif_wait = _NOTIF_WAIT_MIN_S
+        return self.io.turn(now)
 
     def _run_commands(self) -> None:
         while True:
@@ -935,6 +997,7 @@ class Receiver:
             timeout_ms=min(max(1, int(left_s * 1000)), 3_600_000),
             deadline_unix_ms=max(1, int((time.time() + left_s) * 1000)),
             token=rx.token,
+            notify=rx.nonce,
         )
         try:
             send_bounded(link.dealer, wire.encode(msg))
@@ -1125,16 +1188,62 @@ class Receiver:
             else:
                 self._fail(rx, Reason.PEER_LOST, "REGISTER could not be sent")
             return
+        self._apply_result(rx, msg.status, msg.reason, msg.detail, msg.nbytes, msg.aux_bytes)
+
+    def _apply_result(
+        self,
+        rx: RxSession,
+        status: str,
+        reason: Reason | None,
+        detail: str,
+        nbytes: int,
+        aux_bytes: int,
+    ) -> None:
+        """The sender's final word on ``rx`` (a Result, or the notification of its last WRITE)."""
         aux = None
-        if msg.status == "done" and rx.aux_slot >= 0 and msg.aux_bytes and not rx.ended:
-            n = min(msg.aux_bytes, self.pool.layout.aux_slot_bytes)
+        if status == "done" and rx.aux_slot >= 0 and aux_bytes and not rx.ended:
+            n = min(aux_bytes, self.pool.layout.aux_slot_bytes)
             aux = bytes(self.pool.aux[rx.aux_slot, :n].numpy().tobytes())
-        if rx.on_result(msg.status, msg.reason, msg.detail, msg.nbytes, aux):
+        if rx.on_result(status, reason, detail, nbytes, aux):
             self.stats.add(f"fetches_{rx.state}")
             self.stats.observe("fetch_seconds", time.monotonic() - rx.started)
-            if msg.status == "done":
-                self.stats.add("bytes_received", msg.nbytes)
+            if status == "done":
+                self.stats.add("bytes_received", nbytes)
         self._settle(rx)
+
+    def _take_notifications(self) -> bool:
+        """Progress NIXL and complete the fetches whose last WRITE's notification came.
+
+        A notification counts only with the fetch's nonce (sent over the authenticated
+        control plane, so no other process can forge it) and from the NIXL agent of the
+        sender incarnation the fetch was sent to (its sender id, or a spare path of it).
+        NIXL sends it once the WRITE is complete: the bytes are in our blocks.
+        """
+        got = self.dataplane.notifications()
+        for agent, payload in got:
+            parsed = wire.decode_notification(payload)
+            if parsed is None:
+                self.stats.add("notifications_unknown")
+                continue
+            fetch_id, nonce, nbytes, aux_bytes = parsed
+            with self._lock:
+                rx = self._fetches.get(fetch_id) or self._in_doubt.get(fetch_id)
+            if rx is None:
+                self.stats.add("late_messages")
+                continue
+            sender = rx.sent_to
+            if not (
+                rx.nonce
+                and hmac.compare_digest(nonce, rx.nonce)
+                and sender
+                and (agent == sender or agent.startswith(sender + ".p"))
+            ):
+                self.stats.add("notifications_refused")
+                log.warning("notification for fetch %d refused: not from its sender", fetch_id)
+                continue
+            self.stats.add("notifications")
+            self._apply_result(rx, "done", None, "", nbytes, aux_bytes)
+        return bool(got)
 
     def _from_asked_sender(self, sock: zmq.Socket[bytes], rx: RxSession, identity: str) -> bool:
         """True when a Result/CancelAck for ``rx`` came from the sender ``rx`` was sent to.
@@ -1257,6 +1366,7 @@ class Receiver:
         joined = not self._io.is_alive()
         if joined:
             os.close(self._wake)
+            self.io.close()
         abandoned = 0
         for rx in open_fetches:  # nobody will answer for these any more
             if rx.abandon(Reason.SHUTTING_DOWN, "receiver shut down before the fetch ended"):

@@ -104,10 +104,12 @@ from kvxferd.transfer.control import (
 from kvxferd.transfer.dataplane import DataPlane, NixlDataPlane
 from kvxferd.transfer.drain import DROPPED_CUT, DROPPED_NEVER_FETCHED, ShutdownReport
 from kvxferd.transfer.guard import Guard
+from kvxferd.transfer.iohooks import IoHooks
 from kvxferd.transfer.journal import Ending, Journal
 from kvxferd.transfer.layout import check_blocks, check_layers
 from kvxferd.transfer.ownership import IdentityLimits, Ownership, nixl_agent_name
 from kvxferd.transfer.peer_agents import PeerAgents
+from kvxferd.transfer.poller import Poller, tight_timers
 from kvxferd.transfer.pool import IdAllocator, KvPool
 from kvxferd.transfer.reshard import declared, piece_for
 from kvxferd.transfer.session import Slice, SliceState, TxOutcome, TxSession, TxState
@@ -257,8 +259,16 @@ class Sender:
         self._router, self.bound_endpoint = bind_router(settings.listen, self.socket_limits)
         self.endpoint = advertised(self.bound_endpoint, adv_host, "listen")  # its real port
         self.listener_progress = time.monotonic()
+        # The engine gateway is served by the listener thread too (iohooks.py).
+        self.io = IoHooks(self.guard)
         self._listener = threading.Thread(target=self._listen, name="kvxferd-listener", daemon=True)
         self._workers = [Worker(self, i) for i in range(settings.num_threads)]
+        # Small requests are written by the listener itself (no hand-off to a worker thread):
+        # see ``_worker_for``. The listener drives this worker each turn.
+        self._inline_max = settings.inline_write_max_bytes
+        self._inline: Worker | None = (
+            Worker(self, -1, inline=True, wake=self.io.wake) if self._inline_max > 0 else None
+        )
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -401,9 +411,7 @@ class Sender:
         for p, outcome in zip(parked, attached, strict=True):
             if isinstance(outcome, wire.Result):  # sent by the pair's worker, never from here
                 self.stats.add(f"rejected_{outcome.reason}")
-                self._worker_for(request_id, p.peer.receiver_id).queue.put(
-                    ReplyTask(p.peer, outcome)
-                )
+                self._worker_for(session, p.peer.receiver_id).put(ReplyTask(p.peer, outcome))
         return TxHandle(self, session)
 
     def _journal_request(self, session: TxSession) -> None:
@@ -466,30 +474,59 @@ class Sender:
 
     # -- listener ----------------------------------------------------------------------
     def _listen(self) -> None:
-        """Owner of the ROUTER socket; never blocks on a peer."""
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
+        """Owner of the ROUTER socket (and of what the io hooks add: the engine socket); never
+        blocks on a peer."""
+        io = self.io
+        io.bind_thread()
+        tight_timers()
         max_bytes = self.settings.limits.max_frame_bytes
+        poller: Poller | None = None
+        version = -1
+        delay: float | None = None
         try:
             while not self._stopping.is_set():
                 try:
-                    self._listen_turn(poller, max_bytes)
+                    if poller is None or io.version != version:
+                        poller, version = Poller(), io.version
+                        poller.register(self._router, zmq.POLLIN)
+                        for item, flags in io.items():
+                            poller.register(item, flags)
+                    delay = self._listen_turn(poller, max_bytes, delay)
                 except Exception:
                     self.guard.caught("listener")
+                    poller, delay = None, None
         finally:
+            io.stop()  # the engine gateway answers what is outstanding and closes
+            if self._inline is not None:  # as a worker thread does after STOP
+                self._inline.put(STOP)
+                self._inline.finish()
             self._router.close(linger=0)
 
-    def _listen_turn(self, poller: zmq.Poller, max_bytes: int) -> None:
+    def _listen_turn(self, poller: Poller, max_bytes: int, delay: float | None) -> float | None:
         self.listener_progress = time.monotonic()
-        events = dict(poller.poll(int(TICK_S * 1000)))
-        if self._router in events:
-            for _ in range(256):  # bounded batch, then housekeeping
-                try:
-                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._handle(frames, max_bytes)
-        self._housekeeping(time.monotonic())
+        wait_s = TICK_S if delay is None else min(TICK_S, delay)
+        if self.io.pending():
+            wait_s = 0.0
+        ready = poller.poll(wait_s)
+        now = time.monotonic()
+        for item, ev in ready:
+            if item is self._router:
+                for _ in range(256):  # bounded batch, then housekeeping
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames, max_bytes)
+            else:
+                self.io.dispatch(item, ev, now)
+        inline = self._inline
+        wait = inline.step() if inline is not None else TICK_S
+        now = time.monotonic()
+        self._housekeeping(now)
+        delay = self.io.turn(now)
+        if inline is not None and inline.queue.qsize():
+            wait = 0.0
+        return wait if delay is None else min(wait, delay)
 
     def _handle(self, frames: Sequence[zmq.Frame | bytes], max_bytes: int) -> None:
         # The identity is the key ZAP authenticated for the connection, never a field.
@@ -795,8 +832,8 @@ class Sender:
                 session.fail_slice(sl, Reason.PEER_RESTARTED, detail)
                 session.fail(Reason.PEER_RESTARTED, detail)
                 ended += 1
-        for i, w in enumerate(self._workers):
-            w.queue.put(ForgetTask(old.result_endpoint, shared=i == 0, drop=True))
+        for i, w in enumerate(self._all_workers()):
+            w.put(ForgetTask(old.result_endpoint, shared=i == 0, drop=True))
         self.stats.add("peers_replaced")
         if ended:
             self.stats.add("fetches_ended_peer_restarted", ended)
@@ -854,8 +891,8 @@ class Sender:
                 p.result_endpoint == peer.result_endpoint for p in self._peers.values()
             )
         if not still_used:  # the listener never waits on a socket: the workers close them
-            for i, w in enumerate(self._workers):
-                w.queue.put(ForgetTask(peer.result_endpoint, shared=i == 0))
+            for i, w in enumerate(self._all_workers()):
+                w.put(ForgetTask(peer.result_endpoint, shared=i == 0))
         if reclaimed:
             self.stats.add("peers_reclaimed")
             log.info("receiver %s reclaimed: idle past orphan_ttl_ms", peer.receiver_id)
@@ -990,6 +1027,7 @@ class Sender:
             layers[1],
             msg.aux_slot,
             deadline,
+            notify=msg.notify,
         )
         self._parked_keys.discard(sl.key)
         try:
@@ -1045,12 +1083,27 @@ class Sender:
             self.stats.add(f"rejected_{outcome.reason}")
             reply(outcome)
             return
-        self._worker_for(outcome.session.request_id, outcome.peer.receiver_id).queue.put(outcome)
+        self._worker_for(outcome.session, outcome.peer.receiver_id).put(outcome)
 
-    def _worker_for(self, request_id: str, peer_id: str) -> Worker:
+    def _all_workers(self) -> list[Worker]:
+        return self._workers if self._inline is None else [*self._workers, self._inline]
+
+    def _worker_for(self, session: TxSession, peer_id: str) -> Worker:
+        """The worker of every task of one (request, receiver) pair, so they stay in order.
+
+        A request of at most ``inline_write_max_bytes`` (all layers) is written by the
+        listener's inline worker: its RequestData is read, its WRITE posted and (with
+        these transports) completed by one thread, with no hand-off. Larger ones go to
+        the ``num_threads`` workers, whose WRITEs overlap.
+        """
+        if self._inline is not None:
+            layout = self.pool.layout
+            size = int(session.block_ids.size) * layout.block_bytes * layout.num_layers
+            if size + session.aux_len <= self._inline_max:
+                return self._inline
         # Not CRC32: it is affine, so with 2^k workers two receivers' workers differed by a
         # constant for every request, and 1 pair in 4 always shared one worker.
-        key = f"{request_id}\x00{peer_id}".encode()
+        key = f"{session.request_id}\x00{peer_id}".encode()
         h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return self._workers[h % len(self._workers)]
 
@@ -1114,9 +1167,7 @@ class Sender:
             return
         session.cancel(Reason.CANCELLED, "cancelled by the receiver")
         # The ack goes after the slice's own result, from the worker that owns the pair.
-        self._worker_for(session.request_id, peer.receiver_id).queue.put(
-            AckTask(session, peer, msg.fetch_id)
-        )
+        self._worker_for(session, peer.receiver_id).put(AckTask(session, peer, msg.fetch_id))
 
     def _housekeeping(self, now: float) -> None:
         expired: list[_Pending] = []
@@ -1338,6 +1389,8 @@ class Sender:
                 joined = joined and not t.is_alive()
         if not self._started:
             self._router.close(linger=0)
+        elif joined:
+            self.io.close()
         self._shared.close_all()
         # 5. deregister only when no write can touch the memory
         # Workers still inside a bounded send cannot post: every session refuses admission now.

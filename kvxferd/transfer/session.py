@@ -66,6 +66,7 @@ when any piece is in doubt. Each piece keeps its own fence and in-doubt rules.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -75,7 +76,9 @@ from enum import StrEnum
 import numpy as np
 
 from kvxferd.errors import Reason, RejectedError
-from kvxferd.transfer.waiters import Completion
+from kvxferd.transfer.waiters import Completion, Flag
+
+NONCE_BYTES = 8  # as kvxferd.transfer.protocol.NONCE_BYTES (session.py does no I/O)
 
 
 class TxState(StrEnum):
@@ -130,6 +133,9 @@ class Slice:
     nbytes: int = 0
     writes_in_flight: int = 0
     reported: bool = False
+    # The receiver's nonce (RequestData.notify): the slice's last WRITE carries a NIXL
+    # notification with it and no done Result is sent; b"": a done Result, as before.
+    notify: bytes = b""
     posted_at: float = 0.0  # worker thread only: monotonic time its first WRITE was posted
     written_at: float = 0.0  # worker thread only: when its last WRITE was released
     attached_at: float = field(default_factory=time.monotonic)  # readiness and /debug/state
@@ -182,7 +188,7 @@ class TxSession:
         self._done_fetches = 0
         self._slices: dict[tuple[str, int], Slice] = {}
         self.completion: Completion[TxOutcome] = Completion()
-        self.drained_event = threading.Event()
+        self.drained_event = Flag()
         self.on_end = on_end  # told once, without the lock, after the outcome is committed
 
     # -- views -----------------------------------------------------------------
@@ -469,6 +475,8 @@ class RxSession:
     deadline: float  # monotonic
     started: float = field(default_factory=time.monotonic)
     token: str = ""  # the publisher's fetch token, passed on in every RequestData
+    # Sent in RequestData; the notification of the sender's last WRITE must carry it.
+    nonce: bytes = field(default_factory=lambda: os.urandom(NONCE_BYTES))
     sender_key: str = ""  # the identity its Results must come from ("" with security off)
     sent: bool = False  # REQUEST_DATA has left (a write may come from now on)
     sent_to: str = ""  # the sender incarnation (sender_id) it was last sent to
@@ -487,9 +495,9 @@ class RxSession:
     # A group's piece: the prefill rank (and instance) its sender must be, else -1.
     prefill_rank: int = -1
     prefill_compat: str = ""
-    fence_done: threading.Event = field(default_factory=threading.Event)
+    fence_done: Flag = field(default_factory=Flag)
     # Set once blocks_reusable is true (maybe long after the outcome: an in-doubt fence resolved).
-    reusable: threading.Event = field(default_factory=threading.Event)
+    reusable: Flag = field(default_factory=Flag)
 
     @property
     def ended(self) -> bool:
@@ -636,8 +644,8 @@ class RxGroup:
         self._on_failed = on_failed  # cancels the pieces still open (the receiver's io thread)
         self._lock = threading.Lock()
         self.completion: Completion[RxOutcome] = Completion()
-        self.fence_done = threading.Event()
-        self.reusable = threading.Event()
+        self.fence_done = Flag()
+        self.reusable = Flag()
 
     @property
     def ended(self) -> bool:

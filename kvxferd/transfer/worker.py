@@ -61,7 +61,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -207,11 +207,20 @@ class _Outgoing:
 
 
 class Worker:
-    """One sender worker thread: its queue, lanes, writes in flight and outboxes."""
+    """One sender worker: its queue, lanes, writes in flight and outboxes.
 
-    def __init__(self, host: WorkerHost, index: int) -> None:
+    A thread of its own (``kvxferd-worker-i``), or, with ``inline``, no thread: the
+    sender's listener drives it (``step`` each turn, ``finish`` at the end), so a small
+    write is posted by the thread that read its RequestData, with no hand-off.
+    """
+
+    def __init__(
+        self, host: WorkerHost, index: int, *, inline: bool = False, wake: Any = None
+    ) -> None:
         self.host = host
         self.index = index
+        self.inline = inline
+        self._wake = wake  # inline: wakes the thread that drives it (a put from elsewhere)
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         # Everything below is owned by this worker's thread only.
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
@@ -226,9 +235,14 @@ class Worker:
         self._poll_delay = _POLL_MIN_S
         self._max_writes = host.settings.limits.max_writes_in_flight_per_worker
         self.last_progress = time.monotonic()
-        self.thread = threading.Thread(
-            target=self._run, name=f"kvxferd-worker-{index}", daemon=True
-        )
+        self.name = "kvxferd-listener (inline writes)" if inline else f"kvxferd-worker-{index}"
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    def put(self, task: object) -> None:
+        """Queue a task (any thread); an inline worker's driver is woken if it is elsewhere."""
+        self.queue.put(task)
+        if self._wake is not None:
+            self._wake()
 
     def _lane_writes(self) -> int:
         """Writes in progress that hold a lane (the ones the per-worker bound counts)."""
@@ -239,16 +253,40 @@ class Worker:
         try:
             while not self._finished():
                 try:
-                    self._turn()
+                    self._turn(self._wait_s())
                 except Exception:
-                    self.host.guard.caught(self.thread.name)
+                    self.host.guard.caught(self.name)
                     self._again = True  # whatever was half done gets another turn
         finally:
-            # A bounded linger lets the last Results still queued reach their receivers.
-            linger_ms = self.host.settings.deadlines.worker_send_timeout_ms
-            for sock in self._dealers.values():
-                sock.close(linger=linger_ms)
-            self._dealers.clear()
+            self._close_dealers()
+
+    def _close_dealers(self) -> None:
+        # A bounded linger lets the last Results still queued reach their receivers.
+        linger_ms = self.host.settings.deadlines.worker_send_timeout_ms
+        for sock in self._dealers.values():
+            sock.close(linger=linger_ms)
+        self._dealers.clear()
+
+    # -- an inline worker: driven by the listener ------------------------------------------
+    def step(self) -> float:
+        """One turn without waiting; seconds until it wants the next (inline worker)."""
+        try:
+            self._turn(0.0)
+        except Exception:
+            self.host.guard.caught(self.name)
+            self._again = True
+        return self._wait_s()
+
+    def finish(self) -> None:
+        """After STOP: turns until finished (each write ends or stalls, outboxes flush within
+        their deadlines), then close the DEALERs; what the worker thread does at its end."""
+        try:
+            while not self._finished():
+                wait = self.step()
+                if wait > 0:
+                    time.sleep(min(wait, TICK_S))
+        finally:
+            self._close_dealers()
 
     def _finished(self) -> bool:
         """After STOP: nothing queued, no write holding a lane, every outbox empty."""
@@ -259,8 +297,8 @@ class Worker:
             and not any(self._outbox.values())
         )
 
-    def _turn(self) -> None:
-        took = self._take(self._wait_s())
+    def _turn(self, wait_s: float) -> None:
+        took = self._take(wait_s)
         self.last_progress = time.monotonic()
         progressed = self._poll_writes()
         # A lane can become startable only when a task arrived or a write ended or fell
@@ -342,7 +380,7 @@ class Worker:
             else:
                 self._ack_cancel(task)
         except Exception:
-            self.host.guard.caught(f"{self.thread.name}: task")
+            self.host.guard.caught(f"{self.name}: task")
             if isinstance(task, WriteTask):  # the slice still gets its one final result
                 task.session.fail_slice(task.slice, Reason.TRANSFER_ERROR, "internal error")
                 task.session.fail(Reason.TRANSFER_ERROR, "internal error")
@@ -365,23 +403,38 @@ class Worker:
             host.stats.add("writes_refused_peer_gone")
             return False
         nixl = False  # the exception (if any) came from NIXL, not from our descriptors
+        # The slice's last write carries the receiver's notification (protocol.py): KV
+        # when no aux follows it, else the aux write.
+        last = kind == "aux" or not (s.aux_len > 0 and sl.aux_slot >= 0)
         try:
             # Prepared lists (the whole pool, or a mapped peer's piece): indices, no descriptors
             if kind == "kv" and peer.prepped:
-                nixl = True
-                xfer, state = host.dataplane.post_blocks(
-                    peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
-                )
                 per_block = (
                     host.pool.layout.block_bytes
                     if peer.piece is None or peer.topology is None
                     else int(peer.piece.ranges.length.sum())  # a slice of each block
                 )
                 nbytes = s.block_ids.size * per_block * (sl.layer_end - sl.layer_begin)
+                nixl = True
+                xfer, state = host.dataplane.post_blocks(
+                    peer.nixl_name,
+                    s.block_ids,
+                    sl.dst_blocks,
+                    sl.layer_begin,
+                    sl.layer_end,
+                    self._notification(task, nbytes) if last else b"",
+                )
             else:
                 src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
                 nixl = True
-                xfer, state = host.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
+                xfer, state = host.dataplane.post_write(
+                    peer.nixl_name,
+                    src,
+                    dst,
+                    src_mem,
+                    dst_mem,
+                    self._notification(task, nbytes) if last else b"",
+                )
         except PathStalled as e:  # nothing posted: its connection is stalled (dataplane.py)
             s.release_admission(sl, f"{kind} write not posted: {e}", Reason.PEER_LOST)
             host.peer_write_ended(peer)
@@ -402,6 +455,15 @@ class Worker:
         self._busy_lanes.add(peer.receiver_id)
         self._busy_sessions[s.session_id] = self._busy_sessions.get(s.session_id, 0) + 1
         return True
+
+    @staticmethod
+    def _notification(task: WriteTask, nbytes: int) -> bytes:
+        """What the slice's last WRITE tells the receiver when it lands (b"": no notification)."""
+        sl, s = task.slice, task.session
+        if not sl.notify:
+            return b""
+        aux = s.aux_len if sl.aux_slot >= 0 else 0
+        return wire.encode_notification(sl.fetch_id, sl.notify, sl.nbytes + nbytes, aux)
 
     def _build(self, task: WriteTask, kind: str) -> tuple[np.ndarray, np.ndarray, str, str, int]:
         host, s, sl, peer = self.host, task.session, task.slice, task.peer
@@ -458,7 +520,7 @@ class Worker:
             try:
                 changed |= self._poll_one(w, now)
             except Exception:
-                self.host.guard.caught(f"{self.thread.name}: write")
+                self.host.guard.caught(f"{self.name}: write")
                 changed = True
                 if not w.over and w not in self._writes:  # never lose a write NIXL may hold
                     self._writes.append(w)
@@ -670,6 +732,11 @@ class Worker:
                 transfer_s=sl.written_at - sl.posted_at if sl.written_at and sl.posted_at else None,
             )
         )
+        if rep.status == "done" and sl.notify:
+            # The last WRITE's notification told the receiver (NIXL sends it once the write
+            # is complete): no Result on the success path.
+            stats.add("slices_done_notified")
+            return
         self._enqueue(
             task.peer,
             wire.Result(
