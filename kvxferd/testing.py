@@ -30,7 +30,6 @@ class ControlledXfer:
     dst: Descs
     kind: str = "descs"
     layers: tuple[int, int] = (0, 0)
-    notif: bytes = b""  # the notification the WRITE carries (the receiver gets it when DONE)
     state: XferState = "PROC"
     posted: threading.Event = field(default_factory=threading.Event)
     polled: threading.Event = field(default_factory=threading.Event)
@@ -68,6 +67,9 @@ class ControlledDataPlane:
         self.fail_next_post: Exception | None = None
         self.closed = False
         self.delivered: list[tuple[str, bytes]] = []  # notifications for a receiver under test
+        self.sent: list[tuple[str, bytes]] = []  # notifications a sender under test sent
+        self.fail_notify: Exception | None = None
+        self.notified_at = 0.0
         self.peers: set[str] = set()
 
     def metadata(self) -> bytes:
@@ -108,9 +110,9 @@ class ControlledDataPlane:
         self.pieces.pop(peer, None)
 
     def post_write(
-        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
+        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
     ) -> tuple[ControlledXfer, XferState]:
-        return self._post(ControlledXfer(peer, src, dst, notif=notif))
+        return self._post(ControlledXfer(peer, src, dst))
 
     def post_blocks(
         self,
@@ -119,14 +121,11 @@ class ControlledDataPlane:
         dst_blocks: IdArray,
         layer_begin: int,
         layer_end: int,
-        notif: bytes = b"",
     ) -> tuple[ControlledXfer, XferState]:
         if peer not in self.prepared:
             raise RuntimeError(f"no prepared descriptor list for peer {peer}")
         return self._post(
-            ControlledXfer(
-                peer, src_blocks, dst_blocks, "blocks", (layer_begin, layer_end), notif=notif
-            )
+            ControlledXfer(peer, src_blocks, dst_blocks, "blocks", (layer_begin, layer_end))
         )
 
     def _post(self, xfer: ControlledXfer) -> tuple[ControlledXfer, XferState]:
@@ -148,6 +147,12 @@ class ControlledDataPlane:
 
     def progress(self) -> None:
         return None
+
+    def notify(self, peer: str, payload: bytes) -> None:
+        """Record a notification sent to ``peer`` (``sent``); ``fail_notify`` makes it raise."""
+        if self.fail_notify is not None:
+            raise self.fail_notify
+        self.sent.append((peer, payload))
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """What ``deliver`` queued (a test stands in for the peer's notifications)."""

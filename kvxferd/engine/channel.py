@@ -83,6 +83,9 @@ class StreamChannel:
 
     __slots__ = ("sock", "reader", "_out", "closed")
 
+    # Frames go through the outbox: several queued in one turn leave in one system call
+    # (and wake the peer once), which is most of the cost of a small frame.
+
     def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
         sock.setblocking(False)
         self.sock = sock
@@ -112,26 +115,18 @@ class StreamChannel:
     def send(self, frame: bytes) -> None:
         """Queue one frame and write what the kernel takes now; ChannelClosed when broken
         or when the outbox passed ``MAX_OUTBOX_BYTES`` (the peer does not read)."""
+        self.queue(frame)
+        self.flush()
+
+    def queue(self, frame: bytes) -> None:
+        """Add one frame to the outbox without writing (``flush`` writes a batch in one call)."""
         if self.closed:
             raise ChannelClosed("connection closed")
-        head = LENGTH.pack(len(frame))
-        if self._out:
-            self._out += head
-            self._out += frame
-            if len(self._out) > MAX_OUTBOX_BYTES:
-                raise ChannelClosed(f"peer not reading: {len(self._out)} bytes unsent")
-            self.flush()
-            return
-        try:
-            n = self.sock.sendmsg([head, frame])
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError as e:
-            raise ChannelClosed(f"send failed: {e}") from None
-        total = 4 + len(frame)
-        if n < total:
-            data = head + frame
-            self._out += memoryview(data)[n:]
+        out = self._out
+        out += LENGTH.pack(len(frame))
+        out += frame
+        if len(out) > MAX_OUTBOX_BYTES:
+            raise ChannelClosed(f"peer not reading: {len(out)} bytes unsent")
 
     def flush(self) -> bool:
         """Write queued bytes; True when the outbox is empty. ChannelClosed when broken."""
@@ -242,6 +237,9 @@ class ZmqChannel:
             self.sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
         except zmq.ZMQError as e:  # Again: the daemon is not reading (high-water mark)
             raise ChannelClosed(f"send failed: {e}") from None
+
+    def queue(self, frame: bytes) -> None:
+        self.send(frame)  # ZMQ queues it itself
 
     def flush(self) -> bool:
         return True

@@ -712,23 +712,39 @@ class _LoopConn:
         self.pending: dict[int, asyncio.Future[ep.ToEngine]] = {}
         self.closed = False
         self._writing = False
+        self._flushing = False  # a _flush is scheduled on the loop
         self._close_lock = threading.Lock()  # closed: set once, by the loop or by close_client
         self.shut = threading.Event()  # the socket is closed
         loop.add_reader(self.fd, self._on_readable)
 
     def send(self, frame: bytes) -> None:
+        """Queue a call's frame; the calls made in one turn of the loop leave together, in
+        one system call, when the loop gets to ``_flush`` (one wake-up of the daemon)."""
         if self.closed:
             raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
         try:
-            self.chan.send(frame)
+            self.chan.queue(frame)
         except ChannelClosed as e:
             self._fail_all(f"send failed: {e}")
             raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
-        if self.chan.wants_write and not self._writing:
+        if not self._flushing:
+            self._flushing = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        if self.closed:
+            return
+        try:
+            empty = self.chan.flush()
+        except ChannelClosed as e:
+            self._fail_all(f"send failed: {e}")
+            return
+        if not empty and not self._writing:
             self._writing = True
             self.loop.add_writer(self.fd, self._on_writable)
         if self.zmq:  # a send may take the edge of a reply that arrived meanwhile
-            self.loop.call_soon(self._on_readable)
+            self._on_readable()
 
     def _on_writable(self) -> None:
         try:

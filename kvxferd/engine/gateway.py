@@ -236,6 +236,7 @@ class Gateway:
         self._listener: StreamListener | None = None
         self._conns: dict[bytes, _Conn] = {}
         self._by_fd: dict[int, _Conn] = {}
+        self._dirty: set[_Conn] = set()  # connections with replies queued this turn
         self._ipc_path: str | None = None
         self._pool_info: ep.PoolInfo | None = None
         self._started = False
@@ -401,6 +402,8 @@ class Gateway:
         timers = self._timers
         while timers and timers[0][0] <= now:
             self._guarded(heapq.heappop(timers)[2])
+        if self._dirty:
+            self._flush_replies()
         if self._router is not None and self._router_readable():
             return 0.0  # ZMQ's fd is edge-triggered: a reply may have taken the edge
         if soon:
@@ -420,6 +423,7 @@ class Gateway:
                     detail="the gateway is stopping",
                 ),
             )
+        self._flush_replies()
         for c in list(self._conns.values()):
             try:
                 c.channel.flush()
@@ -540,14 +544,28 @@ class Gateway:
             self.stats.add("reply_dropped")
             return
         try:
-            conn.channel.send(frame)
+            conn.channel.queue(frame)  # written at the end of this turn, with the others
         except ChannelClosed as e:
             self.stats.add("reply_dropped")
             self._drop(conn, str(e))
             return
-        if conn.channel.wants_write and not conn.writing:
-            conn.writing = True
-            self.service.io.changed()
+        self._dirty.add(conn)
+
+    def _flush_replies(self) -> None:
+        """Write every reply queued this turn: one system call (one wake-up) per engine."""
+        dirty, self._dirty = self._dirty, set()
+        for conn in dirty:
+            if conn.rid not in self._conns:
+                continue
+            try:
+                empty = conn.channel.flush()
+            except ChannelClosed as e:
+                self.stats.add("reply_dropped")
+                self._drop(conn, str(e))
+                continue
+            if not empty and not conn.writing:  # the kernel took only part: wait to write
+                conn.writing = True
+                self.service.io.changed()
 
     # -- calls -------------------------------------------------------------------------------
     def _on_frame(self, rid: bytes, body: bytes) -> None:

@@ -180,6 +180,18 @@ def send_bounded(sock: zmq.Socket[bytes], frame: bytes) -> None:
         raise SendTimeout("peer is not reading (send timed out)") from None
 
 
+def send_bounded_many(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    """Send frames as one multipart message (one wake-up of ZMQ's I/O thread and of the
+    peer; the message is queued whole or not at all); SendTimeout as ``send_bounded``."""
+    if len(frames) == 1:
+        send_bounded(sock, frames[0])
+        return
+    try:
+        sock.send_multipart(frames, 0, copy=False)
+    except zmq.Again:
+        raise SendTimeout("peer is not reading (send timed out)") from None
+
+
 def router_reply(sock: zmq.Socket[bytes], routing_id: bytes, frame: bytes) -> bool:
     """Reply on a ROUTER without ever blocking; False when the peer is gone or full."""
     try:

@@ -12,8 +12,8 @@ exception that could kill a thread. ``docs/protocol.md`` is the full
 description, complete enough to write a compatible peer.
 
 A fetch whose RequestData carries ``notify`` (a nonce) completes by a NIXL notification
-attached to its last WRITE (NIXL sends it once the WRITE is complete), not by a done
-Result; failures still come as Results::
+that the sender sends once NIXL reported every WRITE of the fetch DONE (when it sent the
+done Result before), not by a done Result; failures still come as Results::
 
     notification = b"KN" + version(1 byte) + fetch_id(u64) + nonce(8 bytes)
                    + nbytes(u64) + aux_bytes(u32)          (little-endian, 31 bytes)
@@ -86,6 +86,10 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=Tru
 
 
 NONCE_BYTES = 8
+# A receiver may send the messages of one turn as one multipart message (one wake-up of
+# each side's I/O thread instead of one per message): each frame after the routing id is
+# one message, decoded and handled in order. At most this many frames.
+MAX_BATCH = 64
 NOTIFY_MAGIC = b"KN" + bytes([PROTOCOL_VERSION])
 _NOTIFICATION = struct.Struct("<3sQ8sQI")
 
@@ -157,8 +161,8 @@ class RequestData(_Msg, tag="request_data", omit_defaults=True):
     # The fetch token the publisher issued for this request ("" when none was given); only
     # sent when set (fields at their default are omitted), so older senders still read it.
     token: FetchToken = ""
-    # A random nonce of the receiver's: the slice's last WRITE then carries a NIXL
-    # notification (``encode_notification``) and no done Result is sent. b"": done Results.
+    # A random nonce of the receiver's: once the fetch's WRITEs are done the sender sends a
+    # NIXL notification (``encode_notification``) instead of a done Result. b"": Results.
     notify: Annotated[bytes, Meta(max_length=NONCE_BYTES)] = b""
 
 

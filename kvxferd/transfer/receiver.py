@@ -82,6 +82,7 @@ from kvxferd.transfer.control import (
     connect_dealer,
     process_context,
     send_bounded,
+    send_bounded_many,
     sockets_needed,
 )
 from kvxferd.transfer.dataplane import DataPlane, NixlDataPlane
@@ -131,6 +132,9 @@ class _Link:
     disconnected: bool = False  # the connection dropped; the next CONNECTED registers again
     refused_since: float | None = None  # first refused connect while never connected
     waiting: list[RxSession] = field(default_factory=list)  # fetches queued until registered
+    # RequestData frames of this turn, sent together at its end (``_flush_link``): one
+    # multipart message, one wake-up of ZMQ's I/O threads and of the sender's listener.
+    batch: list[tuple[RxSession, bytes, bool]] = field(default_factory=list)
 
 
 class RxHandle:
@@ -235,6 +239,7 @@ class Receiver:
         self._notif_wait = _NOTIF_WAIT_MIN_S  # io thread only
         self._deadlines_at = 0.0  # io thread only: when deadlines are looked at next
         self._links: dict[str, _Link] = {}  # io thread only
+        self._batched: list[_Link] = []  # io thread only: links with RequestData to send
         self._by_socket: dict[zmq.Socket[bytes], _Link] = {}  # io thread only: dealers, monitors
         self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
         # Instance fetches: each sender's record from its RegisterReply, the groups waiting
@@ -611,6 +616,7 @@ class Receiver:
             elif sock is self._router or link is not None:
                 self._drain_socket(sock)
         self._run_commands()  # what the engine gateway started this turn goes out now
+        self._flush_links()
         now = time.monotonic()
         if now >= self._deadlines_at:  # not every turn: they walk every open fetch
             self._deadlines_at = now + _DEADLINES_EVERY_S
@@ -618,6 +624,7 @@ class Receiver:
             self._retry_in_doubt(now)
         if self._take_notifications():
             self._notif_wait = _NOTIF_WAIT_MIN_S
+        self._flush_links()
         return self.io.turn(now)
 
     def _run_commands(self) -> None:
@@ -741,6 +748,7 @@ class Receiver:
             device_id=self.pool.device_id,
             topology=self.topology,
         )
+        self._flush_link(link)
         try:
             send_bounded(link.dealer, wire.encode(reg))
         except SendTimeout:
@@ -749,6 +757,8 @@ class Receiver:
         self.stats.add("registers_sent")
 
     def _close_link(self, link: _Link) -> None:
+        if link.batch:
+            self._flush_link(link)
         if self._links.get(link.endpoint) is link:
             del self._links[link.endpoint]
         self._by_socket.pop(link.dealer, None)
@@ -999,18 +1009,38 @@ class Receiver:
             token=rx.token,
             notify=rx.nonce,
         )
-        try:
-            send_bounded(link.dealer, wire.encode(msg))
-        except SendTimeout:
-            if not rx.sent:
-                self._fail(
-                    rx, Reason.PEER_LOST, "REQUEST_DATA could not be sent (sender not reading)"
-                )
-            # A resend that could not leave: the fetch's own deadline still ends it.
-            self.stats.add("send_timeouts")
-            return
+        was_sent = rx.sent
+        # Marked sent now: a Cancel of this fetch goes on the same link after the batch
+        # (``_send_cancel`` flushes it first), so the sender always sees them in order.
         rx.mark_sent(link.sender_id)
-        self.stats.add("requests_sent")
+        if not link.batch:
+            self._batched.append(link)
+        link.batch.append((rx, wire.encode(msg), was_sent))
+        if len(link.batch) >= wire.MAX_BATCH:
+            self._flush_link(link)
+
+    def _flush_links(self) -> None:
+        """Send every link's RequestData batch of this turn."""
+        batched, self._batched = self._batched, []
+        for link in batched:
+            self._flush_link(link)
+
+    def _flush_link(self, link: _Link) -> None:
+        batch, link.batch = link.batch, []
+        if not batch or link.dealer.closed:
+            return
+        try:
+            send_bounded_many(link.dealer, [frame for _, frame, _ in batch])
+        except SendTimeout:
+            self.stats.add("send_timeouts", len(batch))
+            for rx, _, was_sent in batch:
+                if not was_sent:  # nothing left: no write can come for it
+                    self._fail(
+                        rx, Reason.PEER_LOST, "REQUEST_DATA could not be sent (sender not reading)"
+                    )
+                # A resend that could not leave: the fetch's own deadline still ends it.
+            return
+        self.stats.add("requests_sent", len(batch))
 
     def _cancel(self, rx: RxSession, state: RxState, reason: Reason, detail: str) -> bool:
         fence_s = self.settings.deadlines.cancel_fence_ms / 1000
@@ -1030,6 +1060,7 @@ class Receiver:
         link = self._link(rx.sender_endpoint)
         if isinstance(link, str) or not link.ready:
             return  # the fence deadline, or the next in-doubt retry, covers it
+        self._flush_link(link)  # a RequestData of this turn goes first
         try:
             send_bounded(
                 link.dealer,

@@ -129,6 +129,9 @@ from kvxferd.transfer.worker import (
 log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+# After a notification is sent the listener progresses NIXL this long, this often: UCX
+# may hold it until the agent's next progress (dataplane.notify).
+_NOTIFY_PROGRESS_S, _NOTIFY_POLL_S = 0.002, 0.0002
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,6 +525,10 @@ class Sender:
         inline = self._inline
         wait = inline.step() if inline is not None else TICK_S
         now = time.monotonic()
+        if now - self.dataplane.notified_at < _NOTIFY_PROGRESS_S:
+            # A notification sent lately may still wait in UCX for progress (data plane).
+            self.dataplane.progress()
+            wait = min(wait, _NOTIFY_POLL_S)
         self._housekeeping(now)
         delay = self.io.turn(now)
         if inline is not None and inline.queue.qsize():
@@ -540,8 +547,21 @@ class Sender:
             detail = "this key is no longer in the allow-list"
             self._reply(routing_id, wire.Reject(reason=Reason.NOT_AUTHORIZED, detail=detail))
             return
+        if len(body) > wire.MAX_BATCH:
+            self.stats.add(f"rejected_{Reason.MALFORMED}")
+            detail = f"{len(body)} frames in one message, at most {wire.MAX_BATCH}"
+            self._reply(routing_id, wire.Reject(reason=Reason.MALFORMED, detail=detail))
+            return
+        # A receiver batches the messages of one turn (protocol.py): each frame is one.
+        frames_: list[bytes | None] = list(body) if body else [None]
+        for frame in frames_:
+            self._handle_one(routing_id, frame, identity, max_bytes)
+
+    def _handle_one(
+        self, routing_id: bytes, frame: bytes | None, identity: str, max_bytes: int
+    ) -> None:
         try:
-            msg = wire.decode_to_sender(body, max_bytes)
+            msg = wire.decode_to_sender([] if frame is None else [frame], max_bytes)
         except ProtocolError as e:
             self.stats.add(f"rejected_{e.reason}")
             self._reply(routing_id, wire.Reject(reason=e.reason, detail=e.detail[:1024]))

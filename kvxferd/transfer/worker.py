@@ -403,9 +403,6 @@ class Worker:
             host.stats.add("writes_refused_peer_gone")
             return False
         nixl = False  # the exception (if any) came from NIXL, not from our descriptors
-        # The slice's last write carries the receiver's notification (protocol.py): KV
-        # when no aux follows it, else the aux write.
-        last = kind == "aux" or not (s.aux_len > 0 and sl.aux_slot >= 0)
         try:
             # Prepared lists (the whole pool, or a mapped peer's piece): indices, no descriptors
             if kind == "kv" and peer.prepped:
@@ -417,24 +414,12 @@ class Worker:
                 nbytes = s.block_ids.size * per_block * (sl.layer_end - sl.layer_begin)
                 nixl = True
                 xfer, state = host.dataplane.post_blocks(
-                    peer.nixl_name,
-                    s.block_ids,
-                    sl.dst_blocks,
-                    sl.layer_begin,
-                    sl.layer_end,
-                    self._notification(task, nbytes) if last else b"",
+                    peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
                 )
             else:
                 src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
                 nixl = True
-                xfer, state = host.dataplane.post_write(
-                    peer.nixl_name,
-                    src,
-                    dst,
-                    src_mem,
-                    dst_mem,
-                    self._notification(task, nbytes) if last else b"",
-                )
+                xfer, state = host.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
         except PathStalled as e:  # nothing posted: its connection is stalled (dataplane.py)
             s.release_admission(sl, f"{kind} write not posted: {e}", Reason.PEER_LOST)
             host.peer_write_ended(peer)
@@ -455,15 +440,6 @@ class Worker:
         self._busy_lanes.add(peer.receiver_id)
         self._busy_sessions[s.session_id] = self._busy_sessions.get(s.session_id, 0) + 1
         return True
-
-    @staticmethod
-    def _notification(task: WriteTask, nbytes: int) -> bytes:
-        """What the slice's last WRITE tells the receiver when it lands (b"": no notification)."""
-        sl, s = task.slice, task.session
-        if not sl.notify:
-            return b""
-        aux = s.aux_len if sl.aux_slot >= 0 else 0
-        return wire.encode_notification(sl.fetch_id, sl.notify, sl.nbytes + nbytes, aux)
 
     def _build(self, task: WriteTask, kind: str) -> tuple[np.ndarray, np.ndarray, str, str, int]:
         host, s, sl, peer = self.host, task.session, task.slice, task.peer
@@ -732,9 +708,7 @@ class Worker:
                 transfer_s=sl.written_at - sl.posted_at if sl.written_at and sl.posted_at else None,
             )
         )
-        if rep.status == "done" and sl.notify:
-            # The last WRITE's notification told the receiver (NIXL sends it once the write
-            # is complete): no Result on the success path.
+        if rep.status == "done" and sl.notify and self._notify(task, rep.nbytes):
             stats.add("slices_done_notified")
             return
         self._enqueue(
@@ -751,6 +725,24 @@ class Worker:
                 else 0,
             ),
         )
+
+    def _notify(self, task: WriteTask, nbytes: int) -> bool:
+        """Tell the receiver its fetch is done with a NIXL notification, not a Result.
+
+        Sent once NIXL reported every WRITE of the slice DONE (exactly when the done Result
+        was sent before), so its arrival means the bytes are in place; it carries the
+        receiver's nonce (protocol.py). False when NIXL refused it: the Result goes instead.
+        """
+        sl, s = task.slice, task.session
+        aux = s.aux_len if sl.aux_slot >= 0 else 0
+        payload = wire.encode_notification(sl.fetch_id, sl.notify, nbytes, aux)
+        try:
+            self.host.dataplane.notify(task.peer.nixl_name, payload)
+        except Exception as e:
+            self.host.stats.add("notifications_failed")
+            log.warning("notification for fetch %d not sent (%s): a Result goes", sl.fetch_id, e)
+            return False
+        return True
 
     def _ack_cancel(self, task: AckTask) -> None:
         sl = task.session.slice((task.peer.receiver_id, task.fetch_id))
