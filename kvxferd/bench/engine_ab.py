@@ -480,6 +480,7 @@ class _Stack:
             "engine_cpu_us": (cpu[2] + cpu[3]) / count * 1e6,
             "checked": got["checked"],
             "bad": got["bad"],
+            "load_1min": _load()[0],  # at the end of the repetition
             "verified": not got["bad"]
             and got["checked"] > 0
             and got["bytes"] == got["ok"] * case.request_bytes,
