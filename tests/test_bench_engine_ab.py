@@ -16,7 +16,7 @@ import pytest
 
 from kvxferd.bench import engine_ab_driver as drv
 from kvxferd.bench.command import add_arguments, main_bench
-from kvxferd.bench.engine_ab import checkout_rev, this_tree
+from kvxferd.bench.engine_ab import checkout_rev, daemon_env, this_tree
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -130,6 +130,23 @@ def test_the_driver_uses_wait_close_on_the_old_api_and_closes_what_it_left_open(
     ok, nbytes, _ = asyncio.run(calls.fetch("r", "tcp://127.0.0.1:1", [2]))
     assert ok and nbytes == 16384
     assert c.calls == ["fetch", "wait 6 close=True"] + ([] if closed else ["close 6"])
+
+
+def test_a_daemon_gets_the_tree_and_the_bench_settings_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tree is the only PYTHONPATH entry; no KVXFERD_* variable of the caller gets through
+    (a daemon refuses settings it does not know, and the run must not depend on the shell)."""
+    monkeypatch.setenv("KVXFERD_POOL__SHM_NAME", "someone-elses")
+    monkeypatch.setenv("KVXFERD_SOMETHING__NEW", "1")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")
+    env = daemon_env(tmp_path / "tree", tmp_path, "d", None)
+    assert env["PYTHONPATH"] == str(tmp_path / "tree") and "PYTHONSAFEPATH" not in env
+    assert "KVXFERD_POOL__SHM_NAME" not in env and "KVXFERD_SOMETHING__NEW" not in env
+    assert env["KVXFERD_SECURITY__MODE"] == "off"
+    assert env["KVXFERD_SERVICE__ENGINE_SOCKET"] == f"ipc://{tmp_path}/d.sock"
+    assert env["KVXFERD_SERVICE__PROBE_HOST"] == "127.0.0.1"
 
 
 # -- --before-rev: a git worktree, removed afterwards ---------------------------------------------

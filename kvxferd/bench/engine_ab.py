@@ -64,7 +64,15 @@ KiB = 1 << 10
 BLOCK_KIB = 16
 POOL_BLOCKS = 4096  # 64 MiB of 16 KiB blocks: small requests should not all sit in a cache
 SENDER_THREADS = 4  # as the bench's other engine workloads
-DAEMON_DEADLINES = dict(drain_timeout_ms=1000, shutdown_timeout_ms=5000)
+# Bounded, so a request that goes wrong fails in seconds, and a stop drains quickly.
+DAEMON_DEADLINES = dict(
+    kv_transfer_timeout_ms=30_000,
+    publish_ttl_ms=30_000,
+    pending_fetch_ttl_ms=30_000,
+    register_timeout_ms=5_000,
+    drain_timeout_ms=1_000,
+    shutdown_timeout_ms=5_000,
+)
 
 READY_TIMEOUT_S = 90.0  # daemons and engines of both trees starting at once on 2 loaded cores
 STEP_TIMEOUT_S = 60.0  # one publish start / one probe
@@ -230,22 +238,39 @@ def _inside(file: str, tree: Path) -> bool:
     return Path(file).resolve().is_relative_to(tree.resolve())
 
 
-def _pool_env(env: dict[str, str]) -> None:
-    for key in [k for k in env if k.startswith("KVXFERD_POOL__")]:
-        del env[key]
-    pool = dict(
-        num_layers=1,
-        num_blocks=POOL_BLOCKS,
-        block_elems=BLOCK_KIB * KiB,
-        dtype="uint8",
-        aux_slots=4,
-        aux_slot_bytes=64,
-        device="cpu",
-    )
-    for key, value in pool.items():
+POOL = dict(
+    num_layers=1,
+    num_blocks=POOL_BLOCKS,
+    block_elems=BLOCK_KIB * KiB,
+    dtype="uint8",
+    aux_slots=4,
+    aux_slot_bytes=64,
+    device="cpu",
+)
+
+
+def daemon_env(
+    tree: Path, workdir: Path, name: str, security: dict[str, str] | None
+) -> dict[str, str]:
+    """A daemon's environment: the bench's pool and deadlines, its sockets in ``workdir``.
+
+    Written out here, not taken from the demo's helper: a daemon refuses a setting it does
+    not know, so both trees get only settings that both know (none from this environment:
+    no ``KVXFERD_*`` variable of the caller reaches a daemon). ``security``: the
+    ``KVXFERD_SECURITY__*`` variables of :func:`~kvxferd.engine.workload.demo_keys`.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
+    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):  # not a systemd unit
+        env.pop(key, None)
+    for key, value in POOL.items():
         env[f"KVXFERD_POOL__{key.upper()}"] = str(value)
     for key, value in DAEMON_DEADLINES.items():
         env[f"KVXFERD_DEADLINES__{key.upper()}"] = str(value)
+    env["KVXFERD_SERVICE__ENGINE_SOCKET"] = f"ipc://{workdir}/{name}.sock"
+    env["KVXFERD_SERVICE__PROBE_HOST"] = "127.0.0.1"
+    env["KVXFERD_SERVICE__PROBE_PORT"] = "0"
+    env.update(security or {"KVXFERD_SECURITY__MODE": "off"})
+    return tree_env(tree, env)
 
 
 class _Daemon:
@@ -254,11 +279,8 @@ class _Daemon:
     def __init__(
         self, tree: Path, role: str, name: str, workdir: Path, security: dict[str, str] | None
     ) -> None:
-        from kvxferd.engine.workload import daemon_env
-
         self.name = name
-        env = tree_env(tree, daemon_env(str(workdir), name, security))
-        _pool_env(env)
+        env = daemon_env(tree, workdir, name, security)
         args = [sys.executable, "-m", "kvxferd", role, "--name", name, "--log-level", "warning"]
         if role == "sender":
             args += ["--listen", "tcp://127.0.0.1:0", "--num-threads", str(SENDER_THREADS)]
