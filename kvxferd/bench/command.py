@@ -70,6 +70,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "same bytes per request, alternating repetitions, ratios to 1P1D; --reps, --json (~15 s)",
     )
     p.add_argument(
+        "--engine-path",
+        dest="engine_path",
+        action="store_true",
+        help="issue 22's engine-path figures (p50 at 1 in flight, req/s at 16, daemon CPU per "
+        "request) on real daemons, CURVE off and on, for this tree and --before/--before-rev, "
+        "repetitions alternating; --reps, --requests, --only, --security, --json (~4 min)",
+    )
+    p.add_argument(
+        "--before",
+        metavar="PATH",
+        help="--engine-path: the checkout to compare against (its daemons and engines run its code)",
+    )
+    p.add_argument(
+        "--before-rev",
+        dest="before_rev",
+        metavar="REV",
+        help="--engine-path: a git revision to compare against, checked out with 'git worktree "
+        "add' into a temporary directory and removed afterwards",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        metavar="N",
+        help="--engine-path: requests per repetition of every workload (default 1000 at 1 in "
+        "flight, 2000 at 16)",
+    )
+    p.add_argument(
+        "--security",
+        choices=["off", "curve", "both"],
+        default="both",
+        help="--engine-path: security off, CURVE on, or both (default)",
+    )
+    p.add_argument(
         "--scale-peers",
         dest="scale_peers",
         default="1,8,32,64",
@@ -113,6 +146,10 @@ def options_from_args(args: argparse.Namespace, child_module: str = "kvxferd") -
 
 def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
     """``kvxferd bench``: run, print the tables, write --json / --plot. 0 ok, 1 failed, 2 bad usage."""
+    if getattr(args, "engine_path", False):
+        from kvxferd.bench.engine_ab import main_engine_ab
+
+        return main_engine_ab(args)
     if args.plot_path and not plot_available():
         print(
             "kvxferd bench: --plot needs matplotlib; install it with pip install 'kvxferd[bench]'",
