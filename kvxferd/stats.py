@@ -170,6 +170,26 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Slices a worker thread finished (any outcome)",
         metric="kvxferd_worker_slices",
     ),
+    _c(
+        "inline_slices",
+        _S,
+        "Slices the listener wrote itself (requests up to inline_write_max_bytes; any outcome)",
+    ),
+    _c(
+        "slices_done_notified",
+        _S,
+        "Done slices told to their receiver by a NIXL notification instead of a Result",
+    ),
+    _c(
+        "notifications_failed",
+        _S,
+        "NIXL notifications the data plane refused (the done Results went instead)",
+    ),
+    _c(
+        "writes_coalesced",
+        _S,
+        "Slices written in a WRITE shared with an earlier slice of the same receiver",
+    ),
     # -- sender: engine side -------------------------------------------------------------
     _c("published", _S, "Requests the engine published"),
     _c(
@@ -388,6 +408,13 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         values=REASONS,
     ),
     _c("requests_sent", _R, "REQUEST_DATA messages sent"),
+    _c("notifications", _R, "Fetches completed by their sender's NIXL notification"),
+    _c(
+        "notifications_refused",
+        _R,
+        "Notification records dropped: wrong nonce, or not from the sender the fetch was sent to",
+    ),
+    _c("notifications_unknown", _R, "NIXL notifications that were not kvxferd's (dropped)"),
     _c(
         "cancels_sent", _R, "CANCELs sent (a cancel, a timeout, or asking again about one in doubt)"
     ),
@@ -462,6 +489,17 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         values=GATEWAY_CALLS,
     ),
     _c("calls_found_by_key", _G, "Publish/Fetch retries answered with the open handle"),
+    _c("engine_connections", _G, "Engine connections accepted on the unix engine socket"),
+    _c(
+        "engine_connections_refused",
+        _G,
+        "Engine connections closed at once: the gateway holds its maximum of connections",
+    ),
+    _c(
+        "engine_connections_dropped",
+        _G,
+        "Engine connections the gateway closed: broken, a frame over the bound, or not reading",
+    ),
     _c(
         "recv_errors",
         _R | _G,

@@ -9,6 +9,7 @@ tests never use it: they run real NIXL between real processes.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 from kvxferd.transfer.dataplane import XferState
@@ -49,6 +50,10 @@ class ControlledXfer:
         self.state = "DONE" if ok else "ERR"
 
 
+# The doubles of this process by name: a notification reaches the one it names.
+_FABRIC: weakref.WeakValueDictionary[str, ControlledDataPlane] = weakref.WeakValueDictionary()
+
+
 class ControlledDataPlane:
     """A data plane whose writes stay in progress until the test finishes them.
 
@@ -67,9 +72,12 @@ class ControlledDataPlane:
         self.fail_next_post: Exception | None = None
         self.closed = False
         self.delivered: list[tuple[str, bytes]] = []  # notifications for a receiver under test
+        self._notes_lock = threading.Lock()
         self.sent: list[tuple[str, bytes]] = []  # notifications a sender under test sent
         self.fail_notify: Exception | None = None
         self.notified_at = 0.0
+        self.notify_as = ""  # the agent name notifications come from ("": ``name``)
+        _FABRIC[name] = self
         self.peers: set[str] = set()
 
     def metadata(self) -> bytes:
@@ -149,19 +157,27 @@ class ControlledDataPlane:
         return None
 
     def notify(self, peer: str, payload: bytes) -> None:
-        """Record a notification sent to ``peer`` (``sent``); ``fail_notify`` makes it raise."""
+        """Send ``peer`` a notification: recorded (``sent``) and delivered to the double named
+        ``peer`` in this process, if any, as from ``notify_as`` (a Sender's NIXL agent is
+        named after its sender id: set ``notify_as = sender.sender_id``). ``fail_notify``
+        makes it raise instead."""
         if self.fail_notify is not None:
             raise self.fail_notify
         self.sent.append((peer, payload))
+        target = _FABRIC.get(peer)
+        if target is not None:
+            target.deliver(self.notify_as or self.name, payload)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """What ``deliver`` queued (a test stands in for the peer's notifications)."""
-        got, self.delivered = self.delivered, []
+        with self._notes_lock:
+            got, self.delivered = self.delivered, []
         return got
 
     def deliver(self, agent: str, payload: bytes) -> None:
         """Queue a notification for the next ``notifications`` (a receiver's test double)."""
-        self.delivered.append((agent, payload))
+        with self._notes_lock:
+            self.delivered.append((agent, payload))
 
     def close(self) -> None:
         self.closed = True

@@ -339,13 +339,13 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/worker.py",
-                "except Exception:\n                    self.host.guard.caught(self.thread.name)",
-                "except ImportError:\n                    self.host.guard.caught(self.thread.name)",
+                "except Exception:\n                    self.host.guard.caught(self.name)",
+                "except ImportError:\n                    self.host.guard.caught(self.name)",
             ),
             Edit(
                 "kvxferd/transfer/worker.py",
-                'except Exception:\n            self.host.guard.caught(f"{self.thread.name}: task")',
-                'except ImportError:\n            self.host.guard.caught(f"{self.thread.name}: task")',
+                'except Exception:\n            self.host.guard.caught(f"{self.name}: task")',
+                'except ImportError:\n            self.host.guard.caught(f"{self.name}: task")',
             ),
         ),
         (TXRACES + "test_a_worker_bug_is_counted_and_reported_and_the_worker_goes_on",),
@@ -398,7 +398,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/worker.py",
-                "if was_doubt and sl.writes_in_flight == 0:",
+                "if doubted and sl.writes_in_flight == 0:",
                 "if False:",
             ),
         ),
@@ -437,8 +437,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/receiver.py",
-                "self._retry_in_doubt(now)\n        self.dataplane.progress()",
-                "self.dataplane.progress()",
+                "self._check_deadlines(now)\n            self._retry_in_doubt(now)",
+                "self._check_deadlines(now)",
             ),
         ),
         (RXWIRE + "test_cancel_is_resent_for_an_in_doubt_fetch_until_answered",),
@@ -478,15 +478,15 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- item 3: an engine call that timed out did not happen, or can be found again -------
     Mutant(
         "issue9-gateway-deadline",
-        "a close thread executes a close whose deadline passed while it was queued",
+        "the gateway closes a handle for a Wait(close) whose engine had given up (its deadline)",
         (
             Edit(
                 "kvxferd/engine/gateway.py",
-                "if left is not None and left <= 0:\n        raise _Expired",
-                "if False:\n        raise _Expired",
+                "if left is not None and left <= 0:  # the engine gave up",
+                "if False:  # the engine gave up",
             ),
         ),
-        (GATEWAY + "test_close_queued_past_its_deadline_never_runs",),
+        (GATEWAY + "test_a_wait_whose_engine_gave_up_does_not_close_the_handle",),
     ),
     Mutant(
         "issue9-gateway-deadline-on-arrival",
@@ -628,9 +628,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/sender.py",
-                "self._worker_for(request_id, p.peer.receiver_id).queue.put(\n"
-                "                    ReplyTask(p.peer, outcome)\n"
-                "                )",
+                "self._lane_for(session, p.peer.receiver_id).put(ReplyTask(p.peer, outcome))",
                 "self._reply_shared(p.peer, outcome)",
             ),
         ),
@@ -975,7 +973,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/worker.py",
-                "            host.peer_failed(task.peer, detail)\n",
+                "            host.peer_failed(w.task.peer, detail)\n",
                 "            pass\n",
             ),
         ),

@@ -1,10 +1,10 @@
 """The engine gateway and its clients: a real Sender and Receiver (real NIXL) behind Gateways.
 
-Each Gateway runs on its own asyncio loop in a background thread, bound at an
-ipc:// socket in a private temporary directory; the test plays the engine with
-Client / AsyncClient and maps the daemons' pools with attach_pool. Every wait
-has a deadline; gateways, loops, clients, senders and receivers are stopped in
-fixture finalizers.
+Each Gateway is served by its service's io thread, bound at an ipc:// (unix stream)
+socket in a private temporary directory; the test plays the engine with Client /
+AsyncClient (and a raw socket speaking the framing) and maps the daemons' pools with
+attach_pool. Every wait has a deadline; gateways, loops, clients, senders and
+receivers are stopped in fixture finalizers.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import threading
@@ -25,10 +26,10 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 import torch
-import zmq
 
 from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.engine import engine_protocol as ep
+from kvxferd.engine.channel import LENGTH, FrameReader, ipc_address
 from kvxferd.engine.client import (
     AsyncClient,
     Client,
@@ -37,7 +38,7 @@ from kvxferd.engine.client import (
     attach_pool,
 )
 from kvxferd.engine.engine_protocol import EngineReason
-from kvxferd.engine.gateway import CLOSE_THREADS, Gateway
+from kvxferd.engine.gateway import Gateway
 from kvxferd.errors import Reason
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
@@ -108,27 +109,23 @@ def sock_dir() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-Started = tuple[Gateway, LoopThread, str]
+Started = tuple[Gateway, None, str]  # (gateway, unused, its endpoint)
 
 
 @pytest.fixture
 def start_gateway(sock_dir: str) -> Iterator[Callable[..., Started]]:
-    """Start a Gateway on its own loop thread; every one is stopped at teardown."""
-    started: list[tuple[Gateway, LoopThread]] = []
+    """Start a Gateway on its service's io thread; every one is stopped at teardown."""
+    started: list[Gateway] = []
 
     def start(service: Sender | Receiver, name: str, **kw: Any) -> Started:
-        lt = LoopThread(f"gw-{name}")
         gw = Gateway(service, f"ipc://{sock_dir}/run/{name}.sock", **kw)
-        started.append((gw, lt))
-        endpoint = lt.run(gw.start())
-        return gw, lt, endpoint
+        started.append(gw)
+        endpoint = gw.start()
+        return gw, None, endpoint
 
     yield start
-    for gw, lt in started:
-        try:
-            lt.run(gw.stop(2.0))
-        finally:
-            lt.stop()
+    for gw in started:
+        gw.stop(2.0)
 
 
 @pytest.fixture
@@ -169,25 +166,38 @@ def _attach(info: ep.PoolInfo) -> torch.Tensor:
 
 
 class RawEngine:
-    """A bare DEALER speaking the engine protocol frame by frame (replies bounded by CALL_S)."""
+    """A bare unix stream connection speaking the engine protocol frame by frame (replies
+    bounded by CALL_S)."""
 
     def __init__(self, endpoint: str) -> None:
-        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, int(CALL_S * 1000))
-        self.sock.connect(endpoint)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(CALL_S)
+        self.sock.connect(ipc_address(endpoint))
+        self.reader = FrameReader(ep.MAX_FRAME_BYTES)
+        self.frames: list[bytes] = []
 
     def __enter__(self) -> RawEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.sock.close(linger=0)
+        self.sock.close()
+
+    def send_frame(self, frame: bytes) -> None:
+        self.sock.sendall(LENGTH.pack(len(frame)) + frame)
 
     def send(self, msg: ep._Msg) -> None:
-        self.sock.send(ep.encode(msg))
+        self.send_frame(ep.encode(msg))
+
+    def recv_frame(self) -> bytes:
+        while not self.frames:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("closed by the gateway")
+            self.frames += self.reader.feed(data)
+        return self.frames.pop(0)
 
     def recv(self) -> Any:
-        return ep.decode_to_engine([self.sock.recv()])
+        return ep.decode_to_engine([self.recv_frame()])
 
     def call(self, msg: ep._Msg) -> Any:
         self.send(msg)
@@ -353,38 +363,52 @@ def test_unknown_and_foreign_handles_are_refused(
 def test_malformed_frames_get_typed_errors_and_are_counted(
     gateways: tuple[Started, Started],
 ) -> None:
-    """Garbage, bad headers, extra frames and out-of-bounds fields each get an Error; serving goes on."""
+    """Garbage, bad headers and out-of-bounds fields each get an Error; serving goes on."""
     (gw, _, tx_ep), _ = gateways
-    raw = RawEngine(tx_ep)
-    sock = raw.sock
     enc = msgspec.msgpack.encode
-    cases: list[tuple[list[bytes], EngineReason, int]] = [
-        ([b"garbage"], EngineReason.MALFORMED, 0),
-        ([ep.HEADER + b"\xc1"], EngineReason.MALFORMED, 0),
-        ([b"KE\x09" + enc({"t": "describe", "call_id": 5})], EngineReason.UNSUPPORTED_VERSION, 0),
-        ([ep.encode(ep.Describe(call_id=6)), b"x"], EngineReason.MALFORMED, 0),
-        ([ep.HEADER + enc({"t": "launch", "call_id": 7})], EngineReason.UNKNOWN_MESSAGE, 7),
+    cases: list[tuple[bytes, EngineReason, int]] = [
+        (b"garbage", EngineReason.MALFORMED, 0),
+        (ep.HEADER + b"\xc1", EngineReason.MALFORMED, 0),
+        (b"KE\x09" + enc({"t": "describe", "call_id": 5}), EngineReason.UNSUPPORTED_VERSION, 0),
+        (b"", EngineReason.MALFORMED, 0),
+        (ep.HEADER + enc({"t": "launch", "call_id": 7}), EngineReason.UNKNOWN_MESSAGE, 7),
         (
-            [ep.HEADER + enc({"t": "publish", "call_id": 8, "request_id": "r", "block_ids": [-1]})],
+            ep.HEADER + enc({"t": "publish", "call_id": 8, "request_id": "r", "block_ids": [-1]}),
             EngineReason.MALFORMED,
             8,
         ),
-        ([ep.HEADER + enc({"t": "wait", "call_id": 9, "handle_id": 1})], EngineReason.MALFORMED, 9),
+        (ep.HEADER + enc({"t": "wait", "call_id": 9, "handle_id": 1}), EngineReason.MALFORMED, 9),
     ]
-    try:
-        for frames, reason, call_id in cases:
-            sock.send_multipart(frames)
-            reply = ep.decode_to_engine([sock.recv()])
-            assert isinstance(reply, ep.Error), frames
+    with RawEngine(tx_ep) as raw:
+        for frame, reason, call_id in cases:
+            raw.send_frame(frame)
+            reply = raw.recv()
+            assert isinstance(reply, ep.Error), frame
             assert (reply.reason, reply.call_id) == (reason, call_id), reply
-        sock.send(ep.encode(ep.Describe(call_id=10)))
-        assert isinstance(ep.decode_to_engine([sock.recv()]), ep.PoolInfo)
-    finally:
-        sock.close(linger=0)
+        assert isinstance(raw.call(ep.Describe(call_id=10)), ep.PoolInfo)
     counts = gw.stats.snapshot()
     assert counts["rejected_malformed"] == 5
     assert counts["rejected_unsupported_version"] == 1
     assert counts["rejected_unknown_message"] == 1
+
+
+def test_a_frame_over_the_bound_closes_its_connection_only(
+    gateways: tuple[Started, Started],
+) -> None:
+    """A length prefix past the frame bound closes that connection (its length cannot be
+    trusted), is counted, and the gateway serves the next connection."""
+    (gw, _, tx_ep), _ = gateways
+    with RawEngine(tx_ep) as raw:
+        raw.sock.sendall(LENGTH.pack(ep.MAX_FRAME_BYTES + 1) + b"x" * 64)
+        with pytest.raises(ConnectionError):
+            raw.recv_frame()
+    wait_until(
+        lambda: gw.stats.get("engine_connections_dropped") == 1,
+        CALL_S,
+        "the oversized frame's connection was dropped and counted",
+    )
+    with RawEngine(tx_ep) as raw:
+        assert isinstance(raw.call(ep.Describe(call_id=1)), ep.PoolInfo)
 
 
 def test_calls_beyond_max_inflight_get_busy(
@@ -500,13 +524,13 @@ def test_calls_toward_a_stopped_gateway_fail_within_their_bound(
     sender: Sender, start_gateway: Callable[..., Started], sock_dir: str
 ) -> None:
     """A wait in flight when the gateway stops gets shutting_down; later calls raise within timeout_s."""
-    gw, lt, endpoint = start_gateway(sender, "dying")
+    gw, _, endpoint = start_gateway(sender, "dying")
     with RawEngine(endpoint) as raw:
         hid = raw.call(ep.Publish(call_id=1, request_id="gw-dying", block_ids=[39])).handle_id
         raw.send(ep.Wait(call_id=2, handle_id=hid, timeout_ms=30_000))
         assert isinstance(raw.call(ep.Poll(call_id=3, handle_id=hid)), ep.Pending)  # Wait is in
         t0 = time.monotonic()
-        lt.run(gw.stop(2.0))
+        gw.stop(2.0)
         assert time.monotonic() - t0 < 2.0
         stopped = raw.recv()
         assert isinstance(stopped, ep.Error) and stopped.call_id == 2
@@ -514,9 +538,9 @@ def test_calls_toward_a_stopped_gateway_fail_within_their_bound(
     c = Client(endpoint, timeout_s=0.5)
     try:
         t0 = time.monotonic()
-        with pytest.raises(EngineUnavailable) as ei:
+        with pytest.raises(EngineUnavailable) as ei:  # nothing listens there any more
             c.wait(hid, 0.2)
-        assert ei.value.reason is EngineReason.TIMEOUT
+        assert ei.value.reason is EngineReason.PEER_LOST
         assert time.monotonic() - t0 < 0.7 + 1.0
     finally:
         c.close_client()
@@ -548,16 +572,15 @@ def _fetches_of(receiver: Receiver, request_id: str) -> int:
 
 @contextlib.contextmanager
 def hold_gateway(gw: Gateway) -> Iterator[None]:
-    """Keep the gateway's loop busy (as a frozen or overloaded daemon would) until exit: the
-    calls sent meanwhile wait unread, then are read in order."""
+    """Keep the io thread that serves the gateway busy (as a frozen or overloaded daemon
+    would) until exit: the calls sent meanwhile wait unread, then are read in order."""
     release, busy = threading.Event(), threading.Event()
 
     def hold() -> None:
         busy.set()
         release.wait(4 * CALL_S)
 
-    assert gw._loop is not None
-    gw._loop.call_soon_threadsafe(hold)
+    assert gw.service.io.call_soon(hold)
     try:
         assert busy.wait(CALL_S)
         yield
@@ -594,47 +617,43 @@ def test_publish_queued_past_its_deadline_never_runs(
         assert c.close(h, CALL_S)
 
 
-@contextlib.contextmanager
-def hold_close_threads(gw: Gateway) -> Iterator[None]:
-    """Keep every gateway close thread busy (as long closes would) until exit."""
-    release, busy = threading.Event(), threading.Semaphore(0)
-
-    def hold() -> None:
-        busy.release()
-        release.wait(4 * CALL_S)
-
-    assert gw._slow is not None
-    held = [gw._slow.submit(hold) for _ in range(CLOSE_THREADS)]
-    try:
-        for _ in held:
-            assert busy.acquire(timeout=CALL_S)
-        yield
-    finally:
-        release.set()
-        for f in held:
-            f.result(CALL_S)
-
-
-def test_close_queued_past_its_deadline_never_runs(
-    sender: Sender, start_gateway: Callable[..., Started]
+def test_a_wait_whose_engine_gave_up_does_not_close_the_handle(
+    clients: tuple[Client, Client],
+    gateways: tuple[Started, Started],
+    sender: Sender,
 ) -> None:
-    """A close still waiting for a close thread when its caller gives up is refused (timeout) and leaves the request open."""
-    gw, _, endpoint = start_gateway(sender, "late-close")
-    with Client(endpoint, timeout_s=0.5) as c:
-        h = c.publish("gw-late-close", [62])  # never fetched: open, so its close must wait
-        with hold_close_threads(gw):
-            with pytest.raises(EngineUnavailable) as ei:
-                c.close(h, 0.0)
-            assert ei.value.reason is EngineReason.TIMEOUT
-        wait_until(
-            lambda: gw.stats.get("rejected_timeout") >= 1 or c.poll(h) is not None,
-            CALL_S,
-            "the late close was taken off the queue",
+    """A Wait(close) whose transfer ends after the engine's deadline is not closed by the
+    gateway (the engine never hears of it): the handle stays, with its outcome, to be
+    found and closed again."""
+    _, (_, _, rx_ep) = gateways
+    tx, _ = clients
+    rid = "gw-gave-up"
+    with RawEngine(rx_ep) as raw:
+        hid = raw.call(
+            ep.Fetch(
+                call_id=1,
+                request_id=rid,
+                sender_endpoint=sender.endpoint,
+                block_ids=[44],
+                want_aux=False,
+                timeout_ms=4000,
+            )
+        ).handle_id
+        # The engine waits 4 s for the outcome but gives up after 0.3 s (its deadline).
+        gave_up = _unix_ms(0.3)
+        raw.send(
+            ep.Wait(call_id=2, handle_id=hid, timeout_ms=4000, close=True, deadline_unix_ms=gave_up)
         )
-        assert c.poll(h) is None, "a close ran after its caller gave up"
-        assert gw.stats.get("rejected_timeout") == 1
-    with Client(endpoint, timeout_s=CALL_S) as c2:
-        assert c2.close_request("gw-late-close", CALL_S)
+        # The deadline passes while the fetch is parked; then its request is published.
+        wait_until(lambda: _unix_ms() > gave_up + 20, CALL_S, "the engine's deadline passed")
+        h_tx = tx.publish(rid, [45])
+        late = raw.recv()
+        assert isinstance(late, ep.Error) and late.reason is EngineReason.TIMEOUT, late
+        polled = raw.call(ep.Poll(call_id=3, handle_id=hid))  # not closed: still known
+        assert isinstance(polled, ep.Outcome) and polled.ok, polled
+        closed = raw.call(ep.Close(call_id=4, handle_id=hid, timeout_ms=1000))
+        assert isinstance(closed, ep.Closed) and closed.safe
+    assert tx.close(h_tx, CALL_S)
 
 
 def test_expired_calls_are_refused_when_decoded(
@@ -771,11 +790,11 @@ def test_handle_ids_of_a_restarted_gateway_are_new(
     sender: Sender, start_gateway: Callable[..., Started]
 ) -> None:
     """A restarted gateway never issues a handle id of its predecessor, and knows none of them."""
-    gw, lt, endpoint = start_gateway(sender, "first")
+    gw, _, endpoint = start_gateway(sender, "first")
     with Client(endpoint, timeout_s=CALL_S) as c:
         old = c.publish("gw-restart-1", [58])
         assert c.close(old, CALL_S)
-    lt.run(gw.stop(2.0))
+    gw.stop(2.0)
     _, _, endpoint = start_gateway(sender, "second")
     with Client(endpoint, timeout_s=CALL_S) as c:
         new = c.publish("gw-restart-2", [58])
@@ -791,21 +810,36 @@ def test_an_unexpected_error_in_the_serve_task_is_caught_counted_and_reported(
     gateways: tuple[Started, Started], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bug while receiving or handling a frame is logged, counted in thread_errors, makes broken() name it, and serving goes on."""
-    (gw, lt, endpoint), _ = gateways
+    (gw, _, endpoint), _ = gateways
     assert gw.broken() is None
-    sock = gw._sock
-    assert sock is not None
-    real_recv = sock.recv_multipart
     failed = threading.Event()
 
-    def recv_fails_once(*args: Any, **kwargs: Any) -> Any:
-        if not failed.is_set():
-            failed.set()
-            raise RuntimeError("injected receive bug")
-        return real_recv(*args, **kwargs)
+    class FailsOnce:
+        """The gateway's end of the connection, whose first read raises."""
 
-    monkeypatch.setattr(sock, "recv_multipart", recv_fails_once)
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+        def recv(self) -> list[bytes]:
+            if not failed.is_set():
+                failed.set()
+                raise RuntimeError("injected receive bug")
+            return self.real.recv()  # type: ignore[no-any-return]
+
     with Client(endpoint, timeout_s=CALL_S) as c:
+        hold = threading.Event()
+        # Swap the connection's channel on the io thread, before the first call is read.
+        assert c.describe().role == "sender"
+
+        def swap() -> None:
+            for conn in gw._conns.values():
+                conn.channel = FailsOnce(conn.channel)  # type: ignore[assignment]
+            hold.set()
+
+        assert gw.service.io.call_soon(swap) and hold.wait(CALL_S)
         # The first read fails; the call is read again and answered: the gateway lives on.
         assert c.describe().role == "sender"
         assert failed.is_set()
@@ -885,7 +919,7 @@ def test_async_close_client_racing_a_stopping_loop_still_closes_its_socket(
         assert not closer.is_alive()
         lt.thread.join(CALL_S)
         assert not lt.loop.is_running()
-        wait_until(lambda: conn.sock.closed, CALL_S, "the stopped loop's socket is closed")
+        wait_until(lambda: conn.chan.closed, CALL_S, "the stopped loop's socket is closed")
     finally:
         ac.close_client()
         lt.stop()

@@ -293,12 +293,16 @@ class Harness:
             name="race-tx",
             listen="tcp://127.0.0.1:0",
             num_threads=num_threads,
+            # These tests drive the worker threads; the listener's inline writes (small
+            # requests) have their own tests (tests/test_inline_writes.py).
+            inline_write_max_bytes=0,
             pool=POOL,
             deadlines={**SENDER_DEADLINES, **(deadlines or {})},
             limits=limits or {},
         )
         dp = ControlledDataPlane("race-tx")
         sx = Sender(settings, dataplane=dp)
+        dp.notify_as = sx.sender_id  # a real sender's NIXL agent is named after its id
         handle = sx._handle
 
         def hooked(frames: list[bytes], max_bytes: int, *rest: Any) -> None:

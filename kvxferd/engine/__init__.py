@@ -4,7 +4,8 @@ Engines import :mod:`kvxferd.engine.client` only; nothing here imports the servi
 shell or an integration (tests/test_layering.py checks it)::
 
     engine_protocol.py  the engine API's messages (b"KE" + version + msgpack)
-    gateway.py          the engine gateway inside a daemon: the engine API over ipc://
+    channel.py          how frames travel: a unix stream (ipc://) or ZMQ with CURVE (tcp://)
+    gateway.py          the engine gateway inside a daemon, served by the service's io thread
     client.py           what engines import: Client, AsyncClient, attach_pool
     workload.py         the demo workload (daemons, engines, verified content, summary)
 """

@@ -372,6 +372,12 @@ class Gateway:
 
     def io_ready(self, item: Any, events: int, now: float) -> None:
         self.last_progress = now
+        try:
+            self._ready(item, events)
+        except Exception:  # a bug on one turn must not stop the gateway; the fd is read again
+            self.guard.caught("gateway")
+
+    def _ready(self, item: Any, events: int) -> None:
         if item is self._router:
             self._read_router()
             return
@@ -440,6 +446,7 @@ class Gateway:
         self._work.clear()
         self._timers.clear()
         self._stopped.set()
+        self.service.io.changed()  # the io thread must not poll the closed descriptors
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         try:
@@ -1027,7 +1034,7 @@ def _digest(msg: ep.Publish | ep.Fetch) -> bytes:
 def _close(handle: TxHandle | RxHandle, deadline_ms: int) -> bool:
     """Close without waiting (the io thread never waits): not at all once the deadline passed."""
     left = _left_s(deadline_ms)
-    if left is not None and left <= 0:
+    if left is not None and left <= 0:  # the engine gave up: it never hears of this close
         raise _Expired
     return handle.close(0)
 

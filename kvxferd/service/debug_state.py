@@ -77,7 +77,7 @@ def sender_state(
         slices = copy_values(session._slices)
         for sl in slices:
             if sl.writes_in_flight > 0:
-                worker = snd._worker_for(session, sl.peer_id)
+                worker = snd._lane_for(session, sl.peer_id)
                 if not worker.inline:
                     per_worker[worker.index] += sl.writes_in_flight
         if (not session.ended or session.writes_in_flight) and len(listed) < limit:

@@ -9,6 +9,8 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     pool.py       the KV pool (shared memory on the CPU, CUDA tensor on a GPU) and id allocators
     dataplane.py  the NIXL agent behind a narrow interface: register once, add peers, post WRITEs, poll
     control.py    one zmq.Context per process, bounded sends, the guarded shared-dealer pool
+    poller.py     an io thread's wait: ZMQ sockets and file descriptors, sub-millisecond timeouts
+    iohooks.py    what another component (the engine gateway) hands to a service's io thread
     ownership.py  who owns which receiver id, NIXL agent and session; per-identity limits, orphan TTL
     topology.py   a rank's topology record (TP/PP, heads, layout from strides), the compatibility hash
     reshard.py    prefill ranks -> decode rank: which heads and layers of which blocks
@@ -16,7 +18,8 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     session.py    TxSession / RxSession state machines (no I/O): admission, drain, fence
     sender.py     the sender: published requests, peers (replaced, evicted), the ROUTER listener thread
     peer_agents.py  the receivers' NIXL agents on a sender: writes in flight, deferred removals
-    worker.py     a sender worker thread: lanes per receiver, writes in flight, one Result per slice
+    worker.py     a sender worker (a thread, or the listener's inline one): lanes per receiver,
+                  coalesced writes in flight, one notification or Result per slice
     receiver.py   the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table
     waiters.py    completion delivery to threads and to every asyncio loop
     journal.py    one record per request end: its log line, per-peer histograms, failure windows

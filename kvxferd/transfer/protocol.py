@@ -15,8 +15,10 @@ A fetch whose RequestData carries ``notify`` (a nonce) completes by a NIXL notif
 that the sender sends once NIXL reported every WRITE of the fetch DONE (when it sent the
 done Result before), not by a done Result; failures still come as Results::
 
-    notification = b"KN" + version(1 byte) + fetch_id(u64) + nonce(8 bytes)
-                   + nbytes(u64) + aux_bytes(u32)          (little-endian, 31 bytes)
+    notification = b"KN" + version(1 byte) + count(u16)
+                   + count x [fetch_id(u64) + nonce(8 bytes) + nbytes(u64) + aux_bytes(u32)]
+                   (little-endian; at most MAX_BATCH records: the fetches of one receiver
+                   done in one turn of the sender)
 
 Direction and socket::
 
@@ -91,20 +93,30 @@ NONCE_BYTES = 8
 # one message, decoded and handled in order. At most this many frames.
 MAX_BATCH = 64
 NOTIFY_MAGIC = b"KN" + bytes([PROTOCOL_VERSION])
-_NOTIFICATION = struct.Struct("<3sQ8sQI")
+_NOTIFY_HEAD = struct.Struct("<3sH")
+_NOTIFY_RECORD = struct.Struct("<Q8sQI")
+
+Notified = tuple[int, bytes, int, int]  # (fetch_id, nonce, nbytes, aux_bytes)
 
 
-def encode_notification(fetch_id: int, nonce: bytes, nbytes: int, aux_bytes: int) -> bytes:
-    """The NIXL notification the last WRITE of a fetch carries (see the module docstring)."""
-    return _NOTIFICATION.pack(NOTIFY_MAGIC, fetch_id, nonce, nbytes, aux_bytes)
+def encode_notification(records: list[Notified]) -> bytes:
+    """The NIXL notification telling a receiver these fetches are done (module docstring)."""
+    parts = [_NOTIFY_HEAD.pack(NOTIFY_MAGIC, len(records))]
+    parts += [_NOTIFY_RECORD.pack(*r) for r in records]
+    return b"".join(parts)
 
 
-def decode_notification(payload: bytes) -> tuple[int, bytes, int, int] | None:
-    """(fetch_id, nonce, nbytes, aux_bytes) of a notification, or None if it is not one of ours."""
-    if len(payload) != _NOTIFICATION.size or not payload.startswith(NOTIFY_MAGIC):
+def decode_notification(payload: bytes) -> list[Notified] | None:
+    """The records of a notification, or None if it is not one of ours (or malformed)."""
+    if len(payload) < _NOTIFY_HEAD.size or not payload.startswith(NOTIFY_MAGIC):
         return None
-    _, fetch_id, nonce, nbytes, aux_bytes = _NOTIFICATION.unpack(payload)
-    return fetch_id, nonce, nbytes, aux_bytes
+    _, count = _NOTIFY_HEAD.unpack_from(payload)
+    if count > MAX_BATCH or len(payload) != _NOTIFY_HEAD.size + count * _NOTIFY_RECORD.size:
+        return None
+    return [
+        _NOTIFY_RECORD.unpack_from(payload, _NOTIFY_HEAD.size + i * _NOTIFY_RECORD.size)  # type: ignore[misc]
+        for i in range(count)
+    ]
 
 
 class Register(_Msg, tag="register", omit_defaults=True):

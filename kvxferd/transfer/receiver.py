@@ -1252,28 +1252,28 @@ class Receiver:
         """
         got = self.dataplane.notifications()
         for agent, payload in got:
-            parsed = wire.decode_notification(payload)
-            if parsed is None:
+            records = wire.decode_notification(payload)
+            if records is None:
                 self.stats.add("notifications_unknown")
                 continue
-            fetch_id, nonce, nbytes, aux_bytes = parsed
-            with self._lock:
-                rx = self._fetches.get(fetch_id) or self._in_doubt.get(fetch_id)
-            if rx is None:
-                self.stats.add("late_messages")
-                continue
-            sender = rx.sent_to
-            if not (
-                rx.nonce
-                and hmac.compare_digest(nonce, rx.nonce)
-                and sender
-                and (agent == sender or agent.startswith(sender + ".p"))
-            ):
-                self.stats.add("notifications_refused")
-                log.warning("notification for fetch %d refused: not from its sender", fetch_id)
-                continue
-            self.stats.add("notifications")
-            self._apply_result(rx, "done", None, "", nbytes, aux_bytes)
+            for fetch_id, nonce, nbytes, aux_bytes in records:
+                with self._lock:
+                    rx = self._fetches.get(fetch_id) or self._in_doubt.get(fetch_id)
+                if rx is None:
+                    self.stats.add("late_messages")
+                    continue
+                sender = rx.sent_to
+                if not (
+                    rx.nonce
+                    and hmac.compare_digest(nonce, rx.nonce)
+                    and sender
+                    and (agent == sender or agent.startswith(sender + ".p"))
+                ):
+                    self.stats.add("notifications_refused")
+                    log.warning("notification for fetch %d refused: not from its sender", fetch_id)
+                    continue
+                self.stats.add("notifications")
+                self._apply_result(rx, "done", None, "", nbytes, aux_bytes)
         return bool(got)
 
     def _from_asked_sender(self, sock: zmq.Socket[bytes], rx: RxSession, identity: str) -> bool:

@@ -131,7 +131,7 @@ log = logging.getLogger("kvxferd.sender")
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 # After a notification is sent the listener progresses NIXL this long, this often: UCX
 # may hold it until the agent's next progress (dataplane.notify).
-_NOTIFY_PROGRESS_S, _NOTIFY_POLL_S = 0.002, 0.0002
+_NOTIFY_PROGRESS_S, _NOTIFY_POLL_S = 0.0006, 0.00025
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,7 +414,7 @@ class Sender:
         for p, outcome in zip(parked, attached, strict=True):
             if isinstance(outcome, wire.Result):  # sent by the pair's worker, never from here
                 self.stats.add(f"rejected_{outcome.reason}")
-                self._worker_for(session, p.peer.receiver_id).put(ReplyTask(p.peer, outcome))
+                self._lane_for(session, p.peer.receiver_id).put(ReplyTask(p.peer, outcome))
         return TxHandle(self, session)
 
     def _journal_request(self, session: TxSession) -> None:
@@ -1103,27 +1103,31 @@ class Sender:
             self.stats.add(f"rejected_{outcome.reason}")
             reply(outcome)
             return
-        self._worker_for(outcome.session, outcome.peer.receiver_id).put(outcome)
+        self._lane_for(outcome.session, outcome.peer.receiver_id).put(outcome)
 
     def _all_workers(self) -> list[Worker]:
         return self._workers if self._inline is None else [*self._workers, self._inline]
 
-    def _worker_for(self, session: TxSession, peer_id: str) -> Worker:
+    def _lane_for(self, session: TxSession, peer_id: str) -> Worker:
         """The worker of every task of one (request, receiver) pair, so they stay in order.
 
         A request of at most ``inline_write_max_bytes`` (all layers) is written by the
         listener's inline worker: its RequestData is read, its WRITE posted and (with
         these transports) completed by one thread, with no hand-off. Larger ones go to
-        the ``num_threads`` workers, whose WRITEs overlap.
+        the ``num_threads`` workers (``_worker_for``), whose WRITEs overlap.
         """
         if self._inline is not None:
             layout = self.pool.layout
             size = int(session.block_ids.size) * layout.block_bytes * layout.num_layers
             if size + session.aux_len <= self._inline_max:
                 return self._inline
+        return self._worker_for(session.request_id, peer_id)
+
+    def _worker_for(self, request_id: str, peer_id: str) -> Worker:
+        """The worker thread of a (request, receiver) pair written by the workers."""
         # Not CRC32: it is affine, so with 2^k workers two receivers' workers differed by a
         # constant for every request, and 1 pair in 4 always shared one worker.
-        key = f"{session.request_id}\x00{peer_id}".encode()
+        key = f"{request_id}\x00{peer_id}".encode()
         h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return self._workers[h % len(self._workers)]
 
@@ -1187,7 +1191,7 @@ class Sender:
             return
         session.cancel(Reason.CANCELLED, "cancelled by the receiver")
         # The ack goes after the slice's own result, from the worker that owns the pair.
-        self._worker_for(session, peer.receiver_id).put(AckTask(session, peer, msg.fetch_id))
+        self._lane_for(session, peer.receiver_id).put(AckTask(session, peer, msg.fetch_id))
 
     def _housekeeping(self, now: float) -> None:
         expired: list[_Pending] = []

@@ -86,6 +86,7 @@ jlog = logging.getLogger("kvxferd.journal")  # per-request lines: fields in extr
 TICK_S = 0.05  # listener/worker housekeeping period
 STOP = object()  # a worker's last task
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3  # back-off between polls of writes in flight
+MAX_COALESCED = 32  # slices one coalesced WRITE serves at most (see Worker._coalesce)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,18 +185,21 @@ class WorkerHost(Protocol):
 
 @dataclass(slots=True)
 class _Write:
-    """One posted WRITE (KV or AUX of one slice) and where it stands."""
+    """One posted WRITE and where it stands; it serves one slice, or several coalesced."""
 
-    task: WriteTask
+    parts: list[tuple[WriteTask, int]]  # (the slice's task, its bytes in this WRITE)
     kind: str  # "kv" | "aux"
     xfer: Xfer
     state: str  # last polled: "PROC" | "DONE" | "ERR"
-    nbytes: int
-    stall_at: float  # monotonic; past it the slice is in doubt
+    stall_at: float  # monotonic; past it the slices are in doubt
     lane_held: bool = True  # still holds its lane (not stalled, not in doubt)
     doubt: str = ""  # why it is in doubt (a raise, a refused release), "" when not
     error: str = ""
     over: bool = False  # NIXL released it: settled (or being settled) by _ended
+
+    @property
+    def task(self) -> WriteTask:
+        return self.parts[0][0]
 
 
 @dataclass(slots=True)
@@ -204,6 +208,16 @@ class _Outgoing:
     deadline: float
     tag: str
     fetch_id: int
+
+
+def _done_result(task: WriteTask, fetch_id: int, nbytes: int, aux: int) -> wire.Result:
+    return wire.Result(
+        request_id=task.session.request_id,
+        fetch_id=fetch_id,
+        status="done",
+        nbytes=nbytes,
+        aux_bytes=aux,
+    )
 
 
 class Worker:
@@ -230,6 +244,8 @@ class Worker:
         self._busy_lanes: set[str] = set()  # receiver ids with a write holding their lane
         self._busy_sessions: dict[int, int] = {}  # session id -> writes holding a lane
         self._writes: list[_Write] = []  # every write in flight, stalled ones included
+        # This turn's done slices per receiver NIXL agent, told by one notification each.
+        self._notes: dict[str, list[tuple[WriteTask, tuple[int, bytes, int, int]]]] = {}
         self._stopping = False
         self._again = False  # a lane may be startable now: run the next turn without waiting
         self._poll_delay = _POLL_MIN_S
@@ -310,6 +326,8 @@ class Worker:
                 # A small write is often done at once: report it this turn (and if that
                 # frees a lane, start its next task next turn without waiting).
                 self._again = self._poll_writes()
+        if self._notes:
+            self._flush_notes()
         if self._outbox:
             self._flush()
         self._poll_delay = _POLL_MIN_S if progressed else min(self._poll_delay * 2, _POLL_MAX_S)
@@ -360,7 +378,11 @@ class Worker:
                     if self._lane_writes() >= limit and not self._stopping:
                         break
                     lane.popleft()
-                    self._guarded(task)
+                    batch = self._coalesce(task, lane)
+                    if batch:
+                        self._guarded([task, *batch])
+                    else:
+                        self._guarded(task)
                 elif isinstance(task, AckTask):
                     lane.popleft()
                     self._guarded(task)
@@ -373,18 +395,112 @@ class Worker:
                 del self._lanes[rid]
         return started
 
-    def _guarded(self, task: WriteTask | AckTask) -> None:
+    def _coalesce(self, first: WriteTask, lane: deque[object]) -> list[WriteTask]:
+        """The WriteTasks right behind ``first`` in its lane that one WRITE can serve with it.
+
+        Small requests of one receiver queue up while others are written; posting them as
+        one NIXL transfer (one post, one status, one release) and telling the receiver
+        with one notification costs what one request cost (issue 22). Only plain slices
+        coalesce: prepared whole-pool lists, the same layers, no aux, each its own session.
+        """
+        if not self._plain(first):
+            return []
+        out: list[WriteTask] = []
+        sessions = {first.session.session_id}
+        while lane and len(out) < MAX_COALESCED - 1:
+            nxt = lane[0]
+            if not (
+                isinstance(nxt, WriteTask)
+                and self._plain(nxt)
+                and nxt.slice.layer_begin == first.slice.layer_begin
+                and nxt.slice.layer_end == first.slice.layer_end
+                and nxt.session.session_id not in sessions
+                and nxt.session.session_id not in self._busy_sessions
+            ):
+                break
+            out.append(lane.popleft())  # type: ignore[arg-type]
+            sessions.add(nxt.session.session_id)
+        return out
+
+    @staticmethod
+    def _plain(task: WriteTask) -> bool:
+        peer, s = task.peer, task.session
+        return (
+            peer.prepped
+            and (peer.piece is None or peer.topology is None)
+            and not (s.aux_len > 0 and task.slice.aux_slot >= 0)
+        )
+
+    def _post_many(self, tasks: list[WriteTask]) -> None:
+        """Admit plain slices of one receiver and post them as one KV WRITE (``_coalesce``)."""
+        host, peer = self.host, tasks[0].peer
+        admitted: list[WriteTask] = []
+        for task in tasks:
+            s, sl = task.session, task.slice
+            if s.admit_write(sl) is not None:
+                host.stats.add("writes_refused")
+                self._slice_over(task)
+            elif not host.peer_write_started(peer):
+                s.release_admission(
+                    sl, f"receiver {peer.receiver_id} restarted", Reason.PEER_RESTARTED
+                )
+                host.stats.add("writes_refused_peer_gone")
+                self._slice_over(task)
+            else:
+                admitted.append(task)
+        if not admitted:
+            return
+        lb, le = admitted[0].slice.layer_begin, admitted[0].slice.layer_end
+        src = np.concatenate([t.session.block_ids for t in admitted])
+        dst = np.concatenate([t.slice.dst_blocks for t in admitted])
+        per_block = host.pool.layout.block_bytes * (le - lb)
         try:
-            if isinstance(task, WriteTask):
+            xfer, state = host.dataplane.post_blocks(peer.nixl_name, src, dst, lb, le)
+        except Exception as e:  # nothing was posted: give every admission back first
+            stalled = isinstance(e, PathStalled)
+            for task in admitted:
+                task.session.release_admission(
+                    task.slice,
+                    f"kv write not posted: {e}",
+                    Reason.PEER_LOST if stalled else Reason.BUILD_FAILED,
+                )
+                host.peer_write_ended(peer)
+            host.stats.add(
+                "writes_refused_stalled_path" if stalled else "writes_build_failed", len(admitted)
+            )
+            if not stalled:
+                host.peer_failed(peer, f"kv write not posted: {e}")
+            for task in admitted:
+                self._slice_over(task)
+            return
+        host.stats.add("writes_coalesced", len(admitted) - 1)
+        now = time.monotonic()
+        parts = []
+        for task in admitted:
+            if not task.slice.posted_at:
+                task.slice.posted_at = now
+            parts.append((task, int(task.session.block_ids.size) * per_block))
+            sid = task.session.session_id
+            self._busy_sessions[sid] = self._busy_sessions.get(sid, 0) + 1
+        stall_at = now + host.settings.deadlines.xfer_stall_timeout_ms / 1000
+        self._writes.append(_Write(parts, "kv", xfer, state, stall_at))
+        self._busy_lanes.add(peer.receiver_id)
+
+    def _guarded(self, task: WriteTask | AckTask | list[WriteTask]) -> None:
+        try:
+            if isinstance(task, list):
+                self._post_many(task)
+            elif isinstance(task, WriteTask):
                 self._begin_slice(task)
             else:
                 self._ack_cancel(task)
         except Exception:
             self.host.guard.caught(f"{self.name}: task")
-            if isinstance(task, WriteTask):  # the slice still gets its one final result
-                task.session.fail_slice(task.slice, Reason.TRANSFER_ERROR, "internal error")
-                task.session.fail(Reason.TRANSFER_ERROR, "internal error")
-                self._report(task)
+            for t in task if isinstance(task, list) else [task]:
+                if isinstance(t, WriteTask):  # the slice still gets its one final result
+                    t.session.fail_slice(t.slice, Reason.TRANSFER_ERROR, "internal error")
+                    t.session.fail(Reason.TRANSFER_ERROR, "internal error")
+                    self._report(t)
 
     def _begin_slice(self, task: WriteTask) -> None:
         if not self._post(task, "kv"):
@@ -436,7 +552,7 @@ class Worker:
         if not sl.posted_at:
             sl.posted_at = now
         stall_at = now + host.settings.deadlines.xfer_stall_timeout_ms / 1000
-        self._writes.append(_Write(task, kind, xfer, state, nbytes, stall_at))
+        self._writes.append(_Write([(task, nbytes)], kind, xfer, state, stall_at))
         self._busy_lanes.add(peer.receiver_id)
         self._busy_sessions[s.session_id] = self._busy_sessions.get(s.session_id, 0) + 1
         return True
@@ -518,20 +634,20 @@ class Worker:
         if w.lane_held and now >= w.stall_at:
             self._in_doubt(w, Reason.STALLED, f"{w.kind} write in progress past xfer_stall_timeout")
             self.host.stats.add("writes_stalled")
-            task = w.task
-            jlog.warning(  # when it stalls, not only when it is given up
-                "write stalled",
-                extra={
-                    "request_id": task.session.request_id,
-                    "role": "sender",
-                    "peer": task.peer.result_endpoint,
-                    "fetch_id": task.slice.fetch_id,
-                    "write": w.kind,
-                    "bytes": w.nbytes,
-                    "blocks": int(task.slice.dst_blocks.size),
-                    "stalled_ms": round((now - task.slice.posted_at) * 1000, 3),
-                },
-            )
+            for task, nbytes in w.parts:
+                jlog.warning(  # when it stalls, not only when it is given up
+                    "write stalled",
+                    extra={
+                        "request_id": task.session.request_id,
+                        "role": "sender",
+                        "peer": task.peer.result_endpoint,
+                        "fetch_id": task.slice.fetch_id,
+                        "write": w.kind,
+                        "bytes": nbytes,
+                        "blocks": int(task.slice.dst_blocks.size),
+                        "stalled_ms": round((now - task.slice.posted_at) * 1000, 3),
+                    },
+                )
             return True
         return False
 
@@ -555,59 +671,69 @@ class Worker:
         return True
 
     def _in_doubt(self, w: _Write, reason: Reason, detail: str) -> None:
-        """The write may still land: report the slice in doubt and free its lane."""
-        task = w.task
-        task.session.write_in_doubt(task.slice, reason, detail)
+        """The write may still land: report its slices in doubt and free its lane."""
+        for task, _ in w.parts:
+            task.session.write_in_doubt(task.slice, reason, detail)
         self._free_lane(w)
-        self._report(task)
-        if task.session.drained:  # pragma: no cover - in doubt means still in flight
-            self.host.session_drained(task.session)
+        for task, _ in w.parts:
+            self._report(task)
+            if task.session.drained:  # pragma: no cover - in doubt means still in flight
+                self.host.session_drained(task.session)
 
     def _free_lane(self, w: _Write) -> None:
         if not w.lane_held:
             return
         w.lane_held = False
-        task = w.task
-        self._busy_lanes.discard(task.peer.receiver_id)
-        sid = task.session.session_id
-        n = self._busy_sessions.get(sid, 0) - 1
-        if n > 0:
-            self._busy_sessions[sid] = n
-        else:
-            self._busy_sessions.pop(sid, None)
+        self._busy_lanes.discard(w.task.peer.receiver_id)
+        for task, _ in w.parts:
+            sid = task.session.session_id
+            n = self._busy_sessions.get(sid, 0) - 1
+            if n > 0:
+                self._busy_sessions[sid] = n
+            else:
+                self._busy_sessions.pop(sid, None)
 
     def _ended(self, w: _Write, ok: bool) -> None:
-        """NIXL released the write: it is over, one way or the other."""
+        """NIXL released the write: it is over, one way or the other, for each of its slices."""
         w.over = True
-        host, task = self.host, w.task
-        s, sl = task.session, task.slice
-        was_doubt = sl.state is SliceState.IN_DOUBT
+        host = self.host
+        held = w.lane_held
         detail = "" if ok else f"NIXL reported an error ({w.kind}){w.error}"
-        sl.written_at = time.monotonic()
-        s.finish_write(sl, ok, w.nbytes if ok else 0, detail)
-        host.stats.add("bytes_written" if ok else "writes_failed", w.nbytes if ok else 1)
-        host.peer_write_ended(task.peer)
+        now = time.monotonic()
+        was_doubt = []
+        for task, nbytes in w.parts:
+            s, sl = task.session, task.slice
+            was_doubt.append(sl.state is SliceState.IN_DOUBT)
+            sl.written_at = now
+            s.finish_write(sl, ok, nbytes if ok else 0, detail)
+            host.stats.add("bytes_written" if ok else "writes_failed", nbytes if ok else 1)
+            host.peer_write_ended(task.peer)
         if not ok and w.state == "ERR":  # NIXL's answer: the transport toward it failed
-            host.peer_failed(task.peer, detail)
-        if not w.lane_held:  # it had been reported in doubt: tell the receiver it is over
-            if was_doubt and sl.writes_in_flight == 0:
-                host.stats.add("in_doubt_resolved")
-                self._enqueue(
-                    task.peer,
-                    wire.CancelAck(request_id=s.request_id, fetch_id=sl.fetch_id, in_doubt=False),
-                )
-            if s.drained:
-                host.session_drained(s)
+            host.peer_failed(w.task.peer, detail)
+        if not held:  # it had been reported in doubt: tell the receiver it is over
+            for (task, _), doubted in zip(w.parts, was_doubt, strict=True):
+                s, sl = task.session, task.slice
+                if doubted and sl.writes_in_flight == 0:
+                    host.stats.add("in_doubt_resolved")
+                    self._enqueue(
+                        task.peer,
+                        wire.CancelAck(
+                            request_id=s.request_id, fetch_id=sl.fetch_id, in_doubt=False
+                        ),
+                    )
+                if s.drained:
+                    host.session_drained(s)
             return
         self._free_lane(w)
-        if ok and w.kind == "kv" and s.aux_len > 0 and sl.aux_slot >= 0:
-            if self._post(task, "aux"):
-                return
+        for task, _ in w.parts:
+            s, sl = task.session, task.slice
+            if ok and w.kind == "kv" and s.aux_len > 0 and sl.aux_slot >= 0:
+                if not self._post(task, "aux"):
+                    self._slice_over(task)
+                continue
+            if ok:
+                s.slice_written(sl)
             self._slice_over(task)
-            return
-        if ok:
-            s.slice_written(sl)
-        self._slice_over(task)
 
     def _slice_over(self, task: WriteTask) -> None:
         self._report(task)
@@ -689,7 +815,7 @@ class Worker:
         now = time.monotonic()
         stats.add(f"slices_{rep.status}")
         stats.observe("slice_seconds", now - task.queued_at)
-        stats.add(f"worker_{self.index}_slices")
+        stats.add("inline_slices" if self.inline else f"worker_{self.index}_slices")
         sl = task.slice
         self.host.journal.record(
             Ending(
@@ -708,8 +834,8 @@ class Worker:
                 transfer_s=sl.written_at - sl.posted_at if sl.written_at and sl.posted_at else None,
             )
         )
-        if rep.status == "done" and sl.notify and self._notify(task, rep.nbytes):
-            stats.add("slices_done_notified")
+        if rep.status == "done" and sl.notify:
+            self._notify(task, rep.nbytes)
             return
         self._enqueue(
             task.peer,
@@ -726,23 +852,37 @@ class Worker:
             ),
         )
 
-    def _notify(self, task: WriteTask, nbytes: int) -> bool:
+    def _notify(self, task: WriteTask, nbytes: int) -> None:
         """Tell the receiver its fetch is done with a NIXL notification, not a Result.
 
         Sent once NIXL reported every WRITE of the slice DONE (exactly when the done Result
         was sent before), so its arrival means the bytes are in place; it carries the
-        receiver's nonce (protocol.py). False when NIXL refused it: the Result goes instead.
+        receiver's nonce (protocol.py). The slices done in one turn toward one receiver
+        share one notification (``_flush_notes``, at the end of the turn).
         """
         sl, s = task.slice, task.session
         aux = s.aux_len if sl.aux_slot >= 0 else 0
-        payload = wire.encode_notification(sl.fetch_id, sl.notify, nbytes, aux)
-        try:
-            self.host.dataplane.notify(task.peer.nixl_name, payload)
-        except Exception as e:
-            self.host.stats.add("notifications_failed")
-            log.warning("notification for fetch %d not sent (%s): a Result goes", sl.fetch_id, e)
-            return False
-        return True
+        self._notes.setdefault(task.peer.nixl_name, []).append(
+            (task, (sl.fetch_id, sl.notify, nbytes, aux))
+        )
+
+    def _flush_notes(self) -> None:
+        """Send this turn's notifications, one per receiver; where NIXL refuses one, the
+        done Results go instead."""
+        notes, self._notes = self._notes, {}
+        for peer, items in notes.items():
+            for i in range(0, len(items), wire.MAX_BATCH):
+                chunk = items[i : i + wire.MAX_BATCH]
+                payload = wire.encode_notification([rec for _, rec in chunk])
+                try:
+                    self.host.dataplane.notify(peer, payload)
+                except Exception as e:
+                    self.host.stats.add("notifications_failed")
+                    log.warning("notification to %s not sent (%s): Results go instead", peer, e)
+                    for task, (fetch_id, _, nbytes, aux) in chunk:
+                        self._enqueue(task.peer, _done_result(task, fetch_id, nbytes, aux))
+                    continue
+                self.host.stats.add("slices_done_notified", len(chunk))
 
     def _ack_cancel(self, task: AckTask) -> None:
         sl = task.session.slice((task.peer.receiver_id, task.fetch_id))
