@@ -209,6 +209,7 @@ class TestSenderOnPreparedLists:
         )
         dp = ControlledDataPlane("prep-tx", prepped=True)
         sx = Sender(sx_settings, dataplane=dp).start()
+        dp.notify_as = sx.sender_id  # a real sender's NIXL agent is named after its id
         rx_settings = load_receiver_settings(
             name="prep-rx", result_endpoint="tcp://127.0.0.1:0", pool=self.POOL
         )

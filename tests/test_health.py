@@ -269,6 +269,7 @@ def sender() -> Iterator[tuple[Sender, ControlledDataPlane]]:
     )
     dp = ControlledDataPlane("probe-tx")
     sx = Sender(settings, dataplane=dp).start()
+    dp.notify_as = sx.sender_id  # a real sender's NIXL agent is named after its id
     try:
         yield sx, dp
     finally:
@@ -391,16 +392,16 @@ def test_receiver_io_error_is_caught_fetches_go_on_and_healthz_is_503(
     sx, dp = sender
     rx = receiver()
     try:
-        real_progress = rx.dataplane.progress
+        real_notifications = rx.dataplane.notifications
         raised = threading.Event()
 
-        def progress_once() -> None:
+        def notifications_once() -> list[tuple[str, bytes]]:
             if not raised.is_set():
                 raised.set()
                 raise RuntimeError("injected io fault")
-            real_progress()
+            return real_notifications()
 
-        monkeypatch.setattr(rx.dataplane, "progress", progress_once)
+        monkeypatch.setattr(rx.dataplane, "notifications", notifications_once)
         assert raised.wait(WAIT_S)
         sx.publish("req-after-fault", [3])
         h = rx.fetch("req-after-fault", sx.endpoint, [6])

@@ -51,12 +51,14 @@ def pair() -> Iterator[tuple[Sender, ControlledDataPlane, Receiver]]:
         name="ready-tx",
         listen="tcp://127.0.0.1:0",
         num_threads=2,
+        inline_write_max_bytes=0,  # the worker threads write (one dies in a test below)
         pool=POOL,
         health=HEALTH,
         deadlines=dict(drain_timeout_ms=500, shutdown_timeout_ms=3000),
     )
     dp = ControlledDataPlane("ready-tx")
     sx = Sender(tx_settings, dataplane=dp).start()
+    dp.notify_as = sx.sender_id  # a real sender's NIXL agent is named after its id
     rx_settings = load_receiver_settings(
         name="ready-rx",
         result_endpoint="tcp://127.0.0.1:0",
@@ -243,7 +245,7 @@ def test_a_dead_worker_thread_fails_healthz_and_readyz_and_the_metric_names_the_
     sx, _, _ = pair
     worker = sx._workers[1]
 
-    def die() -> None:
+    def die(*_: object) -> None:
         raise SystemExit  # not an Exception: the worker's guard lets it end the thread
 
     worker._turn = die  # type: ignore[method-assign]

@@ -55,6 +55,7 @@ class ScriptedSender:
         wait_until(lambda: self._try_bind(endpoint), WAIT_S, f"bind {endpoint}", poll=0.02)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
         self.seen: list[object] = []
+        self.queued: list[object] = []  # decoded, not handed out yet
         self.routing_id = b""
 
     def _try_bind(self, endpoint: str) -> bool:
@@ -67,18 +68,24 @@ class ScriptedSender:
         return True
 
     def next(self, kind: type[Any], timeout: float = WAIT_S) -> Any:
-        """The next message of ``kind`` (others are kept in ``seen``); AssertionError on timeout."""
+        """The next message of ``kind`` (others are kept in ``seen``); AssertionError on timeout.
+
+        A receiver sends the messages of one turn as one multipart message: each frame
+        after the routing id is one message (protocol.py, MAX_BATCH).
+        """
         deadline = time.monotonic() + timeout
         while True:
+            while self.queued:
+                msg = self.queued.pop(0)
+                self.seen.append(msg)
+                if isinstance(msg, kind):
+                    return msg
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
                 raise AssertionError(f"no {kind.__name__} within {timeout}s; seen {self.seen}")
             rid, *body = self.sock.recv_multipart()
-            msg = wire.decode_to_sender(body, 1 << 24)
-            self.seen.append(msg)
             self.routing_id = rid
-            if isinstance(msg, kind):
-                return msg
+            self.queued += [wire.decode_to_sender([frame], 1 << 24) for frame in body]
 
     def quiet(self, kind: type[Any], seconds: float) -> bool:
         """True when no message of ``kind`` arrives within ``seconds``."""

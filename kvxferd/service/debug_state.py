@@ -59,6 +59,8 @@ def sender_state(
                     expires_in_s}]}  fetches waiting for their request to be published
         workers    [{index, alive, queue_depth, lanes_busy, writes_in_flight,
                      last_progress_age_s}]
+        inline     {queue_depth, lanes_busy, writes_in_flight}: the listener's own writes
+                   (requests up to inline_write_max_bytes), or null when it makes none
         aux_slots  {free, total}
         journal    {endings, idle_s, last_done_age_s, window_s,
                     peer_rates [{peer, failed, total, ratio}]}
@@ -69,6 +71,7 @@ def sender_state(
     by_state = dict.fromkeys((st.value for st in TxState), 0)
     oldest: dict[str, float] = {}
     per_worker = [0] * len(snd._workers)
+    inline_writes = 0
     listed: list[dict[str, Any]] = []
     for session in sessions:
         state = session.state.value
@@ -78,7 +81,9 @@ def sender_state(
         for sl in slices:
             if sl.writes_in_flight > 0:
                 worker = snd._lane_for(session, sl.peer_id)
-                if not worker.inline:
+                if worker.inline:
+                    inline_writes += sl.writes_in_flight
+                else:
                     per_worker[worker.index] += sl.writes_in_flight
         if (not session.ended or session.writes_in_flight) and len(listed) < limit:
             listed.append(_tx_session_view(session, slices, now))
@@ -156,6 +161,14 @@ def sender_state(
             }
             for i, w in enumerate(snd._workers)
         ],
+        # The listener's own writes (requests up to inline_write_max_bytes), if it makes any.
+        "inline": None
+        if snd._inline is None
+        else {
+            "queue_depth": snd._inline.queue.qsize(),
+            "lanes_busy": len(snd._inline._busy_lanes),
+            "writes_in_flight": inline_writes,
+        },
         "aux_slots": {"free": snd.aux_slots.free, "total": settings.pool.aux_slots},
         "journal": _journal_view(snd.journal, now),
         "stats": snd.stats.snapshot(),

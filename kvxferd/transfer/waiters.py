@@ -32,7 +32,6 @@ class Flag:
     the sender's CPU per small request (issue 22).
     """
 
-    __slots__ = ("_set", "_event")
     _lock = threading.Lock()  # only around creating an event (rare): one for all flags
 
     def __init__(self) -> None:
