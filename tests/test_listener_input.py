@@ -205,7 +205,7 @@ def test_a_frame_that_is_not_a_message_gets_a_malformed_reject(
     assert_serves_a_transfer(sender, receiver)
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, 255])
 def test_another_protocol_version_gets_an_unsupported_version_reject(
     sender: Sender, receiver: Receiver, raw: zmq.Socket[bytes], version: int
 ) -> None:
@@ -218,16 +218,30 @@ def test_another_protocol_version_gets_an_unsupported_version_reject(
     assert_serves_a_transfer(sender, receiver)
 
 
-def test_a_multi_frame_message_gets_exactly_one_malformed_reject(
+def test_the_frames_of_one_multipart_message_are_handled_one_by_one_in_order(
     sender: Sender, receiver: Receiver, raw: zmq.Socket[bytes]
 ) -> None:
-    """Two valid frames sent as one multipart message are one malformed message, not two requests."""
+    """A receiver batches the messages of one turn as one multipart message: each frame is
+    one message, handled (and refused) on its own, in order."""
     frame = wire.encode(wire.Cancel(request_id="q", fetch_id=1))
-    raw.send_multipart([frame, frame])
+    raw.send_multipart([b"garbage", frame])
+    expect_reject(raw, Reason.MALFORMED)
+    reply = expect_reject(raw, Reason.UNKNOWN_PEER)  # the Cancel, before any Register
+    assert "CANCEL before REGISTER" in reply.detail
+    assert rejected(sender) == {"rejected_malformed": 1, "rejected_unknown_peer": 1}
+    assert_serves_a_transfer(sender, receiver)
+
+
+def test_a_message_of_more_frames_than_a_batch_gets_exactly_one_malformed_reject(
+    sender: Sender, receiver: Receiver, raw: zmq.Socket[bytes]
+) -> None:
+    """More than MAX_BATCH frames in one message are one malformed message, none handled."""
+    frame = wire.encode(wire.Cancel(request_id="q", fetch_id=1))
+    raw.send_multipart([frame] * (wire.MAX_BATCH + 1))
     reply = expect_reject(raw, Reason.MALFORMED)
-    assert "got 2" in reply.detail
+    assert f"at most {wire.MAX_BATCH}" in reply.detail
     assert_next_reply_is_to_a_probe(raw)
-    assert rejected(sender) == {"rejected_malformed": 2}  # the multipart message and the probe
+    assert rejected(sender) == {"rejected_malformed": 2}  # the message and the probe
     assert sender.stats.get("cancels") == 0
     assert_serves_a_transfer(sender, receiver)
 
