@@ -109,6 +109,11 @@ class DataPlaneSettings(_Frozen):
         description="sender: local NIXL agents (connections per receiver) at most; a receiver "
         "whose writes stall past xfer_stall_timeout_ms is moved to a fresh one (1: never)",
     )
+    notifications: bool = Field(
+        True,
+        description="receiver: ask senders to tell a fetch done by a NIXL notification once its"
+        " WRITEs completed (no control message on the success path); false: a done Result",
+    )
 
 
 class Deadlines(_Frozen):

@@ -3,7 +3,9 @@
 The real Sender and Receiver (controllable data planes) run behind real CURVE
 sockets (tests/authz_world.py): the receiver's result ROUTER authenticates every
 peer, the sender's workers dial it with the sender's key, and a forger dials it
-with a key of its own.
+with a key of its own. The receivers here ask for done Results (``notifications``
+off): the Result path is what these tests check; the notification path's checks are
+in tests/test_notifications.py.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def test_forged_results_from_another_key_are_dropped_and_counted(
     world.serving(tx_keys)
     sx, dp = h.sender()
     world.serving(rx_keys)
-    rx = h.receiver("rx-victim")
+    rx = h.receiver("rx-victim", notifications=False)
     world.dial_as(rx.bound_result_endpoint, tx_keys)  # the sender's workers use its key
     sx.publish("req-1", BLOCKS)
     f = rx.fetch("req-1", sx.endpoint, [9, 10, 11], sender_key=tx_keys.identity)
@@ -69,7 +71,7 @@ def test_a_fetch_expecting_another_key_takes_nothing_from_this_sender(
     world.serving(tx_keys)
     sx, dp = h.sender()
     world.serving(rx_keys)
-    rx = h.receiver("rx-victim")
+    rx = h.receiver("rx-victim", notifications=False)
     world.dial_as(rx.bound_result_endpoint, tx_keys)
     sx.publish("req-1", BLOCKS)
     f = rx.fetch("req-1", sx.endpoint, [9, 10, 11], sender_key=Keys.new().identity, timeout_ms=1500)

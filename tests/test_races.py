@@ -316,12 +316,14 @@ class Harness:
         self._senders.append((sx, dp))
         return sx.start(), dp
 
-    def receiver(self, name: str) -> Receiver:
+    def receiver(self, name: str, *, notifications: bool = True) -> Receiver:
+        """``notifications`` False: done Results, not NIXL notifications (the Result path)."""
         settings = load_receiver_settings(
             name=name,
             result_endpoint="tcp://127.0.0.1:0",
             pool=POOL,
             deadlines=RECEIVER_DEADLINES,
+            dataplane={"notifications": notifications},
         )
         rx = Receiver(settings, dataplane=ControlledDataPlane(name))
         self._receivers.append(rx)

@@ -126,6 +126,7 @@ class _Link:
     dealer: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]  # libzmq's events for ``dealer`` (connected, disconnected, retried)
     register_deadline: float
+    server_key: str = ""  # the key the sender must present here (CURVE verifies it); "": off
     ready: bool = False  # the last Register was answered ok
     sender_id: str = ""  # the incarnation that answered it; another one means a restart
     ever_connected: bool = False
@@ -724,7 +725,7 @@ class Receiver:
             dealer.close(linger=0)
             self.stats.add("connect_errors")
             return f"cannot watch the connection to {endpoint!r}: {e}"
-        link = _Link(endpoint, dealer, monitor, 0.0)
+        link = _Link(endpoint, dealer, monitor, 0.0, server_key)
         self._links[endpoint] = link
         self._by_socket[dealer] = link
         self._by_socket[monitor] = link
@@ -1007,7 +1008,7 @@ class Receiver:
             timeout_ms=min(max(1, int(left_s * 1000)), 3_600_000),
             deadline_unix_ms=max(1, int((time.time() + left_s) * 1000)),
             token=rx.token,
-            notify=rx.nonce,
+            notify=rx.nonce if self.settings.dataplane.notifications else b"",
         )
         was_sent = rx.sent
         # Marked sent now: a Cancel of this fetch goes on the same link after the batch
@@ -1262,19 +1263,37 @@ class Receiver:
                 if rx is None:
                     self.stats.add("late_messages")
                     continue
-                sender = rx.sent_to
-                if not (
-                    rx.nonce
-                    and hmac.compare_digest(nonce, rx.nonce)
-                    and sender
-                    and (agent == sender or agent.startswith(sender + ".p"))
-                ):
+                if not self._notified_by_its_sender(rx, agent, nonce):
                     self.stats.add("notifications_refused")
                     log.warning("notification for fetch %d refused: not from its sender", fetch_id)
                     continue
                 self.stats.add("notifications")
                 self._apply_result(rx, "done", None, "", nbytes, aux_bytes)
         return bool(got)
+
+    def _notified_by_its_sender(self, rx: RxSession, agent: str, nonce: bytes) -> bool:
+        """True when a notification for ``rx`` is its sender's word, as a Result would be.
+
+        The nonce went only to that sender, over the link whose server key (CURVE verifies
+        it) is the key the fetch expects; the NIXL agent is that sender incarnation's; and
+        the key is still in the allow-list (a revoked key completes nothing, counted as a
+        refused Result would be).
+        """
+        sender = rx.sent_to
+        if not (
+            rx.nonce
+            and hmac.compare_digest(nonce, rx.nonce)
+            and sender
+            and (agent == sender or agent.startswith(sender + ".p"))
+        ):
+            return False
+        link = self._links.get(rx.sender_endpoint)
+        if link is None or link.server_key != rx.sender_key:
+            return False
+        if rx.sender_key and not self.transport.admits(rx.sender_key):
+            self.stats.add(f"rejected_{Reason.NOT_AUTHORIZED}")
+            return False
+        return True
 
     def _from_asked_sender(self, sock: zmq.Socket[bytes], rx: RxSession, identity: str) -> bool:
         """True when a Result/CancelAck for ``rx`` came from the sender ``rx`` was sent to.
