@@ -181,11 +181,6 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Done slices told to their receiver by a NIXL notification instead of a Result",
     ),
     _c(
-        "notifications_failed",
-        _S,
-        "NIXL notifications the data plane refused (the done Results went instead)",
-    ),
-    _c(
         "writes_coalesced",
         _S,
         "Slices written in a WRITE shared with an earlier slice of the same receiver",

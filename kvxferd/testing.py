@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvxferd.transfer.dataplane import XferState
@@ -35,6 +36,8 @@ class ControlledXfer:
     posted: threading.Event = field(default_factory=threading.Event)
     polled: threading.Event = field(default_factory=threading.Event)
     released: bool = False
+    notif: bytes = b""  # the notification the WRITE carries: delivered when it finishes ok
+    deliver: Callable[[bytes], None] | None = None
 
     def poll(self) -> XferState:
         self.polled.set()
@@ -47,6 +50,9 @@ class ControlledXfer:
         return True
 
     def finish(self, ok: bool = True) -> None:
+        """End the WRITE; a successful one delivers its notification first (as NIXL does)."""
+        if ok and self.notif and self.deliver is not None:
+            self.deliver(self.notif)
         self.state = "DONE" if ok else "ERR"
 
 
@@ -73,10 +79,12 @@ class ControlledDataPlane:
         self.closed = False
         self.delivered: list[tuple[str, bytes]] = []  # notifications for a receiver under test
         self._notes_lock = threading.Lock()
-        self.sent: list[tuple[str, bytes]] = []  # notifications a sender under test sent
-        self.fail_notify: Exception | None = None
-        self.notified_at = 0.0
-        self.notify_as = ""  # the agent name notifications come from ("": ``name``)
+        self.sent: list[tuple[str, bytes]] = []  # notifications its WRITEs carry (peer, payload)
+        # The agent name its notifications come from ("": ``name``; a Sender's NIXL agent is
+        # named after its sender id: set ``notify_as = sender.sender_id``). A WRITE's
+        # notification reaches the double named after its peer, in this process, once the
+        # test finishes the WRITE ok.
+        self.notify_as = ""
         _FABRIC[name] = self
         self.peers: set[str] = set()
 
@@ -118,9 +126,9 @@ class ControlledDataPlane:
         self.pieces.pop(peer, None)
 
     def post_write(
-        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
+        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
     ) -> tuple[ControlledXfer, XferState]:
-        return self._post(ControlledXfer(peer, src, dst))
+        return self._post(ControlledXfer(peer, src, dst, notif=notif))
 
     def post_blocks(
         self,
@@ -129,17 +137,30 @@ class ControlledDataPlane:
         dst_blocks: IdArray,
         layer_begin: int,
         layer_end: int,
+        notif: bytes = b"",
     ) -> tuple[ControlledXfer, XferState]:
         if peer not in self.prepared:
             raise RuntimeError(f"no prepared descriptor list for peer {peer}")
         return self._post(
-            ControlledXfer(peer, src_blocks, dst_blocks, "blocks", (layer_begin, layer_end))
+            ControlledXfer(
+                peer, src_blocks, dst_blocks, "blocks", (layer_begin, layer_end), notif=notif
+            )
         )
 
     def _post(self, xfer: ControlledXfer) -> tuple[ControlledXfer, XferState]:
         if self.fail_next_post is not None:
             err, self.fail_next_post = self.fail_next_post, None
             raise err
+        if xfer.notif:
+            self.sent.append((xfer.peer, xfer.notif))
+            peer, sender = xfer.peer, self.notify_as or self.name
+
+            def deliver(payload: bytes) -> None:
+                target = _FABRIC.get(peer)
+                if target is not None:
+                    target.deliver(sender, payload)
+
+            xfer.deliver = deliver
         with self.posted:
             self.xfers.append(xfer)
             self.posted.notify_all()
@@ -155,18 +176,6 @@ class ControlledDataPlane:
 
     def progress(self) -> None:
         return None
-
-    def notify(self, peer: str, payload: bytes) -> None:
-        """Send ``peer`` a notification: recorded (``sent``) and delivered to the double named
-        ``peer`` in this process, if any, as from ``notify_as`` (a Sender's NIXL agent is
-        named after its sender id: set ``notify_as = sender.sender_id``). ``fail_notify``
-        makes it raise instead."""
-        if self.fail_notify is not None:
-            raise self.fail_notify
-        self.sent.append((peer, payload))
-        target = _FABRIC.get(peer)
-        if target is not None:
-            target.deliver(self.notify_as or self.name, payload)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """What ``deliver`` queued (a test stands in for the peer's notifications)."""

@@ -115,6 +115,9 @@ def test_a_write_that_never_ends_makes_both_sides_stuck_after_stuck_after_ms_onl
     out = h.wait(WAIT_S)
     assert out is not None and out.ok, out
     wait_until(lambda: tx_probe.readiness()[0], WAIT_S, "the sender is ready again")
+    # The receiver learns of the write from its notification, which NIXL sends as the write
+    # completes: the sender's worker may see it DONE a moment later.
+    wait_until(lambda: sx.writes_in_flight() == 0, WAIT_S, "the sender saw the write end")
     later = time.monotonic() + 10 * STUCK_S  # nothing pending: idle is not stuck
     assert tx_probe.readiness(now=later) == (True, [])
     assert rx_probe.readiness(now=later) == (True, [])

@@ -146,31 +146,25 @@ class DataPlane(Protocol):
         dst_blocks: IdArray,
         layer_begin: int,
         layer_end: int,
+        notif: bytes = b"",
     ) -> tuple[Xfer, XferState]:
         """Post one KV WRITE of checked block ids through the prepared lists (``prepare_peer``
         or ``prepare_piece`` returned True); raises when nothing was posted.
 
         For a piece the layers are absolute (inside the piece's), the bytes moved those of
-        the piece's ranges of each block, as ``piece_descriptors`` would build them."""
+        the piece's ranges of each block, as ``piece_descriptors`` would build them.
+        ``notif``: a notification NIXL sends the peer once the WRITE is complete; the write
+        is DONE only once it was sent."""
         ...
 
     def remove_peer(self, peer: str) -> None: ...
 
     def post_write(
-        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
+        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
     ) -> tuple[Xfer, XferState]:
-        """Post one WRITE and return it with its first state; raises when nothing was posted."""
+        """Post one WRITE and return it with its first state; raises when nothing was posted.
+        ``notif`` as for ``post_blocks``."""
         ...
-
-    def notify(self, peer: str, payload: bytes) -> None:
-        """Send ``peer`` a notification (its ``notifications`` returns it); raises if refused.
-
-        It may leave only on a later ``progress``: ``notified_at`` (monotonic) says when
-        the last one was sent, so the owner progresses for a while after it.
-        """
-        ...
-
-    notified_at: float
 
     def progress(self) -> None:
         """Drive the transport (a receiver's agent must progress for writes toward it to
@@ -384,7 +378,6 @@ class NixlDataPlane:
         # KV writes posted so far, by how: "blocks" (whole-pool lists), "piece" (a piece's
         # lists), "descs" (post_write: descriptors built per request, and AUX)
         self.posts = {"blocks": 0, "piece": 0, "descs": 0}
-        self.notified_at = 0.0  # monotonic: the last notification sent (progress a while)
         self._want_prepped = prepped and pool.mem_type == "DRAM"
 
     def _open_path(self, index: int) -> _Path:
@@ -609,6 +602,7 @@ class NixlDataPlane:
         dst_blocks: IdArray,
         layer_begin: int,
         layer_end: int,
+        notif: bytes = b"",
     ) -> tuple[Xfer, XferState]:
         """Post one KV WRITE by block indices; raises on a build or post error (nothing in flight)."""
         free: list[tuple[Any, object]] = []
@@ -642,7 +636,7 @@ class NixlDataPlane:
                     lists.piece, lists.num_blocks, dst_blocks, layer_begin, layer_end
                 )
             handle = path.agent.make_prepped_xfer(
-                "WRITE", local, local_idx, lists.remote, remote_idx
+                "WRITE", local, local_idx, lists.remote, remote_idx, notif
             )
         except Exception:
             self._mark_broken(key)
@@ -915,7 +909,7 @@ class NixlDataPlane:
         self._release_lists(free)
 
     def post_write(
-        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str
+        self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
     ) -> tuple[Xfer, XferState]:
         """Post one WRITE; raises on a build or post error (nothing in flight then)."""
         free: list[tuple[Any, object]] = []
@@ -929,26 +923,12 @@ class NixlDataPlane:
         try:
             local = agent.get_xfer_descs(src, src_mem)
             remote = agent.get_xfer_descs(dst, dst_mem)
-            handle = agent.initialize_xfer("WRITE", local, remote, peer)
+            handle = agent.initialize_xfer("WRITE", local, remote, peer, notif)
         except Exception:
             self._mark_broken(key)
             self._write_released(key, wid)
             raise
         return self._start(path, handle, key, lambda: self._write_released(key, wid))
-
-    def notify(self, peer: str, payload: bytes) -> None:
-        """A notification to ``peer`` on the path its writes take (after they completed).
-
-        UCX sends it on the agent's progress, so the agent is progressed once at once;
-        ``notified_at`` tells the owner to keep progressing for a while (``progress``).
-        """
-        with self._lock:
-            if self._closed or peer not in self._peers:
-                raise RuntimeError(f"peer {peer} is not loaded")
-            path = self._paths[self._at.get(peer, 0)]
-        path.agent.send_notif(peer, payload)
-        path.agent.get_new_notifs()  # progress: most notifications leave here
-        self.notified_at = time.monotonic()
 
     def progress(self) -> None:
         self.notifications()

@@ -12,13 +12,12 @@ exception that could kill a thread. ``docs/protocol.md`` is the full
 description, complete enough to write a compatible peer.
 
 A fetch whose RequestData carries ``notify`` (a nonce) completes by a NIXL notification
-that the sender sends once NIXL reported every WRITE of the fetch DONE (when it sent the
-done Result before), not by a done Result; failures still come as Results::
+attached to its last WRITE (NIXL sends it once that WRITE is complete, and reports the
+WRITE DONE only after sending it), not by a done Result; failures still come as Results::
 
     notification = b"KN" + version(1 byte) + count(u16)
                    + count x [fetch_id(u64) + nonce(8 bytes) + nbytes(u64) + aux_bytes(u32)]
-                   (little-endian; at most MAX_BATCH records: the fetches of one receiver
-                   done in one turn of the sender)
+                   (little-endian; at most MAX_BATCH records: the fetches one WRITE serves)
 
 Direction and socket::
 
@@ -173,8 +172,8 @@ class RequestData(_Msg, tag="request_data", omit_defaults=True):
     # The fetch token the publisher issued for this request ("" when none was given); only
     # sent when set (fields at their default are omitted), so older senders still read it.
     token: FetchToken = ""
-    # A random nonce of the receiver's: once the fetch's WRITEs are done the sender sends a
-    # NIXL notification (``encode_notification``) instead of a done Result. b"": Results.
+    # A random nonce of the receiver's: the fetch's last WRITE carries a NIXL notification
+    # (``encode_notification``) instead of a done Result following it. b"": done Results.
     notify: Annotated[bytes, Meta(max_length=NONCE_BYTES)] = b""
 
 

@@ -129,9 +129,6 @@ from kvxferd.transfer.worker import (
 log = logging.getLogger("kvxferd.sender")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
-# After a notification is sent the listener progresses NIXL this long, this often: UCX
-# may hold it until the agent's next progress (dataplane.notify).
-_NOTIFY_PROGRESS_S, _NOTIFY_POLL_S = 0.0006, 0.00025
 
 
 @dataclass(frozen=True, slots=True)
@@ -525,10 +522,6 @@ class Sender:
         inline = self._inline
         wait = inline.step() if inline is not None else TICK_S
         now = time.monotonic()
-        if now - self.dataplane.notified_at < _NOTIFY_PROGRESS_S:
-            # A notification sent lately may still wait in UCX for progress (data plane).
-            self.dataplane.progress()
-            wait = min(wait, _NOTIFY_POLL_S)
         self._housekeeping(now)
         delay = self.io.turn(now)
         if inline is not None and inline.queue.qsize():

@@ -133,8 +133,8 @@ class Slice:
     nbytes: int = 0
     writes_in_flight: int = 0
     reported: bool = False
-    # The receiver's nonce (RequestData.notify): once done, a NIXL notification carries it
-    # instead of a done Result (worker.py); b"": a done Result, as before.
+    # The receiver's nonce (RequestData.notify): the slice's last WRITE carries a NIXL
+    # notification with it instead of a done Result (worker.py); b"": a done Result.
     notify: bytes = b""
     posted_at: float = 0.0  # worker thread only: monotonic time its first WRITE was posted
     written_at: float = 0.0  # worker thread only: when its last WRITE was released

@@ -210,16 +210,6 @@ class _Outgoing:
     fetch_id: int
 
 
-def _done_result(task: WriteTask, fetch_id: int, nbytes: int, aux: int) -> wire.Result:
-    return wire.Result(
-        request_id=task.session.request_id,
-        fetch_id=fetch_id,
-        status="done",
-        nbytes=nbytes,
-        aux_bytes=aux,
-    )
-
-
 class Worker:
     """One sender worker: its queue, lanes, writes in flight and outboxes.
 
@@ -244,8 +234,6 @@ class Worker:
         self._busy_lanes: set[str] = set()  # receiver ids with a write holding their lane
         self._busy_sessions: dict[int, int] = {}  # session id -> writes holding a lane
         self._writes: list[_Write] = []  # every write in flight, stalled ones included
-        # This turn's done slices per receiver NIXL agent, told by one notification each.
-        self._notes: dict[str, list[tuple[WriteTask, tuple[int, bytes, int, int]]]] = {}
         self._stopping = False
         self._again = False  # a lane may be startable now: run the next turn without waiting
         self._poll_delay = _POLL_MIN_S
@@ -326,8 +314,6 @@ class Worker:
                 # A small write is often done at once: report it this turn (and if that
                 # frees a lane, start its next task next turn without waiting).
                 self._again = self._poll_writes()
-        if self._notes:
-            self._flush_notes()
         if self._outbox:
             self._flush()
         self._poll_delay = _POLL_MIN_S if progressed else min(self._poll_delay * 2, _POLL_MAX_S)
@@ -399,9 +385,9 @@ class Worker:
         """The WriteTasks right behind ``first`` in its lane that one WRITE can serve with it.
 
         Small requests of one receiver queue up while others are written; posting them as
-        one NIXL transfer (one post, one status, one release) and telling the receiver
-        with one notification costs what one request cost (issue 22). Only plain slices
-        coalesce: prepared whole-pool lists, the same layers, no aux, each its own session.
+        one NIXL transfer (one post, one status, one release) carrying one done notification
+        for all of them costs what one request cost (issue 22). Only plain slices coalesce:
+        prepared whole-pool lists, the same layers, no aux, each its own session.
         """
         if not self._plain(first):
             return []
@@ -454,8 +440,11 @@ class Worker:
         src = np.concatenate([t.session.block_ids for t in admitted])
         dst = np.concatenate([t.slice.dst_blocks for t in admitted])
         per_block = host.pool.layout.block_bytes * (le - lb)
+        parts = [(t, int(t.session.block_ids.size) * per_block) for t in admitted]
         try:
-            xfer, state = host.dataplane.post_blocks(peer.nixl_name, src, dst, lb, le)
+            xfer, state = host.dataplane.post_blocks(
+                peer.nixl_name, src, dst, lb, le, self._notification(parts)
+            )
         except Exception as e:  # nothing was posted: give every admission back first
             stalled = isinstance(e, PathStalled)
             for task in admitted:
@@ -475,11 +464,9 @@ class Worker:
             return
         host.stats.add("writes_coalesced", len(admitted) - 1)
         now = time.monotonic()
-        parts = []
         for task in admitted:
             if not task.slice.posted_at:
                 task.slice.posted_at = now
-            parts.append((task, int(task.session.block_ids.size) * per_block))
             sid = task.session.session_id
             self._busy_sessions[sid] = self._busy_sessions.get(sid, 0) + 1
         stall_at = now + host.settings.deadlines.xfer_stall_timeout_ms / 1000
@@ -521,6 +508,9 @@ class Worker:
         nixl = False  # the exception (if any) came from NIXL, not from our descriptors
         try:
             # Prepared lists (the whole pool, or a mapped peer's piece): indices, no descriptors
+            # The slice's last write (KV with no aux after it, else the aux one) carries its
+            # done notification.
+            last = kind == "aux" or not (s.aux_len > 0 and sl.aux_slot >= 0)
             if kind == "kv" and peer.prepped:
                 per_block = (
                     host.pool.layout.block_bytes
@@ -530,12 +520,24 @@ class Worker:
                 nbytes = s.block_ids.size * per_block * (sl.layer_end - sl.layer_begin)
                 nixl = True
                 xfer, state = host.dataplane.post_blocks(
-                    peer.nixl_name, s.block_ids, sl.dst_blocks, sl.layer_begin, sl.layer_end
+                    peer.nixl_name,
+                    s.block_ids,
+                    sl.dst_blocks,
+                    sl.layer_begin,
+                    sl.layer_end,
+                    self._notification([(task, nbytes)]) if last else b"",
                 )
             else:
                 src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
                 nixl = True
-                xfer, state = host.dataplane.post_write(peer.nixl_name, src, dst, src_mem, dst_mem)
+                xfer, state = host.dataplane.post_write(
+                    peer.nixl_name,
+                    src,
+                    dst,
+                    src_mem,
+                    dst_mem,
+                    self._notification([(task, nbytes)]) if last else b"",
+                )
         except PathStalled as e:  # nothing posted: its connection is stalled (dataplane.py)
             s.release_admission(sl, f"{kind} write not posted: {e}", Reason.PEER_LOST)
             host.peer_write_ended(peer)
@@ -835,7 +837,8 @@ class Worker:
             )
         )
         if rep.status == "done" and sl.notify:
-            self._notify(task, rep.nbytes)
+            # Its last WRITE carried the done notification (``_notification``): no Result.
+            stats.add("slices_done_notified")
             return
         self._enqueue(
             task.peer,
@@ -852,37 +855,21 @@ class Worker:
             ),
         )
 
-    def _notify(self, task: WriteTask, nbytes: int) -> None:
-        """Tell the receiver its fetch is done with a NIXL notification, not a Result.
+    @staticmethod
+    def _notification(parts: list[tuple[WriteTask, int]]) -> bytes:
+        """The done notification a slice's last WRITE carries (protocol.py), b"" when none.
 
-        Sent once NIXL reported every WRITE of the slice DONE (exactly when the done Result
-        was sent before), so its arrival means the bytes are in place; it carries the
-        receiver's nonce (protocol.py). The slices done in one turn toward one receiver
-        share one notification (``_flush_notes``, at the end of the turn).
+        NIXL sends it once the WRITE is complete (and reports the WRITE DONE only then),
+        so its arrival means the bytes are in place; the receiver's nonce authenticates
+        it. One notification covers every slice of a coalesced WRITE.
         """
-        sl, s = task.slice, task.session
-        aux = s.aux_len if sl.aux_slot >= 0 else 0
-        self._notes.setdefault(task.peer.nixl_name, []).append(
-            (task, (sl.fetch_id, sl.notify, nbytes, aux))
-        )
-
-    def _flush_notes(self) -> None:
-        """Send this turn's notifications, one per receiver; where NIXL refuses one, the
-        done Results go instead."""
-        notes, self._notes = self._notes, {}
-        for peer, items in notes.items():
-            for i in range(0, len(items), wire.MAX_BATCH):
-                chunk = items[i : i + wire.MAX_BATCH]
-                payload = wire.encode_notification([rec for _, rec in chunk])
-                try:
-                    self.host.dataplane.notify(peer, payload)
-                except Exception as e:
-                    self.host.stats.add("notifications_failed")
-                    log.warning("notification to %s not sent (%s): Results go instead", peer, e)
-                    for task, (fetch_id, _, nbytes, aux) in chunk:
-                        self._enqueue(task.peer, _done_result(task, fetch_id, nbytes, aux))
-                    continue
-                self.host.stats.add("slices_done_notified", len(chunk))
+        records = []
+        for task, nbytes in parts:
+            sl, s = task.slice, task.session
+            if sl.notify:
+                aux = s.aux_len if sl.aux_slot >= 0 else 0
+                records.append((sl.fetch_id, sl.notify, sl.nbytes + nbytes, aux))
+        return wire.encode_notification(records) if records else b""
 
     def _ack_cancel(self, task: AckTask) -> None:
         sl = task.session.slice((task.peer.receiver_id, task.fetch_id))
