@@ -30,7 +30,8 @@ TINY = ScaleOptions(
 @pytest.mark.timeout(180)
 def test_tiny_scale_run_reports_every_figure_positive_and_sane() -> None:
     """Each step lists its receivers at the sender, set-up times and throughput are positive, every
-    fetched byte is right, each peer costs the sender at least one fd, and the report shows it all."""
+    fetched byte is right, each peer costs the sender at least one fd (its registration), and the
+    report shows it all."""
     doc = run_scale(TINY, progress=io.StringIO())
     json.dumps(doc)  # the --json document
 
@@ -49,16 +50,18 @@ def test_tiny_scale_run_reports_every_figure_positive_and_sane() -> None:
         assert t["requests"] == p["peers"] * max(TINY.min_per_peer, TINY.requests // p["peers"])
         assert t["ok"] == t["requests"] and t["failures"] == 0 and t["mismatches"] == 0, t
         assert t["rps"] > 0 and 0 < t["p50_ms"] <= t["p99_ms"]
-        # a registered receiver holds at least its control connection at the sender; fetching
-        # adds the workers' DEALERs to its result endpoint
+        # a registered receiver holds at least its control connection at the sender; a done
+        # fetch opens nothing more (it is told by NIXL notification, not by a worker's DEALER)
         assert p["per_new_peer_register"]["fds"] >= 1
         assert p["per_new_peer_register"]["fd_socket"] >= 1
-        assert p["per_peer_total"]["fds"] >= 2
+        assert p["per_peer_total"]["fds"] >= 1
         assert p["sender_after_fetch"]["fds"] > doc["sender"]["usage_start"]["fds"]
     s = doc["summary"]
     assert s["ok"] and s["rps_vs_1"]["1"] == 1.0 and s["rps_vs_1"]["4"] > 0
-    for key in ("per_peer_after_register", "per_peer_after_first_fetch", "per_peer_after_fetch"):
-        assert s[key]["fds"] >= 1, (key, s[key])
+    assert s["per_peer_after_register"]["fds"] >= 1, s["per_peer_after_register"]
+    for key in ("per_peer_after_first_fetch", "per_peer_after_fetch"):
+        # about 0: a done fetch opens nothing (another fd of the process may close meanwhile)
+        assert abs(s[key]["fds"]) < 4, (key, s[key])
     cost = doc["nixl_cost"]
     assert cost["add_peer_ms"] > 0 and cost["metadata_bytes"] > 0
     assert {(q["descs"], q["order"]) for q in cost["lists"]} == {

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 import tomllib
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,7 @@ from kvxferd.config import (
 )
 from kvxferd.endpoints import advertise_host, advertised
 from tests.child import ChildProcess
+from tests.conditions import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMD = ROOT / "deploy" / "systemd"
@@ -1011,6 +1013,21 @@ def test_daemons_connect_only_where_the_policy_admits(tmp_path: Path) -> None:
         outcome = rx.wait(fetch, timeout=30.0)
         assert outcome is not None and outcome.state == "done", outcome
         assert (attach_pool(rx.describe())[:, [40, 41], :] == 7).all()
+        # A done fetch is told by a NIXL notification; a failed one by a Result on the
+        # sender's connection to the receiver's result port: a fetch parked before its
+        # publish, refused when the publish brings another block count.
+        refused = rx.fetch("req-2", sender_at, [42])
+        probe = f"http://127.0.0.1:{ready['sender']['probe_port']}/metrics"
+        parked = 'kvxferd_transfers_in_flight{state="parked"} 1.0'
+        wait_until(
+            lambda: parked in urllib.request.urlopen(probe, timeout=5).read().decode(),
+            10.0,
+            "the fetch parked at the sender",
+            poll=0.05,
+        )
+        tx.publish("req-2", [3, 4])
+        failed = rx.wait(refused, timeout=10.0)
+        assert failed is not None and failed.state == "failed", failed
 
         # Every connection between the two: who opened it, to which port.
         sockets = {role: _tcp(d.pid) for role, d in daemons.items()}
@@ -1039,6 +1056,7 @@ def test_daemons_connect_only_where_the_policy_admits(tmp_path: Path) -> None:
         assert ("sender", "receiver", "ucx") in kinds, f"no UCX connection: {sorted(seen)}"
         tx.close(published, timeout=5.0)
         rx.close(fetch, timeout=5.0)
+        rx.close(refused, timeout=5.0)
     finally:
         for d in daemons.values():
             d.kill()
