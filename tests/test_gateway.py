@@ -297,6 +297,71 @@ def test_wait_with_close_returns_the_outcome_and_closes_the_handle(
     assert rx.close(plain, CALL_S)
 
 
+def test_fetch_wait_and_publish_wait_are_one_round_trip_each(
+    clients: tuple[Client, Client], gateways: tuple[Started, Started]
+) -> None:
+    """fetch_wait and publish_wait each send one call and get one reply, the outcome, with
+    the handle closed (forgotten) and the bytes in place."""
+    tx, rx = clients
+    (tx_gw, _, _), (rx_gw, _, _) = gateways
+    tx_info = tx.describe()
+    src_kv, dst_kv = _attach(tx_info), _attach(rx.describe())
+    data = _fill(src_kv, [24, 25], seed=7)
+    before = tx_gw.stats.snapshot(), rx_gw.stats.snapshot()
+    published: list[ep.Outcome] = []
+    t = threading.Thread(
+        target=lambda: published.append(tx.publish_wait("gw-one", [24, 25], CALL_S)),
+        name="publisher",
+    )
+    t.start()
+    out = rx.fetch_wait("gw-one", tx_info.endpoint or "", [26, 27], CALL_S, want_aux=False)
+    t.join(CALL_S)
+    assert out.ok and out.closed is True and out.handle_id > 0 and out.nbytes == 2 * 2 * 1024
+    assert torch.equal(dst_kv[:, [26, 27], :], data)
+    [pub] = published
+    assert pub.ok and pub.state == "complete" and pub.closed is True and pub.handle_id > 0
+    for c, hid in ((rx, out.handle_id), (tx, pub.handle_id)):
+        with pytest.raises(EngineRejected) as ei:  # closed: forgotten
+            c.poll(hid)
+        assert ei.value.reason is EngineReason.UNKNOWN_HANDLE
+    after = tx_gw.stats.snapshot(), rx_gw.stats.snapshot()
+    for b, a, call in ((before[0], after[0], "publish"), (before[1], after[1], "fetch")):
+        assert a.get(f"calls_{call}", 0) - b.get(f"calls_{call}", 0) == 1
+        assert a.get("calls_wait", 0) == b.get("calls_wait", 0)  # no second call
+        assert a.get("calls_close", 0) == b.get("calls_close", 0)
+
+
+def test_a_fetch_wait_not_ended_in_its_wait_returns_its_open_handle(
+    clients: tuple[Client, Client],
+) -> None:
+    """A fetch_wait whose transfer has not ended after its wait returns the open state and
+    the handle, which serves a later wait and close."""
+    tx, rx = clients
+    ep_ = tx.describe().endpoint or ""
+    out = rx.fetch_wait("gw-late-one", ep_, [28], 0.05, want_aux=False, timeout_ms=4000)
+    assert out.state == "requested" and not out.ok and out.handle_id > 0 and out.closed is None
+    h_tx = tx.publish("gw-late-one", [29])
+    done = rx.wait(out.handle_id, CALL_S, close=True)
+    assert done is not None and done.ok and done.closed is True
+    assert tx.close(h_tx, CALL_S)
+
+
+def test_a_waiting_publish_cannot_ask_the_daemon_for_a_token(
+    gateways: tuple[Started, Started],
+) -> None:
+    """A token issued by the daemon would come only with the outcome: a waiting Publish must
+    bring its own (fetch_token); asking for one is malformed, and nothing is published."""
+    (gw, _, tx_ep), _ = gateways
+    with RawEngine(tx_ep) as raw:
+        reply = raw.call(
+            ep.Publish(
+                call_id=1, request_id="gw-wait-token", block_ids=[30], wait_ms=100, token=True
+            )
+        )
+        assert isinstance(reply, ep.Error) and reply.reason is EngineReason.MALFORMED, reply
+        assert isinstance(raw.call(ep.Lookup(call_id=2, request_id="gw-wait-token")), ep.Error)
+
+
 def test_layer_range_and_pending_fetch(clients: tuple[Client, Client]) -> None:
     """A fetch before its publish is Pending to poll and wait, then completes with only its layers."""
     tx, rx = clients
