@@ -228,7 +228,9 @@ class Gateway:
         self._handles: dict[int, _Entry] = {}
         self._work: dict[_Key, _Work] = {}
         self._calls: set[_Call] = set()
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        # (when, seq, call, what): a call's timeout or its next close check; an entry whose
+        # call was answered meanwhile is skipped when due, and dropped by ``_compact``.
+        self._timers: list[tuple[float, int, _Call, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
         self._soon: deque[Callable[[], None]] = deque()  # io thread only: replies to send now
         self._refusing: ep.EngineReason | None = None
@@ -407,7 +409,9 @@ class Gateway:
             self._guarded(fn)
         timers = self._timers
         while timers and timers[0][0] <= now:
-            self._guarded(heapq.heappop(timers)[2])
+            _, _, call, fn = heapq.heappop(timers)
+            if not call.done:
+                self._guarded(fn)
         if self._dirty:
             self._flush_replies()
         if self._router is not None and self._router_readable():
@@ -462,8 +466,13 @@ class Gateway:
         else:
             io.call_soon(lambda: self._soon.append(fn))
 
-    def _timer(self, when: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._timers, (when, next(self._timer_seq), fn))
+    def _timer(self, when: float, call: _Call, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (when, next(self._timer_seq), call, fn))
+        if len(self._timers) > 2 * len(self._calls) + 1024:
+            # Answered calls' timeouts (a publish_wait answered in a millisecond keeps its
+            # 2-minute timeout here): dropped, so the heap is bounded by the calls waiting.
+            self._timers = [t for t in self._timers if not t[2].done]
+            heapq.heapify(self._timers)
 
     # -- connections -----------------------------------------------------------------------
     def _accept(self) -> None:
@@ -684,7 +693,7 @@ class Gateway:
             return self._ended(call)
         self._calls.add(call)
         completion.add_done_callback(functools.partial(self._done_callback, call))
-        self._timer(call.until, functools.partial(self._on_timeout, call))
+        self._timer(call.until, call, functools.partial(self._on_timeout, call))
         return None
 
     def _done_callback(self, call: _Call, _value: object) -> None:
@@ -718,7 +727,9 @@ class Gateway:
         if not call.closing:  # the outcome is known; its writes in flight are not over yet
             call.closing = True
             self._calls.add(call)
-            self._timer(time.monotonic() + CLOSE_POLL_S, functools.partial(self._close_poll, call))
+            self._timer(
+                time.monotonic() + CLOSE_POLL_S, call, functools.partial(self._close_poll, call)
+            )
         return None
 
     def _close_poll(self, call: _Call) -> None:
@@ -727,7 +738,9 @@ class Gateway:
         if _closes_at_once(call.entry.handle) or time.monotonic() >= call.until:
             self._answer(call, self._close_now(call))
         else:
-            self._timer(time.monotonic() + CLOSE_POLL_S, functools.partial(self._close_poll, call))
+            self._timer(
+                time.monotonic() + CLOSE_POLL_S, call, functools.partial(self._close_poll, call)
+            )
 
     def _begin_close(self, call: _Call) -> ep._Msg | None:
         """A Close: cancel if open; answered at once when safe, else once its writes ended."""
@@ -739,7 +752,9 @@ class Gateway:
             return self._closed_reply(call, safe)
         call.closing = True
         self._calls.add(call)
-        self._timer(time.monotonic() + CLOSE_POLL_S, functools.partial(self._close_poll, call))
+        self._timer(
+            time.monotonic() + CLOSE_POLL_S, call, functools.partial(self._close_poll, call)
+        )
         return None
 
     def _close_now(self, call: _Call) -> ep._Msg:
