@@ -30,9 +30,9 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.transfer import protocol as wire
-from tests.test_gateway import RawEngine
 from tests.conditions import wait_until
 from tests.test_daemon import DaemonProcess, Engines, http_get
+from tests.test_gateway import RawEngine
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvxferd"
 STARTUP_S = 60.0  # a child imports torch and NIXL and creates an agent
