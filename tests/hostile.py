@@ -1,15 +1,22 @@
 """Hostile messages for the fuzz tests: junk bytes, broken and well-formed-but-malicious msgpack.
 
-A message is a list of frames (what one ``send_multipart`` sends). :func:`build` makes a
-reproducible mix for one target socket from a seed:
+A message is a list of frames: what one ``send_multipart`` sends to a kvxferd socket
+(ZMQ), or one frame on an engine socket (a unix stream of length-prefixed frames, which
+has no multi-frame message). :func:`build` makes a reproducible mix for one target
+socket from a seed:
 
 =============  ===================================================================
 kind           what
 =============  ===================================================================
-random         random bytes, bare or behind the right magic, the other magic or a
-               wrong version byte
+random         random bytes, bare or behind the right magic, the other magic, a
+               wrong version byte or the previous version's
 truncated      a well-formed message of the target's protocol cut short
-multiframe     2-5 frames in one message (junk, or well-formed messages glued)
+multiframe     2-5 frames (junk, well-formed, truncated or malicious ones, mixed)
+               in one message; to an engine, the same frames one after another,
+               each a message of its own
+batch edge     kvxferd targets only: exactly ``MAX_BATCH`` frames, or 1 to
+               ``MAX_BATCH`` more than that, in one message (the sender's listener
+               takes up to ``MAX_BATCH`` frames as a batch and refuses more whole)
 malicious      msgpack maps of every message type of both directions of the
                target's protocol, one field broken per message: out-of-range and
                negative numbers, wrong types, dropped or unknown fields, a wrong,
@@ -17,13 +24,15 @@ malicious      msgpack maps of every message type of both directions of the
                than the decoder's recursion limit, block lists of 10^5-10^6 ids
 =============  ===================================================================
 
-Every message :func:`build` returns must be refused by a daemon that never saw the
+Every frame :func:`build` returns must be refused by a daemon that never saw the
 sender of it register (a kvxferd peer) or open a handle (an engine): the engine
 templates carry a passed deadline *and* a second fault (blocks out of range, a
 ``;`` endpoint, an unknown handle), so breaking one field leaves the other; a
-well-formed Describe, the one call that needs neither, is dropped. :func:`oversized`
-makes frames over a socket's ``MAXMSGSIZE``: libzmq drops the connection that
-carries one, the daemon never reads it.
+well-formed Describe, the one call that needs neither, is dropped. An engine mix
+also holds one frame of exactly ``MAX_FRAME_BYTES`` (the largest the gateway reads;
+it does not decode). :func:`oversized` makes frames over a socket's ``MAXMSGSIZE``:
+libzmq drops the connection that carries one, the daemon never reads it; an engine
+socket's gateway closes a connection whose length prefix is over its bound.
 """
 
 from __future__ import annotations
@@ -74,7 +83,13 @@ def kx_templates(rng: random.Random, layout: dict[str, Any]) -> list[dict[str, A
             "kv_base": rng.randrange(1 << 40),
             "aux_base": rng.randrange(1 << 40),
         },
-        {"t": "request_data", "request_id": rid, "fetch_id": fid, "dst_blocks": [0, 1, 2]},
+        {
+            "t": "request_data",
+            "request_id": rid,
+            "fetch_id": fid,
+            "dst_blocks": [0, 1, 2],
+            "notify": rng.randbytes(wire.NONCE_BYTES),  # v3: completed by a NIXL notification
+        },
         {"t": "cancel", "request_id": rid, "fetch_id": fid},
         {"t": "register_reply", "ok": True, "sender_id": "fz-tx-1"},
         {"t": "result", "request_id": rid, "fetch_id": fid, "status": "done", "nbytes": 4096},
@@ -227,6 +242,11 @@ def _refused(target: Target, frames: Message) -> bool:
     return not isinstance(msg, ep.Describe)
 
 
+def at_bound(max_bytes: int, header: bytes) -> bytes:
+    """A frame of exactly ``max_bytes`` that does not decode (0xc1, then zeros)."""
+    return header + b"\xc1" + b"\x00" * (max_bytes - len(header) - 1)
+
+
 def build(
     target: Target,
     count: int,
@@ -235,7 +255,10 @@ def build(
     layout: dict[str, Any] | None = None,
     huge: int = 2,
 ) -> list[Message]:
-    """``count`` hostile messages for ``target`` (``huge`` of them block lists of ~10^5-10^6 ids)."""
+    """``count`` hostile messages for ``target`` (``huge`` of them block lists of ~10^5-10^6 ids).
+
+    An engine target gets one-frame messages only, one of them ``at_bound``.
+    """
     rng = random.Random(seed)
     layout = layout or layout_map(2, 64, 4096)
     engine = target == "engine"
@@ -249,29 +272,51 @@ def build(
 
     def random_frame() -> Message:
         body = rng.randbytes(rng.choice((0, 1, 2, 3, 8, 40, 300, 2000)))
-        prefix = rng.choice((b"", header, other, header[:2] + b"\x00", header[:2] + b"\xff"))
+        previous = header[:2] + bytes([header[2] - 1])  # the version before this one
+        prefix = rng.choice(
+            (b"", header, other, header[:2] + b"\x00", header[:2] + b"\xff", previous)
+        )
         return [prefix + body]
 
     def truncated() -> Message:
         frame = well_formed()
         return [frame[: rng.randrange(len(frame))]]
 
-    def multiframe() -> Message:
-        n = rng.randrange(2, 6)
-        if rng.random() < 0.5:
-            return [well_formed() for _ in range(n)]
-        return [rng.randbytes(rng.randrange(0, 64)) for _ in range(n)]
-
     def malicious() -> Message:
         return [header + pack_map(_mutations(rng, rng.choice(templates())))]
+
+    def frames(n: int) -> Message:
+        """``n`` frames of one message: all well-formed, all junk, or any kind, mixed."""
+        how = rng.random()
+        if how < 0.3:
+            return [well_formed() for _ in range(n)]
+        if how < 0.6:
+            return [rng.randbytes(rng.randrange(0, 64)) for _ in range(n)]
+        one = (
+            well_formed,
+            lambda: random_frame()[0],
+            lambda: truncated()[0],
+            lambda: malicious()[0],
+        )
+        return [rng.choice(one)() for _ in range(n)]
+
+    def multiframe() -> Message:
+        return frames(rng.randrange(2, 6))
+
+    def batch_edge() -> Message:
+        extra = 0 if rng.random() < 0.5 else rng.randrange(1, wire.MAX_BATCH + 1)
+        return frames(wire.MAX_BATCH + extra)
 
     kinds: list[tuple[float, Callable[[], Message]]] = [
         (0.30, random_frame),
         (0.15, truncated),
         (0.10, multiframe),
-        (0.45, malicious),
+        (0.44, malicious),
+        (0.01, batch_edge),
     ]
     out = [*huge_block_lists(target, rng, huge)]
+    if engine:
+        out.append([at_bound(ep.MAX_FRAME_BYTES, header)])
     while len(out) < count:
         r, make = rng.random(), malicious
         for weight, kind in kinds:
@@ -279,11 +324,16 @@ def build(
                 make = kind
                 break
             r -= weight
+        if engine and make is batch_edge:
+            continue  # a stream has no multi-frame message: the multiframe kind covers it
         msg = make()
-        if _refused(target, msg):
+        if engine:  # each frame alone, one after another
+            out += [[f] for f in msg if _refused(target, [f])]
+        elif _refused(target, msg):
             out.append(msg)
+    del out[count:]  # what went past ``count`` came last: never a huge one, nor the bound
     rng.shuffle(out)
-    return out[:count]
+    return out
 
 
 def huge_block_lists(target: Target, rng: random.Random, n: int) -> list[Message]:
@@ -302,5 +352,5 @@ def huge_block_lists(target: Target, rng: random.Random, n: int) -> list[Message
 
 
 def oversized(max_bytes: int, header: bytes) -> Message:
-    """One frame a byte over ``max_bytes``: libzmq closes the connection that carries it."""
+    """One frame a byte over ``max_bytes``: libzmq (or the engine gateway) closes its connection."""
     return [header + b"\x00" * (max_bytes + 1 - len(header))]

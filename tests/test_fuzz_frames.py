@@ -2,37 +2,57 @@
 
 Two real daemon processes (``python -m kvxferd sender|receiver``, real ZMQ, real NIXL)
 serve a legitimate engine loop (publish, fetch, verify every byte, close) while this
-process sends pre-built hostile messages (tests/hostile.py) with NOBLOCK, in windows, at
-four sockets: the sender's listener ROUTER, the receiver's result ROUTER and the engine
-gateway of each (the engine protocol). One run (a module fixture) per peer variant;
-each test checks one thing the run must show.
+process sends pre-built hostile messages (tests/hostile.py), non-blocking, in windows,
+at four sockets: the sender's listener ROUTER, the receiver's result ROUTER (ZMQ, the
+wire protocol) and the engine gateway of each (an ``ipc://`` unix stream of
+length-prefixed frames, the engine protocol). One run (a module fixture) per peer
+variant; each test checks one thing the run must show.
 
-What the daemons count, per message that reaches them (so the assertions are exact):
+What the daemons answer and count, per message that reaches them (so the assertions
+are exact; every reply is decoded and must be the refusal its frame earns, in order):
 
-==================  ==========================================================  =======
-socket              counters (sum over labels, from /metrics)                   replies
-==================  ==========================================================  =======
-sender listener     kvxferd_rejections (a refused Register adds                 1 each
-                    registers_refused too: not summed, so one count each)
-receiver results    kvxferd_rejections (undecodable, or a RegisterReply on      none
-                    the result socket), kvxferd_peer_rejections (a Reject),
-                    kvxferd_late_messages (a Result/CancelAck for no fetch)
-engine gateways     kvxferd_gateway_rejections (a refused publish/fetch also    1 each
-                    counts in the service's fetch_refused_*: not summed)
-==================  ==========================================================  =======
+================  ===========================================  ==============================
+socket            counters (sum over labels, from /metrics)    replies
+================  ===========================================  ==============================
+sender listener   kvxferd_rejections, one per reply (a         a message is a batch: one per
+                  refused Register adds registers_refused      frame, each frame decoded and
+                  too: not summed)                             refused on its own, in order
+                                                               (``MAX_BATCH`` frames at most;
+                                                               more: one Reject{malformed})
+receiver results  kvxferd_rejections (undecodable: a multi-    none
+                  frame message is one; a RegisterReply on
+                  the result socket), kvxferd_peer_rejections
+                  (a Reject), kvxferd_late_messages (a
+                  Result/CancelAck for no fetch): one per
+                  message
+engine gateways   kvxferd_gateway_rejections, one per frame    one Error per frame
+                  (a refused publish/fetch also counts in
+                  the service's fetch_refused_*: not summed)
+================  ===========================================  ==============================
 
-A message is what one ``send_multipart`` sends: a multi-frame message is one message,
-refused (and counted) once. Frames over ``MAXMSGSIZE`` never reach the daemon: libzmq
-closes the connection that carried them, so they are sent on connections of their own
-and counted here from the client's socket monitor (one disconnect each) while the
-daemon's counters stay as they were.
+A listener reply is predicted from the frame with the sender's own rules
+(``wire.decode_to_sender``): an undecodable frame gets Reject{its reason}, a Register
+a refused RegisterReply, a RequestData Result{failed, unknown_peer}, a Cancel
+Reject{unknown_peer} (the hostile peer never registers). An engine frame gets an Error
+with the call id the gateway decodes or salvages. A frame of exactly the engine
+bound (``MAX_FRAME_BYTES``) is read and refused like any other.
+
+Oversized frames never reach a decoder, and are sent on connections of their own. On
+the ZMQ sockets, a frame over ``MAXMSGSIZE`` makes libzmq close its connection (counted
+here from the client's socket monitor, one disconnect each) while the daemon's counters
+stay as they were. On an engine socket, a length prefix over the gateway's bound makes
+the gateway close the connection with no reply, counted in
+``kvxferd_gateway_engine_connections_dropped`` (one each, nothing else counted).
 
 Variants: ``anonymous`` (security off on loopback, as today: every peer is the empty
 identity), ``authenticated`` (a CURVE client whose key is allowed: its frames reach
 the daemon and are counted as above) and ``unauthenticated`` (a plaintext client against
 a CURVE server: nothing reaches the daemon, the failed handshakes are counted,
-``HANDSHAKE_FAILURES``). :class:`Keys` writes the certificates, :func:`hostile_socket`
-connects as either peer, :func:`security_env` gives the daemons their ``[security]``.
+``HANDSHAKE_FAILURES``). CURVE concerns the two ZMQ sockets only: the engine sockets
+are unix sockets protected by their file's mode (0600), and this process, their owner,
+reaches them in every variant. :class:`Keys` writes the certificates,
+:func:`hostile_socket` connects as either peer, :func:`security_env` gives the daemons
+their ``[security]``.
 """
 
 from __future__ import annotations
@@ -41,6 +61,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -53,6 +74,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvxferd.engine import engine_protocol as ep
+from kvxferd.engine.channel import LENGTH, FrameReader, ipc_address
 from kvxferd.engine.client import Client, attach_pool
 from kvxferd.errors import ProtocolError, Reason
 from kvxferd.transfer import protocol as wire
@@ -66,7 +88,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 SEED = int(os.environ.get("KVXFERD_FUZZ_SEED", "14"))
 # Messages per socket: 100k in all.
 COUNTS = {"listener": 36_000, "results": 36_000, "engine-tx": 14_000, "engine-rx": 14_000}
-WINDOW = 512  # unanswered messages per socket (a reply per message bounds the queues)
+WINDOW = 512  # replies owed per socket (bounds the queues both ways)
 SEND_BUDGET_S = 45.0  # the whole send phase; a daemon that stops reading fails here, not hangs
 SETTLE_S = 20.0  # counters of the socket that sends no replies catch up within this
 CALL_S = 10.0
@@ -89,7 +111,8 @@ class Variant:
     waits_for: str = ""  # why it is skipped; "" = it runs
 
     def reaches(self, endpoint: str) -> bool:
-        """Whether frames sent to ``endpoint`` get to the daemon (the engine's ipc is not CURVE)."""
+        """Whether frames sent to ``endpoint`` get to the daemon (an ipc:// engine socket is a
+        unix stream, never CURVE: this process, its owner, always gets there)."""
         return not (self.curve and not self.allowed and endpoint.startswith("tcp://"))
 
 
@@ -247,22 +270,212 @@ class Legit:
         self.cr.close_client()
 
 
+# -- what a daemon answers -------------------------------------------------------------------
+
+# A reply as (kind, reason, call id); in an expectation None matches anything.
+Reply = tuple[str, str | None, int | None]
+
+
+def listener_replies(msg: hostile.Message) -> list[Reply]:
+    """What the sender's listener answers ``msg`` from a peer that never registered.
+
+    A message is a batch: each frame is decoded (with the sender's rules) and answered on
+    its own, in order; a message of more than ``MAX_BATCH`` frames gets one Reject.
+    """
+    if len(msg) > wire.MAX_BATCH:
+        return [("reject", Reason.MALFORMED.value, None)]
+    out: list[Reply] = []
+    for frame in msg:
+        try:
+            m = wire.decode_to_sender([frame], MAX_FRAME)
+        except ProtocolError as e:
+            out.append(("reject", e.reason.value, None))
+            continue
+        if isinstance(m, wire.Register):  # refused: its NIXL metadata is junk
+            out.append(("register_refused", None, None))
+        elif isinstance(m, wire.RequestData):
+            out.append(("result_failed", Reason.UNKNOWN_PEER.value, None))
+        else:
+            out.append(("reject", Reason.UNKNOWN_PEER.value, None))
+    return out
+
+
+def engine_replies(msg: hostile.Message) -> list[Reply]:
+    """What a gateway answers a one-frame ``msg``: an Error with the call id it read or salvaged."""
+    (frame,) = msg
+    try:
+        call = ep.decode_to_gateway([frame])
+    except ProtocolError as e:
+        return [("error", e.reason.value, ep.salvage_call_id([frame]))]
+    return [("error", None, call.call_id)]  # the reason depends on the call: not predicted
+
+
+def listener_reply(frames: list[bytes]) -> Reply:
+    """A reply the hostile peer got from the listener, as a :data:`Reply`."""
+    try:
+        m = wire.decode_to_receiver(frames, MAX_FRAME)
+    except ProtocolError as e:
+        return ("undecodable", e.reason.value, None)
+    if isinstance(m, wire.Reject):
+        return ("reject", m.reason.value, None)
+    if isinstance(m, wire.RegisterReply):
+        reason = None if m.reason is None else m.reason.value
+        return ("register_accepted" if m.ok else "register_refused", reason, None)
+    if isinstance(m, wire.Result):
+        return (f"result_{m.status}", None if m.reason is None else m.reason.value, None)
+    return (str(m.__struct_config__.tag), None, None)
+
+
+def engine_reply(frames: list[bytes]) -> Reply:
+    """A reply the hostile engine got from a gateway, as a :data:`Reply`."""
+    try:
+        m = ep.decode_to_engine(frames)
+    except ProtocolError as e:
+        return ("undecodable", e.reason.value, None)
+    if isinstance(m, ep.Error):
+        return ("error", m.reason.value, m.call_id)
+    return (str(m.__struct_config__.tag), None, m.call_id)
+
+
+def matches(want: Reply, got: Reply) -> bool:
+    return all(w is None or w == g for w, g in zip(want, got, strict=True))
+
+
+# -- the hostile peers -----------------------------------------------------------------------
+
+
+class ZmqPeer:
+    """A hostile DEALER (:func:`hostile_socket`): one message per ``send_multipart``."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock = sock
+
+    def pollable(self) -> zmq.Socket[bytes]:
+        return self.sock
+
+    def events(self) -> int:
+        return zmq.POLLIN
+
+    def send(self, msg: hostile.Message) -> bool:
+        """Queue ``msg`` without blocking; False when ZMQ's queue toward the daemon is full."""
+        try:
+            self.sock.send_multipart(msg, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def recv(self) -> list[list[bytes]]:
+        """The replies readable now (each one message)."""
+        out = []
+        while True:
+            try:
+                out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class StreamPeer:
+    """A hostile engine on a unix engine socket: length-prefixed frames, never blocking.
+
+    What the kernel does not take now waits in an outbox (``OUTBOX`` bytes at most: then
+    ``send`` says False until the gateway read more), written on POLLOUT.
+    """
+
+    OUTBOX = 8 << 20
+    CHUNK = 1 << 18
+
+    def __init__(self, endpoint: str) -> None:
+        assert endpoint.startswith("ipc://"), endpoint
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(CALL_S)
+        self.sock.connect(ipc_address(endpoint))
+        self.sock.setblocking(False)
+        self.fd = self.sock.fileno()  # what zmq.Poller gives back
+        self.reader = FrameReader(ep.MAX_FRAME_BYTES)
+        self.out = bytearray()
+        self.at = 0  # bytes of ``out`` written
+
+    def pollable(self) -> int:
+        return self.fd
+
+    def events(self) -> int:
+        return zmq.POLLIN | (zmq.POLLOUT if self.at < len(self.out) else 0)
+
+    def send(self, msg: hostile.Message) -> bool:
+        (frame,) = msg  # a stream has no multi-frame message
+        if len(self.out) - self.at >= self.OUTBOX:
+            self.flush()
+            if len(self.out) - self.at >= self.OUTBOX:
+                return False
+        self.out += LENGTH.pack(len(frame))
+        self.out += frame
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Write what the kernel takes now; ConnectionError if the gateway closed the connection."""
+        while self.at < len(self.out):
+            try:
+                n = self.sock.send(self.out[self.at : self.at + self.CHUNK])
+            except BlockingIOError:
+                break
+            except OSError as e:
+                raise ConnectionError(f"write failed: {e!r}") from None
+            self.at += n
+        if self.at == len(self.out) or self.at > self.OUTBOX:
+            del self.out[: self.at]
+            self.at = 0
+
+    def recv(self) -> list[list[bytes]]:
+        """The replies readable now (each one frame); ConnectionError at EOF or a reset."""
+        out: list[list[bytes]] = []
+        while True:
+            try:
+                data = self.sock.recv(self.CHUNK)
+            except BlockingIOError:
+                return out
+            except OSError as e:
+                raise ConnectionError(f"read failed: {e!r}") from None
+            if not data:
+                raise ConnectionError("the gateway closed the connection")
+            out += [[f] for f in self.reader.feed(data)]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+Peer = ZmqPeer | StreamPeer
+
+
 # -- sending -------------------------------------------------------------------------------
 
 
 @dataclass
 class Aim:
-    """One socket under fire: its messages, what it answers, the counters that must grow."""
+    """One socket under fire: its messages, the replies each earns, the counters that must grow."""
 
     name: str
-    sock: zmq.Socket[bytes]
+    peer: Peer
     messages: list[hostile.Message]
-    replies: bool
+    expect: list[list[Reply]]  # per message, the replies it earns ([] when none come)
+    decode: Callable[[list[bytes]], Reply]
     counted: Callable[[], float]
+    replies: bool  # the socket answers (else its counters are one per message)
     reaches: bool = True  # False: a refused handshake, nothing gets to the daemon
     sent: int = 0
-    answered: int = 0
+    promised: int = 0  # the replies the messages sent so far earn
+    got: list[Reply] = field(default_factory=list)
     blocked: bool = False  # it does not reach, and its client queue is full
+    broken: str = ""  # the connection ended under the hostile peer (it must not)
+
+    def expected_replies(self) -> list[Reply]:
+        return [r for m in self.expect[: self.sent] for r in m]
 
 
 def counter_sum(port: int, *families: str) -> float:
@@ -273,42 +486,50 @@ def counter_sum(port: int, *families: str) -> float:
 
 
 def send_all(aims: list[Aim], budget_s: float) -> float:
-    """Send every aim's messages (NOBLOCK, at most WINDOW unanswered) and take the replies."""
+    """Send every aim's messages (without blocking, at most WINDOW replies owed) and take the replies."""
     t0 = time.monotonic()
     deadline = t0 + budget_s
     poller = zmq.Poller()
-    for a in aims:
-        poller.register(a.sock, zmq.POLLIN)
+    by_item: dict[object, Aim] = {a.peer.pollable(): a for a in aims}
     while time.monotonic() < deadline:
         busy = False
-        for a in (a for a in aims if not a.blocked):
-            waits = a.replies and a.reaches
-            limit = a.answered + WINDOW if waits else len(a.messages)
-            while a.sent < min(limit, len(a.messages)):
-                try:
-                    a.sock.send_multipart(a.messages[a.sent], zmq.NOBLOCK)
-                except zmq.Again:  # the queue toward the daemon is full: read replies first
-                    a.blocked = not a.reaches  # nothing will ever take these
-                    break
-                a.sent += 1
-            busy |= not a.blocked and (a.sent < len(a.messages) or (waits and a.answered < a.sent))
+        for a in (a for a in aims if not (a.blocked or a.broken)):
+            try:
+                while a.sent < len(a.messages) and a.promised - len(a.got) < WINDOW:
+                    if not a.peer.send(a.messages[a.sent]):  # full: read replies first
+                        a.blocked = not a.reaches  # nothing will ever take these
+                        break
+                    a.promised += len(a.expect[a.sent])
+                    a.sent += 1
+            except ConnectionError as e:
+                a.broken = str(e)
+            busy |= not (a.blocked or a.broken) and (
+                a.sent < len(a.messages) or len(a.got) < a.promised
+            )
         if not busy:
             break
-        for sock, _ in poller.poll(20):
-            a = next(a for a in aims if a.sock is sock)
-            while True:
-                try:
-                    a.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                a.answered += 1
+        for a in aims:
+            if a.broken:
+                with contextlib.suppress(KeyError):
+                    poller.unregister(a.peer.pollable())
+            else:
+                poller.register(a.peer.pollable(), a.peer.events())
+        for item, events in poller.poll(20):
+            a = by_item[item]
+            try:
+                if events & zmq.POLLOUT:
+                    a.peer.flush()
+                if events & zmq.POLLIN:
+                    a.got += [a.decode(r) for r in a.peer.recv()]
+            except ConnectionError as e:
+                a.broken = str(e)
     return time.monotonic() - t0
 
 
 def send_oversized(
     variant: Variant, endpoint: str, header: bytes, max_bytes: int, keys: Keys | None, server: str
 ) -> int:
-    """Send oversized frames, each on a connection of its own; the connections that ended.
+    """Send oversized frames to a ZMQ socket, each on a connection of its own; the connections that ended.
 
     A connection ends in a disconnect (libzmq dropped the oversized frame with it) or, for
     a peer whose handshake the daemon refuses, possibly in the failed handshake first.
@@ -347,7 +568,46 @@ def send_oversized(
     return disconnects
 
 
+def send_oversized_stream(endpoint: str, max_bytes: int) -> tuple[int, int]:
+    """Length prefixes over an engine socket's bound, each on a connection of its own.
+
+    Returns (the connections the gateway closed, the frames it sent on them). The first
+    connection announces the frame and sends its header only; the others send it whole
+    (the gateway closes at the prefix, so the rest of the write may fail: that is fine).
+    """
+    frame = hostile.oversized(max_bytes, ep.HEADER)[0]
+    closed = replies = 0
+    for i in range(OVERSIZED_PER_SOCKET):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(CALL_S)
+            sock.connect(ipc_address(endpoint))
+            reader = FrameReader(ep.MAX_FRAME_BYTES)
+            data = LENGTH.pack(len(frame)) + (frame[: len(ep.HEADER)] if i == 0 else frame)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError, TimeoutError):
+                sock.sendall(data)
+            deadline = time.monotonic() + CALL_S
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                try:
+                    chunk = sock.recv(1 << 16)
+                except ConnectionResetError:  # closed with our bytes unread
+                    chunk = b""
+                except TimeoutError:
+                    break
+                if not chunk:
+                    closed += 1
+                    break
+                replies += len(reader.feed(chunk))
+        finally:
+            sock.close()
+    return closed, replies
+
+
 # -- the run --------------------------------------------------------------------------------
+
+ENGINES = ("engine-tx", "engine-rx")
+CONNECTIONS_DROPPED = "kvxferd_gateway_engine_connections_dropped"
 
 
 @dataclass
@@ -360,7 +620,9 @@ class Run:
     after: dict[str, float]
     handshake_failures: float  # growth of HANDSHAKE_FAILURES, both daemons
     send_s: float
-    oversized: dict[str, int]
+    oversized: dict[str, int]  # connections that ended, per socket
+    oversized_replies: dict[str, int]  # frames an engine socket sent on them
+    dropped: dict[str, float]  # growth of CONNECTIONS_DROPPED, per engine socket
     legit_done: int
     legit_failures: list[str]
     legit_stopped: bool
@@ -385,43 +647,49 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
         DaemonProcess("receiver", "rx", sock_dir, env("rx"), []),
     ]
     legit: Legit | None = None
-    socks: list[zmq.Socket[bytes]] = []
+    peers: list[Peer] = []
     try:
         tx, rx = daemons
         tx.wait_ready(STARTUP_S), rx.wait_ready(STARTUP_S)
         layout = hostile.layout_map(LAYERS, BLOCKS, BLOCK_BYTES)  # compatible: Registers reach NIXL
+        results_fams = ("kvxferd_rejections", "kvxferd_peer_rejections", "kvxferd_late_messages")
         build = {
-            "listener": ("listener", tx.endpoint, True, tx.probe_port, ("kvxferd_rejections",)),
-            "results": (
-                "results",
-                rx.endpoint,
-                False,
-                rx.probe_port,
-                ("kvxferd_rejections", "kvxferd_peer_rejections", "kvxferd_late_messages"),
-            ),
+            "listener": ("listener", tx.endpoint, tx.probe_port, ("kvxferd_rejections",)),
+            "results": ("results", rx.endpoint, rx.probe_port, results_fams),
             "engine-tx": (
                 "engine",
                 tx.engine_socket,
-                True,
                 tx.probe_port,
                 ("kvxferd_gateway_rejections",),
             ),
             "engine-rx": (
                 "engine",
                 rx.engine_socket,
-                True,
                 rx.probe_port,
                 ("kvxferd_gateway_rejections",),
             ),
         }
         aims = []
         server = {"listener": "tx", "results": "rx"}
-        for i, (name, (target, endpoint, replies, port, fams)) in enumerate(build.items()):
+        for i, (name, (target, endpoint, port, fams)) in enumerate(build.items()):
             msgs = hostile.build(target, COUNTS[name], SEED + i, layout=layout)  # type: ignore[arg-type]
-            sock = hostile_socket(variant, endpoint, keys, server.get(name, ""))
-            socks.append(sock)
+            reaches = variant.reaches(endpoint)
+            peer: Peer
+            if target == "engine":
+                peer = StreamPeer(endpoint)
+                predict, decode = engine_replies, engine_reply
+            else:
+                peer = ZmqPeer(hostile_socket(variant, endpoint, keys, server[name]))
+                predict, decode = listener_replies, listener_reply
+            peers.append(peer)
+            replies = target != "results"
+            expect = [predict(m) if replies and reaches else [] for m in msgs]
             counted = (lambda p, f: lambda: counter_sum(p, *f))(port, fams)
-            aims.append(Aim(name, sock, msgs, replies, counted, variant.reaches(endpoint)))
+            aims.append(Aim(name, peer, msgs, expect, decode, counted, replies, reaches))
+        engine_port = {"engine-tx": tx.probe_port, "engine-rx": rx.probe_port}
+
+        def dropped_now() -> dict[str, float]:
+            return {e: counter_sum(p, CONNECTIONS_DROPPED) for e, p in engine_port.items()}
 
         def handshakes() -> float:
             return sum(counter_sum(d.probe_port, *HANDSHAKE_FAILURES) for d in daemons)
@@ -430,26 +698,35 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
         legit.start()
         assert legit.first.wait(CALL_S * 3), "the legitimate loop never finished a transfer"
         before = {a.name: a.counted() for a in aims}
+        dropped_before = dropped_now()
         handshakes_before = handshakes()
         send_s = send_all(aims, SEND_BUDGET_S)
         oversized = {
             "listener": send_oversized(variant, tx.endpoint, wire.HEADER, MAX_FRAME, keys, "tx"),
             "results": send_oversized(variant, rx.endpoint, wire.HEADER, MAX_FRAME, keys, "rx"),
-            "engine-tx": send_oversized(
-                variant, tx.engine_socket, ep.HEADER, ep.MAX_FRAME_BYTES, None, ""
-            ),
-            "engine-rx": send_oversized(
-                variant, rx.engine_socket, ep.HEADER, ep.MAX_FRAME_BYTES, None, ""
-            ),
         }
+        oversized_replies = {}
+        for name, endpoint in (("engine-tx", tx.engine_socket), ("engine-rx", rx.engine_socket)):
+            oversized[name], oversized_replies[name] = send_oversized_stream(
+                endpoint, ep.MAX_FRAME_BYTES
+            )
         results = next(a for a in aims if a.name == "results")
-        with contextlib.suppress(AssertionError):  # the test says by how much it fell short
+        with contextlib.suppress(AssertionError):  # the tests say by how much it fell short
             wait_until(
                 lambda: results.counted() >= before["results"] + expected(results),
                 SETTLE_S,
                 "the result socket's counters catch up",
             )
+        with contextlib.suppress(AssertionError):  # a gateway counts a drop after the close
+            wait_until(
+                lambda: all(
+                    n >= dropped_before[e] + OVERSIZED_PER_SOCKET for e, n in dropped_now().items()
+                ),
+                CALL_S,
+                "the gateways count the connections they closed",
+            )
         after = {a.name: a.counted() for a in aims}
+        dropped = {e: n - dropped_before[e] for e, n in dropped_now().items()}
         handshake_failures = handshakes() - handshakes_before
         stopped = legit.join()
         done, failures = legit.done, list(legit.failures)
@@ -461,8 +738,9 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
             why, after_s = repr(e), None
         print(
             f"\n[fuzz {variant.name}] {sum(a.sent for a in aims)} messages in {send_s:.1f}s"
-            f" ({ {a.name: a.sent for a in aims} }), oversized disconnects {oversized},"
-            f" legit transfers during the run {done}, load {os.getloadavg()[0]:.1f}"
+            f" ({ {a.name: a.sent for a in aims} }), replies { {a.name: len(a.got) for a in aims} },"
+            f" oversized connections closed {oversized}, legit transfers during the run {done},"
+            f" load {os.getloadavg()[0]:.1f}"
         )
         yield Run(
             variant,
@@ -474,6 +752,8 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
             handshake_failures,
             send_s,
             oversized,
+            oversized_replies,
+            dropped,
             done,
             failures,
             stopped,
@@ -484,8 +764,8 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
         if legit is not None:
             legit.stop.set()
             legit.close()
-        for s in socks:
-            s.close(linger=0)
+        for p in peers:
+            p.close()
         for d in daemons:
             d.kill()
         shutil.rmtree(sock_dir, ignore_errors=True)
@@ -495,24 +775,46 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
 
 
 def expected(a: Aim) -> int:
-    """How much ``a``'s rejection counters must grow: one per message that reached the daemon."""
+    """How much ``a``'s rejection counters must grow: one per reply it earned (a socket that
+    answers), else one per message that reached the daemon."""
+    if a.replies:
+        return a.promised
     return a.sent if a.reaches else 0
 
 
 def test_every_message_was_sent_and_answered_within_the_budget(run: Run) -> None:
-    """Every hostile message left within the send budget and each one that is answered got exactly one reply (no hang)."""
+    """Every hostile message left within the send budget and got exactly the replies it earns (no hang, no connection lost)."""
     for a in run.aims:
+        assert a.broken == "", f"{a.name}: {a.broken}"
         if not a.reaches:  # a refused handshake: its queue fills, nothing is answered
-            assert a.answered == 0, f"{a.name}: {a.answered} replies through a refused handshake"
+            assert a.got == [], f"{a.name}: {len(a.got)} replies through a refused handshake"
             continue
         assert a.sent == len(a.messages), f"{a.name}: {a.sent}/{len(a.messages)} sent"
-        if a.replies:
-            assert a.answered == a.sent, f"{a.name}: {a.answered} replies to {a.sent}"
+        assert len(a.got) == a.promised, f"{a.name}: {len(a.got)} replies, {a.promised} owed"
     assert sum(len(a.messages) for a in run.aims) >= 100_000
 
 
-def test_every_message_that_reached_a_daemon_is_one_counted_rejection(run: Run) -> None:
-    """Each socket's rejection counters grew by exactly the number of hostile messages that reached it (none through a refused handshake)."""
+def test_every_reply_is_the_refusal_its_frame_earns_in_order(run: Run) -> None:
+    """Each reply is the one its frame earns (a listener batch answered frame by frame, a batch over MAX_BATCH once), in the order sent."""
+    for a in run.aims:
+        want = a.expected_replies()
+        wrong = [
+            (i, w, g)
+            for i, (w, g) in enumerate(zip(want, a.got, strict=False))
+            if not matches(w, g)
+        ]
+        assert wrong == [], (
+            f"{a.name}: {len(wrong)} replies not the expected one, first {wrong[:5]}"
+        )
+        assert len(a.got) == len(want), a.name
+    listener = next(a for a in run.aims if a.name == "listener")
+    if listener.reaches:  # the batches were there: some answered frame by frame, some whole
+        sizes = {len(m) for m in listener.messages}
+        assert max(sizes) > wire.MAX_BATCH and wire.MAX_BATCH in sizes and 2 in sizes
+
+
+def test_every_message_that_reached_a_daemon_is_counted_exactly(run: Run) -> None:
+    """Each socket's rejection counters grew by exactly what its hostile messages earned: one per reply, or one per message on the result socket (none through a refused handshake)."""
     grew = {a.name: run.after[a.name] - run.before[a.name] for a in run.aims}
     assert grew == {a.name: float(expected(a)) for a in run.aims}
 
@@ -524,9 +826,11 @@ def test_refused_handshakes_are_counted(run: Run) -> None:
     assert run.handshake_failures > 0
 
 
-def test_oversized_frames_are_dropped_by_libzmq_with_their_connection(run: Run) -> None:
-    """Every frame over MAXMSGSIZE closed its connection (seen by the client's monitor) and no daemon counted it."""
+def test_oversized_frames_end_their_connection_and_nothing_else(run: Run) -> None:
+    """Every frame over the bound ended its connection: libzmq's (seen by the client's monitor, counted by no daemon), or the gateway's (closed unanswered, one connection dropped counted each)."""
     assert run.oversized == dict.fromkeys(run.oversized, OVERSIZED_PER_SOCKET)
+    assert run.oversized_replies == dict.fromkeys(ENGINES, 0)
+    assert run.dropped == dict.fromkeys(ENGINES, float(OVERSIZED_PER_SOCKET))
 
 
 def test_both_daemons_live_healthy_and_met_no_unexpected_error(run: Run) -> None:
