@@ -457,6 +457,37 @@ def test_malformed_frames_get_typed_errors_and_are_counted(
     assert counts["rejected_unknown_message"] == 1
 
 
+def test_frames_before_a_length_over_the_bound_are_answered_then_the_connection_closes(
+    gateways: tuple[Started, Started],
+) -> None:
+    """Frames that came before an oversized length prefix in the same write are each
+    answered and counted; then the connection is closed (counted), nothing after it read."""
+    (gw, _, tx_ep), _ = gateways
+    before = gw.stats.snapshot()
+    with RawEngine(tx_ep) as raw:
+        frames = [ep.encode(ep.Describe(call_id=i)) for i in (1, 2)] + [b"garbage"]
+        raw.sock.sendall(
+            b"".join(LENGTH.pack(len(f)) + f for f in frames)
+            + LENGTH.pack(ep.MAX_FRAME_BYTES + 1)
+            + b"x" * 32
+        )
+        replies = [raw.recv() for _ in range(3)]
+        assert [type(r) for r in replies] == [ep.PoolInfo, ep.PoolInfo, ep.Error], replies
+        with pytest.raises(ConnectionError):
+            raw.recv_frame()
+    after = gw.stats.snapshot()
+    assert after.get("calls_describe", 0) - before.get("calls_describe", 0) == 2
+    assert after["rejected_malformed"] - before.get("rejected_malformed", 0) == 1
+    wait_until(
+        lambda: (
+            gw.stats.get("engine_connections_dropped")
+            == before.get("engine_connections_dropped", 0) + 1
+        ),
+        CALL_S,
+        "the connection dropped and counted",
+    )
+
+
 def test_a_frame_over_the_bound_closes_its_connection_only(
     gateways: tuple[Started, Started],
 ) -> None:

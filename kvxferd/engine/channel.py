@@ -48,15 +48,22 @@ def ipc_address(endpoint: str) -> str:
 
 
 class FrameReader:
-    """Splits a byte stream into length-prefixed frames; ChannelClosed on a frame over ``max_bytes``."""
+    """Splits a byte stream into length-prefixed frames.
 
-    __slots__ = ("_buf", "_max")
+    A length over ``max_bytes`` ends the stream: the frames before it are returned (each
+    still gets its answer), ``error`` says why, and nothing after it is read.
+    """
+
+    __slots__ = ("_buf", "_max", "error")
 
     def __init__(self, max_bytes: int) -> None:
         self._buf = bytearray()
         self._max = max_bytes
+        self.error: str | None = None
 
     def feed(self, data: bytes) -> list[bytes]:
+        if self.error is not None:
+            return []
         buf = self._buf
         buf += data
         frames: list[bytes] = []
@@ -64,7 +71,9 @@ class FrameReader:
         while end - at >= 4:
             (n,) = LENGTH.unpack_from(buf, at)
             if n > self._max:
-                raise ChannelClosed(f"a frame of {n} bytes is over the bound of {self._max}")
+                self.error = f"a frame of {n} bytes is over the bound of {self._max}"
+                buf.clear()
+                return frames
             if end - at - 4 < n:
                 break
             frames.append(bytes(buf[at + 4 : at + 4 + n]))
@@ -141,8 +150,22 @@ class StreamChannel:
             del out[:n]
         return True
 
+    @property
+    def failed(self) -> str | None:
+        """Why the stream cannot be read any further (a frame over the bound), or None.
+
+        The frames before that point were returned by ``recv``; answer them, then close.
+        """
+        return self.reader.error
+
     def recv(self) -> list[bytes]:
-        """Every complete frame readable now (maybe none); ChannelClosed at EOF or on error."""
+        """Every complete frame readable now (maybe none); ChannelClosed at EOF or on error.
+
+        A frame over the bound ends the stream: the frames before it are returned and
+        ``failed`` says why; the next ``recv`` raises ChannelClosed.
+        """
+        if self.reader.error is not None:
+            raise ChannelClosed(self.reader.error)
         frames: list[bytes] = []
         for _ in range(_MAX_READS):
             try:
@@ -152,9 +175,11 @@ class StreamChannel:
             except OSError as e:
                 raise ChannelClosed(f"receive failed: {e}") from None
             if not data:
+                if frames:
+                    return frames  # answered first; the next recv sees the end
                 raise ChannelClosed("closed by the peer")
             frames += self.reader.feed(data)
-            if len(data) < RECV_CHUNK:
+            if self.reader.error is not None or len(data) < RECV_CHUNK:
                 return frames
         return frames
 

@@ -1,7 +1,9 @@
 """The engine protocol: how a local engine drives its kvxferd daemon; msgpack decoded into fixed structs.
 
-Every message is exactly one ZMQ frame (the gateway's ROUTER additionally sees
-the routing id frame in front of it)::
+Every message is one frame: on an ``ipc://`` engine socket (a unix stream) a 4-byte
+little-endian length then the frame (kvxferd/engine/channel.py); on a ``tcp://`` one
+exactly one ZMQ frame (the gateway's ROUTER additionally sees the routing id frame in
+front of it)::
 
     frame = b"KE" + version(1 byte) + msgpack(tagged map)
 

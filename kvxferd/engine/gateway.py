@@ -395,6 +395,9 @@ class Gateway:
             if events & zmq.POLLIN:
                 for frame in conn.channel.recv():
                     self._on_frame(conn.rid, frame)
+                if conn.channel.failed is not None:  # its frames before the fault answered
+                    self._flush_replies()
+                    raise ChannelClosed(conn.channel.failed)
         except ChannelClosed as e:
             self._drop(conn, str(e))
 
