@@ -5,14 +5,24 @@ Threads and what each owns::
     thread          owns                                  does
     --------------  ------------------------------------  -----------------------------------------
     kvxferd-rx-io   the result ROUTER, one DEALER per     registers with each sender (again after
-                    sender endpoint and its monitor       a reconnect), sends REQUEST_DATA /
-                    socket, the command queue             CANCEL, takes Results and CancelAcks,
-                                                          enforces every deadline (register,
-                                                          connect refused, kv_transfer_timeout,
-                                                          cancel fence), re-asks about fetches
-                                                          in doubt
+                    sender endpoint and its monitor       a reconnect), sends REQUEST_DATA (the
+                    socket, the command queue, what the   turn's batch per link) / CANCEL, takes
+                    io hooks hand it (the engine          Results, CancelAcks and NIXL
+                    gateway's socket and calls,           notifications, enforces every deadline
+                    iohooks.py)                           (register, connect refused,
+                                                          kv_transfer_timeout, cancel fence),
+                                                          re-asks about fetches in doubt, serves
+                                                          the engine gateway
     API callers     nothing long-lived                    fetch / cancel / close: they enqueue a
-                                                          command and wake the io thread (eventfd)
+                                                          command and wake the io thread (eventfd);
+                                                          called on the io thread (the gateway),
+                                                          the command runs in the same turn
+
+The path of one fetch, all on the io thread (issue 22): the engine's Fetch (gateway ->
+``fetch``), its RequestData (``_start_fetch`` -> ``_send_request``, flushed with the
+turn's batch by ``_flush_links``), the done notification its sender's last WRITE
+carried (``_take_notifications``), and the engine's outcome (the session's completion
+-> the gateway's reply, flushed at the end of the turn). No other thread is woken.
 
 ``_lock`` guards ``_fetches`` (fetch id -> open RxSession, or ended with its fence
 up), ``_in_doubt`` (ended in doubt, still asked about), ``_forgotten_in_doubt``,
@@ -23,8 +33,10 @@ never land on a newer fetch. The io thread's loop body is guarded
 (guard.py): an unexpected exception is logged and counted, the thread goes on,
 and ``broken()`` makes liveness fail.
 
-A fetch completes only on the sender's ``done`` Result, which the sender sends
-only after NIXL reported its WRITE complete. On cancel or timeout the blocks
+A fetch completes only on its sender's word that NIXL reported its WRITEs complete: the
+done notification its last WRITE carried (with the fetch's nonce, from the sender's NIXL
+agent, the link's key still allowed: ``_notified_by_its_sender``), or a ``done`` Result
+(``dataplane.notifications`` off, or a peer that sends no notification). On cancel or timeout the blocks
 stay fenced until the sender acknowledges that no write is in flight, or until
 ``cancel_fence_ms`` passes; then the outcome is in doubt and the blocks (and aux
 slot) must not be reused. A fetch in doubt moves to ``_in_doubt`` (bounded by
@@ -72,7 +84,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvxferd.auth import HANDSHAKE_FAILED, Transport, handshake_kind, peer_identity
 from kvxferd.config import ReceiverSettings
-from kvxferd.endpoints import DialAllow, advertise_host, advertised, connect_problem
+from kvxferd.endpoints import DialAllow, advertise_host, advertised
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.stats import Stats
 from kvxferd.transfer import protocol as wire
@@ -107,11 +119,13 @@ _monitor_ids = itertools.count(1)
 _REQUEST_ID = re.compile(wire.REQUEST_ID_PATTERN)
 _TICK_S = 0.05
 _DEADLINES_EVERY_S = 0.002  # deadlines and in-doubt re-asks are looked at this often, at most
-_DIALABLE_CACHE = 4096  # endpoints whose dial verdict is kept
-_UNCHECKED = object()
 # How often NIXL is asked for notifications while fetches are open: from this, doubling
 # while nothing arrives (a notification comes tens of microseconds after the WRITE).
+# A fetch sent less than _NOTIF_FRESH_S ago is looked for every _NOTIF_WAIT_FRESH_S at most:
+# most notifications come within a millisecond, and a doubling that had reached 400 us
+# added a third of a small request's time (issue 22).
 _NOTIF_WAIT_MIN_S, _NOTIF_WAIT_MAX_S = 25e-6, 2e-3
+_NOTIF_FRESH_S, _NOTIF_WAIT_FRESH_S = 0.002, 60e-6
 _NO_RECORD = "sender at {} declared no topology: a fetch from a prefill instance needs one"
 _MONITORED = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | HANDSHAKE_FAILED
@@ -215,7 +229,6 @@ class Receiver:
         process_context(sockets_needed(0, settings.limits.max_peers))  # before any socket
         # Sender endpoints come from request data: only those the operator allows are dialled.
         self.dial_allow = DialAllow(settings.access.dial_allow)
-        self._dialable: dict[str, object] = {}  # endpoint -> None or (reason, why not)
         self.transport = Transport(settings.security, "receiver", self.stats)  # ZAP: a socket
         self.public_key = self.transport.public_key  # what Publish/PoolInfo tell engines
         self.socket_limits = SocketLimits.of(
@@ -238,6 +251,7 @@ class Receiver:
         # The engine gateway is served by the io thread too (iohooks.py).
         self.io = IoHooks(self.guard)
         self._notif_wait = _NOTIF_WAIT_MIN_S  # io thread only
+        self._sent_at = 0.0  # io thread only: when RequestData last left
         self._deadlines_at = 0.0  # io thread only: when deadlines are looked at next
         self._links: dict[str, _Link] = {}  # io thread only
         self._batched: list[_Link] = []  # io thread only: links with RequestData to send
@@ -303,28 +317,15 @@ class Receiver:
     def _check_dialable(self, endpoint: str) -> None:
         """Refuse a sender endpoint from request data before anything dials it: one libzmq
         would read otherwise (``bad_endpoint``), or one ``access.dial_allow`` does not admit
-        (``not_authorized``, counted ``endpoints_refused``).
-
-        The verdict depends on the endpoint alone (the rules are fixed at start), so it is
-        kept per endpoint: parsing an address per fetch was a fifth of the io thread's time.
-        """
-        verdict = self._dialable.get(endpoint, _UNCHECKED)
-        if verdict is _UNCHECKED:
-            problem = connect_problem(endpoint)
-            if problem is not None:
-                verdict = (Reason.BAD_ENDPOINT, problem)
-            else:
-                problem = self.dial_allow.problem(endpoint)
-                verdict = None if problem is None else (Reason.NOT_AUTHORIZED, problem)
-            if len(self._dialable) >= _DIALABLE_CACHE:
-                self._dialable.clear()
-            self._dialable[endpoint] = verdict
+        (``not_authorized``, counted ``endpoints_refused``)."""
+        verdict = self.dial_allow.verdict(endpoint)
         if verdict is None:
             return
-        assert isinstance(verdict, tuple)
-        if verdict[0] is Reason.NOT_AUTHORIZED:
+        by_policy, why = verdict
+        if by_policy:
             self.stats.add("endpoints_refused")
-        raise RejectedError(*verdict)
+            raise RejectedError(Reason.NOT_AUTHORIZED, why)
+        raise RejectedError(Reason.BAD_ENDPOINT, why)
 
     def fetch(
         self,
@@ -577,7 +578,12 @@ class Receiver:
                     wait_s = _TICK_S if delay is None else min(_TICK_S, delay)
                     if self._fetches:  # fetches sent: their notifications come through NIXL
                         wait_s = min(wait_s, self._notif_wait)
-                        self._notif_wait = min(self._notif_wait * 2, _NOTIF_WAIT_MAX_S)
+                        cap = (
+                            _NOTIF_WAIT_FRESH_S
+                            if time.monotonic() - self._sent_at < _NOTIF_FRESH_S
+                            else _NOTIF_WAIT_MAX_S
+                        )
+                        self._notif_wait = min(self._notif_wait * 2, cap)
                     if self._commands or io.pending():
                         wait_s = 0.0
                     ready = poller.poll(wait_s)
@@ -1042,6 +1048,7 @@ class Receiver:
                 # A resend that could not leave: the fetch's own deadline still ends it.
             return
         self.stats.add("requests_sent", len(batch))
+        self._sent_at = time.monotonic()
 
     def _cancel(self, rx: RxSession, state: RxState, reason: Reason, detail: str) -> bool:
         fence_s = self.settings.deadlines.cancel_fence_ms / 1000

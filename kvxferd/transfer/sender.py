@@ -4,27 +4,38 @@ Threads and what each owns::
 
     thread              owns                                does
     ------------------  ----------------------------------  -------------------------------------------
-    kvxferd-listener    the ROUTER socket                   decodes and validates every message; REGISTER
-                                                            (result endpoint checked, compatibility, NIXL
-                                                            metadata; a new receiver id at a known result
-                                                            endpoint replaces that peer; a full table
-                                                            evicts the longest-idle peer); REQUEST_DATA
-                                                            (deadline from timeout_ms and deadline_unix_ms;
+    kvxferd-listener    the ROUTER socket; what the io      decodes and validates every message (a
+                        hooks hand it (the engine           receiver's batch frame by frame); REGISTER
+                        gateway's socket and calls,         (result endpoint checked, compatibility, NIXL
+                        iohooks.py); the inline worker      metadata; a new receiver id at a known result
+                        (its lanes, writes in flight and    endpoint replaces that peer; a full table
+                        DEALERs), which it drives each      evicts the longest-idle peer); REQUEST_DATA
+                        turn                                (deadline from timeout_ms and deadline_unix_ms;
                                                             attach to a session or park until publish,
-                                                            enqueue on worker hash(request, peer) % N);
-                                                            CANCEL (end admission, ack through the worker);
-                                                            expires pending fetches and unfetched requests
-                                                            (a heap of TTL deadlines: cost ~ what expires)
-    kvxferd-worker-i    its queue, lanes, writes in flight, admits each write (or refuses it), posts the
-                        its own DEALER + outbox per         NIXL WRITE and polls every write in flight
-                        receiver result endpoint            each turn (one lane per receiver: a frozen
-                                                            receiver holds only its own lane); exactly one
-                                                            Result per slice, sent without blocking
-                                                            (see worker.py)
+                                                            queue on the pair's lane: ``_lane_for``);
+                                                            CANCEL (end admission, ack through the lane);
+                                                            an engine's publish (inline); expires pending
+                                                            fetches and unfetched requests (a heap of TTL
+                                                            deadlines: cost ~ what expires)
+    kvxferd-worker-i    its queue, lanes, writes in flight, the requests over inline_write_max_bytes:
+                        its own DEALER + outbox per         admits each write (or refuses it), posts the
+                        receiver result endpoint            NIXL WRITE (slices of one receiver queued
+                                                            together coalesce into one) and polls every
+                                                            write in flight each turn (one lane per
+                                                            receiver: a frozen receiver holds only its
+                                                            own lane); exactly one notification or Result
+                                                            per slice (see worker.py)
     API callers         nothing long-lived                  publish / cancel / close / shutdown; publish
                                                             hands refusals to workers and never sends;
                                                             shutdown's parked refusals go through the
                                                             SharedDealerPool, bounded by its deadline
+
+The path of one small request, all on the listener (issue 22): the engine's publish
+(gateway -> ``publish``), the receiver's RequestData (``_handle`` -> ``_on_request`` ->
+``_attach_locked`` -> the inline worker's lane), its WRITE posted and polled to DONE
+(``Worker.step``: ``_post`` / ``_post_many``, ``_poll_writes``), the done notification
+riding on that WRITE, and the engine's outcome (the session's completion -> the gateway's
+reply, flushed at the end of the turn). No other thread is woken.
 
 ``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
 ``_pending``, ``_peers``, ``_last_at`` and ``_ttl_heap``. Session state has its own lock
