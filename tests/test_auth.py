@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -591,16 +592,27 @@ def test_a_tcp_engine_socket_admits_only_an_engine_with_an_allowed_key(
                 "the peer key refused on the engine socket",
                 poll=0.1,
             )
-        with Client(endpoint, timeout_s=0.5) as plain:
-            with pytest.raises(EngineUnavailable):
-                plain.describe()
-            # The auth thread counts the failed handshake from the socket's monitor.
-            wait_until(
-                lambda: counted("kvxferd_gateway_handshakes_failed_total", 'kind="protocol"'),
-                WAIT_S,
-                "the plaintext engine's failed handshake counted",
-                poll=0.1,
-            )
+
+        def plaintext_refused_and_counted() -> bool:
+            # A plaintext DEALER may give up after its first failed handshake (libzmq does
+            # not always reconnect it): each try is a new client, none ever answered.
+            with Client(endpoint, timeout_s=0.5) as plain:
+                with pytest.raises(EngineUnavailable):
+                    plain.describe()
+                # The auth thread counts the failed handshake from the socket's monitor.
+                deadline = time.monotonic() + 1.0
+                while time.monotonic() < deadline:
+                    if counted("kvxferd_gateway_handshakes_failed_total", 'kind="protocol"'):
+                        return True
+                    time.sleep(0.1)  # poll the metrics (no event announces the count)
+            return False
+
+        wait_until(
+            plaintext_refused_and_counted,
+            3 * WAIT_S,
+            "the plaintext engine's failed handshake counted",
+            poll=0.0,
+        )
     finally:
         d.kill()
 

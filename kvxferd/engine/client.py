@@ -605,7 +605,12 @@ class Client:
                 chan = self._channel(bound)
                 chan.send_blocking(frame, deadline)
         except ChannelClosed as e:
-            self._broken(EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}"))
+            error = EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}")
+            if isinstance(chan, ZmqChannel):  # ZMQ refused this one frame; it reconnects itself
+                with self._lock:
+                    self._pending.pop(call_id, None)
+                raise error from None
+            self._broken(error)  # a broken stream: every call on it fails, the next reconnects
         except EngineUnavailable as e:
             with self._lock:
                 self._pending.pop(call_id, None)
