@@ -72,10 +72,10 @@ def test_tiny_scale_run_reports_every_figure_positive_and_sane() -> None:
 
     lk = doc["receiver_links"]
     assert lk["links"] == 2 and lk["failures"] == 0 and lk["sender_failures"] == 0, lk
-    # a link is at least the receiver's DEALER connection; fetching adds the senders' workers'
-    # connections to its result endpoint
+    # a link is at least the receiver's DEALER connection; a done fetch adds at most the
+    # data plane's (it is told by NIXL notification, not by a worker's Result connection)
     assert lk["per_link_register"]["fd_socket"] >= 1
-    assert lk["per_link_fetch"]["fds"] > lk["per_link_register"]["fds"]
+    assert lk["per_link_fetch"]["fds"] >= lk["per_link_register"]["fds"]
 
     text = format_scale(json.loads(json.dumps(doc)))  # a --json file reads back
     for needle in (
