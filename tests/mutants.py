@@ -268,9 +268,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver's fetch() does not refuse an endpoint it will not dial (bad_endpoint)",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "problem = connect_problem(endpoint)",
-                "problem = None",
+                "kvxferd/endpoints.py",
+                "        problem = connect_problem(endpoint)\n        if problem is not None:\n            verdict",
+                "        problem = None\n        if problem is not None:\n            verdict",
             ),
         ),
         (
@@ -1084,7 +1084,72 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             "tests/test_auth.py::TestRefusedAndCounted::"
-            "test_a_sender_key_removed_from_the_receivers_allow_list_makes_no_fetch_done",
+            "test_a_sender_key_removed_from_the_receivers_allow_list_makes_no_fetch_done[result]",
+        ),
+    ),
+    # -- issue 22: a fetch done by the notification its sender's WRITE carried ---------------
+    Mutant(
+        "issue22-notification-nonce",
+        "a notification without the fetch's nonce completes it",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "and hmac.compare_digest(nonce, rx.nonce)",
+                "and True",
+            ),
+        ),
+        (
+            "tests/test_notifications.py::"
+            "test_a_notification_with_another_nonce_or_from_another_agent_completes_nothing",
+        ),
+    ),
+    Mutant(
+        "issue22-notification-agent",
+        "a notification from a NIXL agent other than the fetch's sender completes it",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                'and (agent == sender or agent.startswith(sender + ".p"))',
+                "and True",
+            ),
+        ),
+        (
+            "tests/test_notifications.py::"
+            "test_a_notification_with_another_nonce_or_from_another_agent_completes_nothing",
+        ),
+    ),
+    Mutant(
+        "issue22-notification-revoked-key",
+        "a sender key removed from the allow-list still completes fetches by notification",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "if rx.sender_key and not self.transport.admits(rx.sender_key):",
+                "if False:",
+            ),
+        ),
+        (
+            "tests/test_auth.py::TestRefusedAndCounted::"
+            "test_a_sender_key_removed_from_the_receivers_allow_list_makes_no_fetch_done[notified]",
+        ),
+    ),
+    Mutant(
+        "issue22-oversized-drops-earlier-frames",
+        "frames read before an oversized length prefix are dropped with the connection",
+        (
+            Edit(
+                "kvxferd/engine/channel.py",
+                '                self.error = f"a frame of {n} bytes is over the bound of {self._max}"\n'
+                "                buf.clear()\n"
+                "                return frames",
+                '                self.error = f"a frame of {n} bytes is over the bound of {self._max}"\n'
+                "                buf.clear()\n"
+                "                return []",
+            ),
+        ),
+        (
+            GATEWAY
+            + "test_frames_before_a_length_over_the_bound_are_answered_then_the_connection_closes",
         ),
     ),
 )

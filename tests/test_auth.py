@@ -296,8 +296,12 @@ class Pair:
 
 
 @pytest.fixture
-def pair(keys: Keyring) -> Iterator[Pair]:
-    """A CURVE sender and receiver in this process, each allowing only the other."""
+def pair(keys: Keyring, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A CURVE sender and receiver in this process, each allowing only the other.
+
+    Parametrised indirectly with False, the receiver asks for done Results instead of
+    NIXL notifications (the other path a done fetch can take)."""
+    notifications = getattr(request, "param", True)
     tx = Sender(
         load_sender_settings(
             listen="tcp://127.0.0.1:0",
@@ -318,6 +322,7 @@ def pair(keys: Keyring) -> Iterator[Pair]:
                     keys.allowed("rx", keys.tx),
                     sender_keys={tx.endpoint: keys.tx.pair.public},
                 ),
+                dataplane={"notifications": notifications},
             )
         ).start()
         yield Pair(keys, tx, rx)
@@ -413,12 +418,13 @@ class TestRefusedAndCounted:
             sock.close(linger=0)
         transfer_ok(pair, "after-revocation")
 
+    @pytest.mark.parametrize("pair", [True, False], indirect=True, ids=["notified", "result"])
     def test_a_sender_key_removed_from_the_receivers_allow_list_makes_no_fetch_done(
         self, pair: Pair, keys: Keyring
     ) -> None:
         """A sender whose key the receiver removes (list re-read) after their connection
-        opened: its Result on that connection is refused and counted, and the fetch ends
-        by its deadline, never done."""
+        opened: its done word (the notification its WRITE carries, or its Result on that
+        connection) is refused and counted, and the fetch ends by its deadline, never done."""
         transfer_ok(pair, "warm-up")  # the sender's connection to the result ROUTER is open
         src, dst = np.arange(4, dtype=np.int64), np.arange(8, 12, dtype=np.int64)
         fill_request(pair.tx.pool, "late", src)
