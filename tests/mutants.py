@@ -1040,7 +1040,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                pass",
             ),
         ),
-        (FUZZ + "test_every_message_that_reached_a_daemon_is_one_counted_rejection",),
+        (FUZZ + "test_every_message_that_reached_a_daemon_is_counted_exactly",),
     ),
     Mutant(
         "issue13-posted-behind-a-stalled-write",
