@@ -654,6 +654,33 @@ def test_calls_toward_a_stopped_gateway_fail_within_their_bound(
         never.close_client()
 
 
+def test_the_gateway_answers_after_its_service_shut_down_until_it_is_stopped(
+    start_gateway: Callable[..., Started], sock_dir: str
+) -> None:
+    """The service's io thread ends with its shutdown, before the daemon stops the gateway:
+    engines still poll, wait for and close what they published until then (a thread of the
+    gateway's own serves them); stop() then ends it."""
+    sx = Sender(
+        load_sender_settings(listen="tcp://127.0.0.1:0", pool=POOL, deadlines=DEADLINES)
+    ).start()
+    gw, _, endpoint = start_gateway(sx, "tail")
+    with Client(endpoint, timeout_s=CALL_S) as c:
+        h = c.publish("gw-tail", [12])
+        c.cancel(h)
+        report = sx.shutdown(timeout=3.0)
+        assert report.threads_joined
+        out = c.poll(h)  # the listener is gone; the gateway still answers
+        assert out is not None and out.state == "cancelled", out
+        waited = c.wait(h, CALL_S, close=True)
+        assert waited is not None and waited.closed is True
+        with pytest.raises(EngineRejected) as ei:
+            c.publish("gw-tail-2", [13])  # the sender is shut down: nothing new starts
+        assert ei.value.reason in (EngineReason.DRAINING, EngineReason.SHUTTING_DOWN)
+        gw.stop(2.0)
+        with pytest.raises(EngineUnavailable):
+            c.describe()
+
+
 # -- deadlines, idempotent calls, work found again by key ------------------------------------
 def _sessions_of(sender: Sender, request_id: str) -> int:
     """How many sessions the sender holds for ``request_id`` (live or ended, not yet closed)."""

@@ -103,7 +103,8 @@ from kvxferd.errors import ProtocolError, RejectedError
 from kvxferd.stats import Stats
 from kvxferd.transfer.control import process_context
 from kvxferd.transfer.guard import Guard
-from kvxferd.transfer.iohooks import Item
+from kvxferd.transfer.iohooks import IoHooks, Item
+from kvxferd.transfer.poller import Poller
 from kvxferd.transfer.pool import KvPool
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.sender import Sender, TxHandle
@@ -243,6 +244,10 @@ class Gateway:
         self._pool_info: ep.PoolInfo | None = None
         self._started = False
         self._stopped = threading.Event()  # io_stop ran: every socket is closed
+        self._closing = False  # stop() was called: the next io_stop closes for good
+        # The service's io thread serves us until its shutdown; then this thread (io_stop).
+        self._io: IoHooks = service.io
+        self._tail: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> str:
@@ -256,7 +261,7 @@ class Gateway:
         else:
             self._listen_tcp(endpoint)
         self._started = True
-        self.service.io.attach(self)
+        self._io.attach(self)
         log.info("engine gateway (%s) serving at %s", self.role, self.endpoint)
         assert self.endpoint is not None
         return self.endpoint
@@ -322,7 +327,7 @@ class Gateway:
             and self._started
             and self._refusing is None
             and not self._stopped.is_set()
-            and not self.service.io.running
+            and not self._io.running
         ):
             return "the service's io thread no longer serves the engine socket"
         return why
@@ -349,7 +354,8 @@ class Gateway:
             return
         if self._refusing is None:
             self._refusing = ep.EngineReason.SHUTTING_DOWN
-        io = self.service.io
+        self._closing = True
+        io = self._io
         if io.call_soon(self.io_stop):
             if not self._stopped.wait(max(0.0, timeout)):
                 log.warning("gateway stop: the io thread did not close it within %.1fs", timeout)
@@ -424,8 +430,19 @@ class Gateway:
         return TICK_S if not timers else max(0.0, timers[0][0] - now)
 
     def io_stop(self) -> None:
-        """The io thread ends (or ``stop``): outstanding calls get shutting_down; close."""
+        """The io thread serving us ends.
+
+        Asked by ``stop``: outstanding calls get shutting_down and every socket closes.
+        Otherwise the service's io thread ends with its shutdown, before the daemon stops
+        the gateway: engines still wait for, poll and close what they published or
+        fetched until then, so the gateway goes on, served by a thread of its own
+        (``kvxferd-gw-tail``, the service's threads are gone: every answer comes from
+        sessions that ended).
+        """
         if self._stopped.is_set():
+            return
+        if not self._closing and self._tail is None:
+            self._serve_tail()
             return
         for call in list(self._calls):
             self._answer(
@@ -453,7 +470,45 @@ class Gateway:
         self._work.clear()
         self._timers.clear()
         self._stopped.set()
-        self.service.io.changed()  # the io thread must not poll the closed descriptors
+        self._io.changed()  # the io thread must not poll the closed descriptors
+
+    def _serve_tail(self) -> None:
+        """Serve on a thread of our own from now on (``io_stop``)."""
+        old = self._io
+        io = IoHooks(self.guard)
+        self._io = io
+        self._tail = threading.Thread(
+            target=self._tail_loop, args=(io,), name="kvxferd-gw-tail", daemon=True
+        )
+        io.attach(self)
+        old.detach(self)
+        self._tail.start()
+
+    def _tail_loop(self, io: IoHooks) -> None:
+        """The gateway's own poll loop, once its service's io thread has ended."""
+        io.bind_thread()
+        poller: Poller | None = None
+        version, delay = -1, None
+        try:
+            while not self._stopped.is_set():
+                try:
+                    if poller is None or io.version != version:
+                        poller, version = Poller(), io.version
+                        for item, flags in io.items():
+                            poller.register(item, flags)
+                    wait = TICK_S if delay is None else min(TICK_S, delay)
+                    if io.pending() or self._soon:
+                        wait = 0.0
+                    now = time.monotonic()
+                    for item, ev in poller.poll(wait):
+                        io.dispatch(item, ev, now)
+                    delay = io.turn(time.monotonic())
+                except Exception:
+                    self.guard.caught("gateway tail")
+                    poller = None
+        finally:
+            io.stop()
+            io.close()
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         try:
@@ -463,11 +518,15 @@ class Gateway:
 
     def _post(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the io thread: at the end of this turn if we are on it, else soon."""
-        io = self.service.io
+        io = self._io
         if io.on_io_thread():
             self._soon.append(fn)
-        else:
-            io.call_soon(lambda: self._soon.append(fn))
+        elif not io.call_soon(functools.partial(self._soon_append, fn)):
+            self._soon_append(fn)  # the tail thread serves us now (``io_stop``)
+
+    def _soon_append(self, fn: Callable[[], None]) -> None:
+        self._soon.append(fn)
+        self._io.wake()  # the tail thread, if ``_post`` raced the hand-over to it
 
     def _timer(self, when: float, call: _Call, fn: Callable[[], None]) -> None:
         heapq.heappush(self._timers, (when, next(self._timer_seq), call, fn))
@@ -494,7 +553,7 @@ class Gateway:
             self._conns[rid] = conn
             self._by_fd[conn.fd] = conn
             self.stats.add("engine_connections")
-            self.service.io.changed()
+            self._io.changed()
 
     def _drop(self, conn: _Conn, why: str) -> None:
         if self._conns.pop(conn.rid, None) is None:
@@ -504,12 +563,12 @@ class Gateway:
         if "closed by the peer" not in why:
             self.stats.add("engine_connections_dropped")
             log.warning("engine connection dropped: %s", why)
-        self.service.io.changed()
+        self._io.changed()
 
     def _flush(self, conn: _Conn) -> None:
         if conn.channel.flush() and conn.writing:
             conn.writing = False
-            self.service.io.changed()
+            self._io.changed()
 
     def _read_router(self) -> None:
         sock = self._router
@@ -584,7 +643,7 @@ class Gateway:
                 continue
             if not empty and not conn.writing:  # the kernel took only part: wait to write
                 conn.writing = True
-                self.service.io.changed()
+                self._io.changed()
 
     # -- calls -------------------------------------------------------------------------------
     def _on_frame(self, rid: bytes, body: bytes) -> None:

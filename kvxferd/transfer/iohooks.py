@@ -188,21 +188,22 @@ class IoHooks:
         return nearest
 
     def stop(self) -> None:
-        """The loop ends: every hook's ``io_stop``; later ``call_soon`` calls are refused."""
-        with self._lock:
-            self._stopped = True
-            hooks = list(self._hooks)
-            calls, self._calls = list(self._calls), deque()
-        for fn in calls:  # what was handed to us before the end still runs
-            try:
-                fn()
-            except Exception:
-                self._caught("io call")
-        for hook in hooks:
+        """The loop ends: every hook's ``io_stop`` (a hook may move to a thread of its own),
+        then what was handed to us before the end runs; later ``call_soon`` calls are
+        refused (False)."""
+        for hook in self.hooks:
             try:
                 hook.io_stop()
             except Exception:
                 self._caught("io hook stop")
+        with self._lock:
+            self._stopped = True
+            calls, self._calls = list(self._calls), deque()
+        for fn in calls:
+            try:
+                fn()
+            except Exception:
+                self._caught("io call")
 
     def close(self) -> None:
         """Close the eventfd (after the io thread has ended)."""
