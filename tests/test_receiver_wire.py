@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import zmq
 
+from kvxferd import endpoints as endpoints_mod
 from kvxferd.config import load_receiver_settings
 from kvxferd.errors import Reason, RejectedError
 from kvxferd.testing import ControlledDataPlane
@@ -171,7 +172,7 @@ def test_a_connect_error_on_the_io_thread_fails_only_that_fetch(
     make_rx: Any, tx: ScriptedSender, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An endpoint that passes the check but fails connect() fails its fetch with a reason."""
-    monkeypatch.setattr(receiver_mod, "connect_problem", lambda endpoint: None, raising=False)
+    monkeypatch.setattr(endpoints_mod, "connect_problem", lambda endpoint: None)
     rx = make_rx()
     monkeypatch.setattr(rx.dial_allow, "problem", lambda endpoint: None)  # the parser too
     out = rx.fetch("req-bad", "tcp://no-port-here", [1]).wait(WAIT_S)

@@ -117,6 +117,7 @@ T = TypeVar("T")
 MAX_HANDLES = 65_536  # live handles across all engines; one more publish/fetch gets BUSY
 MAX_CONNECTIONS = 1024  # engine connections on a unix socket; one more is closed at once
 CLOSE_POLL_S = 0.002  # a Close that waits for writes in flight looks again this often
+LINGER_POLL_S = 0.01  # stop(linger): how often it looks whether the engines closed their handles
 TICK_S = 1.0  # last_progress while nothing happens
 READ_BATCH = 256  # ROUTER frames read per turn before the io thread's other sockets get a turn
 MAX_OWNERS = 16  # connections that may use one handle (its creator, then those that found it)
@@ -344,14 +345,18 @@ class Gateway:
     def handle_count(self) -> int:
         return len(self._handles)
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, linger: float = 0.0) -> None:
         """Stop serving: outstanding calls get Error(shutting_down), sockets close; bounded.
 
-        Safe from any thread. The io thread does it (``io_stop``) while it runs; once it
-        has ended (the service shut down), its own end already did.
+        ``linger``: first wait up to that long for the engines to close the handles they
+        still hold (a publish whose outcome its engine has not asked for yet: the engine's
+        next wait gets it instead of a closed socket). Safe from any thread.
         """
         if not self._started or self._stopped.is_set():
             return
+        until = time.monotonic() + max(0.0, linger)
+        while self._handles and time.monotonic() < until:
+            time.sleep(LINGER_POLL_S)  # engines are closing: no event says when the last did
         if self._refusing is None:
             self._refusing = ep.EngineReason.SHUTTING_DOWN
         self._closing = True

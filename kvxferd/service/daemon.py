@@ -302,7 +302,7 @@ class Daemon:
         self._forced.set()  # release the waiter thread
         remaining = max(0.05, hard_deadline - time.monotonic())
         try:
-            await asyncio.wait_for(self._teardown(), remaining)
+            await asyncio.wait_for(self._teardown(min(1.0, remaining / 2)), remaining)
         except TimeoutError:
             ok, why = False, why or "the gateway or probe port did not stop in time"
         code = EXIT_OK if ok else EXIT_NOT_DRAINED
@@ -327,10 +327,12 @@ class Daemon:
         cut = self.service.stats.get(DROPPED_CUT) + self.service.fetches_in_flight()
         return rx_drain_counts(cut, self.service.in_doubt())
 
-    async def _teardown(self) -> None:
+    async def _teardown(self, linger: float = 0.0) -> None:
+        """Stop discovery, the gateway (after ``linger`` s at most for engines to collect and
+        close what they still hold) and the probe port."""
         if self.watcher is not None:
             await asyncio.to_thread(self.watcher.stop, 1.0)
-        await asyncio.to_thread(self.gateway.stop, 0.3)
+        await asyncio.to_thread(self.gateway.stop, 0.3, linger)
         await self.probe_server.stop()
 
 
