@@ -308,6 +308,10 @@ def test_cancel_during_transfer_ends_done_and_exact_or_cancelled_and_fenced(
         want = request_content(rid, 2, BIG_BLOCKS, BIG_BLOCK)
         dst = alloc.take(BIG_BLOCKS)
         r.pool.kv_bytes_view()[0, torch.from_numpy(dst), :16] = 0  # no stale stamp
+        # A cancel *during* a transfer: its request is published first. (A fetch that came
+        # before its publish is parked; cancelled there, the session it was for keeps its
+        # blocks until publish_ttl_ms, and this sender's room for `cap` requests runs out.)
+        tx.wait_event("published", STARTUP_S, where=lambda e, rid=rid: e["id"] == rid)
         h = r.fetch(rid, ep, dst)
         if i == 0:
             pass  # the first fetch registers with the sender and runs to the end

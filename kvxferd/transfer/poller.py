@@ -71,9 +71,16 @@ class Poller:
         self._big = self._big or fd > _SELECT_MAX_FD
         self._poll = None
 
-    def poll(self, timeout_s: float | None) -> list[tuple[Any, int]]:
-        """What is ready, as (socket or fd, events); waits up to ``timeout_s`` (None: forever)."""
-        ready = self._zmq_ready()
+    def poll(self, timeout_s: float | None, check_zmq: bool = True) -> list[tuple[Any, int]]:
+        """What is ready, as (socket or fd, events); waits up to ``timeout_s`` (None: forever).
+
+        ``check_zmq=False``: the caller knows that no ZMQ socket was used since the last
+        poll found none of them ready, so their ``EVENTS`` still hold and only a new
+        message (which signals the socket's descriptor) can change them; the check is
+        skipped. Any send or receive on a socket may consume that signal: poll with the
+        check after one.
+        """
+        ready = self._zmq_ready() if check_zmq else []
         if ready:
             timeout_s = 0.0
         if self._big or (timeout_s is not None and timeout_s >= 0.001) or timeout_s is None:
