@@ -437,7 +437,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/receiver.py",
-                "self._check_deadlines(now)\n            self._retry_in_doubt(now)",
+                "self._check_deadlines(now)\n        self._retry_in_doubt(now)",
                 "self._check_deadlines(now)",
             ),
         ),

@@ -618,12 +618,7 @@ class Receiver:
         much CPU (issue 22). Otherwise it goes on as a full turn would.
         """
         now = time.monotonic()
-        busy = False
-        if now >= self._deadlines_at:
-            self._deadlines_at = now + _DEADLINES_EVERY_S
-            self._check_deadlines(now)
-            self._retry_in_doubt(now)
-            busy = True
+        busy = self._deadlines(now)
         if self._take_notifications():
             self._notif_wait = _NOTIF_WAIT_MIN_S
             busy = True
@@ -632,6 +627,16 @@ class Receiver:
         self._run_commands()
         self._flush_links()
         return self._io_turn(now), False
+
+    def _deadlines(self, now: float) -> bool:
+        """Deadlines and in-doubt re-asks, when due (not every turn: they walk every open
+        fetch); True when they were looked at."""
+        if now < self._deadlines_at:
+            return False
+        self._deadlines_at = now + _DEADLINES_EVERY_S
+        self._check_deadlines(now)
+        self._retry_in_doubt(now)
+        return True
 
     def _io_turn(self, now: float) -> float | None:
         """The io hooks' turn (queued calls, timers); remembers when their next timer is due."""
@@ -664,10 +669,7 @@ class Receiver:
         self._run_commands()  # what the engine gateway started this turn goes out now
         self._flush_links()
         now = time.monotonic()
-        if now >= self._deadlines_at:  # not every turn: they walk every open fetch
-            self._deadlines_at = now + _DEADLINES_EVERY_S
-            self._check_deadlines(now)
-            self._retry_in_doubt(now)
+        self._deadlines(now)
         if self._take_notifications():
             self._notif_wait = _NOTIF_WAIT_MIN_S
         self._flush_links()

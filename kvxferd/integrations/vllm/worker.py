@@ -67,6 +67,7 @@ from kvxferd.transfer.topology import Topology, make_topology
 log = logging.getLogger("kvxferd.integrations.vllm")
 
 RETRY_S = 0.5  # a close or wait the daemon did not answer is asked again this often
+FETCH_WAIT_S = 60.0  # a publish_wait / fetch_wait: how long one call waits for the outcome
 RECHECK_S = 1.0  # at most one describe() per this long to notice a restarted daemon
 MAX_EARLY_CANCELS = 4096  # cancels kept for tasks not started yet
 CONFIRM_S = 0.5  # a new transfer trusts a describe() this recent (a daemon starts in seconds)
@@ -572,6 +573,7 @@ class WorkerSide:
 
     async def _publish_until_closed(self, s: Save, d: _Daemon, ids: list[int]) -> None:
         cancel = self._cancel_event(s.transfer_id)
+        first: Outcome | None = None
         try:
             try:
                 if s.token:
@@ -580,10 +582,18 @@ class WorkerSide:
                             s.transfer_id, ids, token=s.token, expected_fetches=self.readers
                         )
                     ).handle_id
-                else:
-                    h = await self._client.publish(
-                        s.transfer_id, ids, expected_fetches=self.readers
+                else:  # one call, answered at the outcome (issue 22)
+                    first = await self._first_outcome(
+                        self._client.publish_wait(
+                            s.transfer_id,
+                            ids,
+                            FETCH_WAIT_S,
+                            close=True,
+                            expected_fetches=self.readers,
+                        ),
+                        cancel,
                     )
+                    h = first.handle_id
             except EngineRejected as e:
                 self.stats.add(save_failures=1)
                 log.error("request %s: publish refused: %s", s.req_id, e)
@@ -595,7 +605,10 @@ class WorkerSide:
                 await self._close_key(s.transfer_id, None, d, ids)
                 return
             self.stats.add(saves=1)
-            out = await self._until_end(h, cancel, None)
+            if first is not None and first.state != "published":  # ended within the call
+                out: Outcome | None = first
+            else:
+                out = await self._until_end(h, cancel, None)
             if out is not None and out.closed:  # the wait closed it: no read can touch ids
                 d.blocks.give(ids)
             else:
@@ -604,26 +617,36 @@ class WorkerSide:
             self._cancels.pop(s.transfer_id, None)
 
     async def _fetch(self, ld: Load, d: _Daemon, ids: list[int]) -> None:
+        """One engine call per load: ``fetch_wait`` answers at the outcome, the handle closed
+        (issue 22). A fetch still running after ``FETCH_WAIT_S`` is waited for by handle; one
+        cancelled meanwhile (vLLM aborted the request) is closed by its key, as a fetch whose
+        call was not answered."""
         cancel = self._cancel_event(ld.req_id)
         r = ld.remote
         asked = time.monotonic()
+        budget = self.settings.transfer_timeout_s + self.settings.call_timeout_s
         try:
             try:
-                h = await self._client.fetch(
-                    r.transfer_id,
-                    r.sender,
-                    ids,
-                    timeout_ms=int(self.settings.transfer_timeout_s * 1000),
-                    want_aux=False,
-                    token=r.token,
-                    sender_key=r.sender_key,
-                    **self._instance(r),
+                first = await self._first_outcome(
+                    self._client.fetch_wait(
+                        r.transfer_id,
+                        r.sender,
+                        ids,
+                        min(budget, FETCH_WAIT_S),
+                        close=True,
+                        timeout_ms=int(self.settings.transfer_timeout_s * 1000),
+                        want_aux=False,
+                        token=r.token,
+                        sender_key=r.sender_key,
+                        **self._instance(r),
+                    ),
+                    cancel,
                 )
             except EngineRejected as e:
                 self._done.put(_Loaded(ld, d, ids, None, None, f"fetch refused: {e}"))
                 return
             except EngineError as e:
-                why = f"fetch not answered: {e}"
+                why = "cancelled" if cancel.is_set() else f"fetch not answered: {e}"
                 if self.zero_copy:  # it may run: report once no write can land in vLLM's blocks
                     await self._close_key(r.transfer_id, r.sender, d, ids)
                     self._done.put(_Loaded(ld, d, [], None, None, why, closed=True))
@@ -631,9 +654,13 @@ class WorkerSide:
                 self._done.put(_Loaded(ld, d, [], None, None, why))
                 await self._close_key(r.transfer_id, r.sender, d, ids)
                 return
-            budget = self.settings.transfer_timeout_s + self.settings.call_timeout_s
-            handled = time.monotonic()
-            out = await self._until_end(h, cancel, budget)
+            h = first.handle_id
+            if first.state != "requested":  # ended within the call: all of it was the transfer
+                handled = asked
+                out: Outcome | None = first
+            else:
+                handled = time.monotonic()
+                out = await self._until_end(h, cancel, budget - (handled - asked))
             if out is None:
                 why = "cancelled" if cancel.is_set() else f"not done within {budget:.0f}s"
             else:
@@ -644,6 +671,18 @@ class WorkerSide:
             self._done.put(_Loaded(ld, d, ids, open_h, out, why, times=times))
         finally:
             self._cancels.pop(ld.req_id, None)
+
+    async def _first_outcome(self, call: Any, cancel: asyncio.Event) -> Outcome:
+        """The answer of a ``publish_wait`` / ``fetch_wait`` call, unless ``cancel`` comes
+        first: then EngineError (its handle is not known yet; the caller closes by key)."""
+        waiter = asyncio.ensure_future(call)
+        stop = asyncio.ensure_future(cancel.wait())
+        await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not waiter.done():
+            waiter.cancel()
+            raise EngineError(EngineReason.CANCELLED, "cancelled while the call ran")
+        return waiter.result()  # type: ignore[no-any-return]
 
     async def _release_remote(self, r: RemoteKv, d: _Daemon, ids: list[int]) -> None:
         try:
