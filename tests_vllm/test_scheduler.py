@@ -210,3 +210,11 @@ def test_zero_copy_reports_held_requests_once_and_keeps_no_other_ids() -> None:
         assert not (w._holding or w._sent or w._finished)
     finally:
         w._client.close_client()
+
+
+def test_a_step_that_schedules_nothing_is_idle() -> None:
+    """A step with no token scheduled runs no forward: its plan says so (the worker may then
+    wait a moment for a load in flight and report it in this step)."""
+    s = consumer()
+    assert s.build_connector_meta(Out({})).idle
+    assert not s.build_connector_meta(Out({"r1": 3})).idle

@@ -130,6 +130,9 @@ class StepPlan:
     unpublish: list[str] = field(default_factory=list)  # transfer ids whose request was aborted
     cancel_loads: list[str] = field(default_factory=list)  # req ids aborted while loading
     release: list[RemoteKv] = field(default_factory=list)  # remote KV never loaded: free it there
+    # The step runs no forward (nothing scheduled): the worker may wait a moment for a load
+    # in flight, so that it is reported in this step instead of the next (issue 22).
+    idle: bool = False
 
     def empty(self) -> bool:
         return not (self.saves or self.loads or self.unpublish or self.cancel_loads or self.release)

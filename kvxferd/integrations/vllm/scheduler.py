@@ -136,6 +136,10 @@ class SchedulerSide:
         if self._to_save:
             self._plan_saves(scheduler_output)
         plan, self._plan = self._plan, StepPlan()
+        total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        if total is None:
+            total = sum((scheduler_output.num_scheduled_tokens or {}).values())
+        plan.idle = total == 0  # no forward this step: the worker may wait for a load
         return plan
 
     def _plan_saves(self, scheduler_output: Any) -> None:

@@ -68,6 +68,9 @@ log = logging.getLogger("kvxferd.integrations.vllm")
 
 RETRY_S = 0.5  # a close or wait the daemon did not answer is asked again this often
 FETCH_WAIT_S = 60.0  # a publish_wait / fetch_wait: how long one call waits for the outcome
+# A step with no forward (vLLM only waits for loads) waits this long at most for one of its
+# loads in flight to end, so that vLLM learns of it in this step, not one step later.
+IDLE_WAIT_S = 0.005
 RECHECK_S = 1.0  # at most one describe() per this long to notice a restarted daemon
 MAX_EARLY_CANCELS = 4096  # cancels kept for tasks not started yet
 CONFIRM_S = 0.5  # a new transfer trusts a describe() this recent (a daemon starts in seconds)
@@ -206,6 +209,7 @@ class WorkerSide:
         self._waiting: deque[tuple[Load, float]] = deque()  # loads waiting for pool room
         self._aborted: set[str] = set()  # req ids whose load was cancelled by an abort
         self._in_flight: set[str] = set()  # req ids handed to the io thread, not yet finished
+        self._idle_step = False  # this step runs no forward (StepPlan.idle)
         self._moved: str | None = None  # a restarted daemon's new endpoint, not yet reported
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -318,6 +322,7 @@ class WorkerSide:
     # -- engine thread: one step ------------------------------------------------------------
     def start_step(self, plan: StepPlan) -> None:
         """start_load_kv: loads, cancels, releases and unpublishes of this step's plan."""
+        self._idle_step = plan.idle
         self._take_done()
         now = time.monotonic()
         for ld in plan.loads:
@@ -373,6 +378,15 @@ class WorkerSide:
         in ``finished_req_ids`` (this call or an earlier one).
         """
         self._take_done()
+        if (
+            self._idle_step
+            and self._in_flight
+            and not (self._finished_recving or self._failed_recving)
+        ):
+            # Nothing else to do this step: a load that ends within IDLE_WAIT_S is reported
+            # now (the engine would otherwise step once more, idle, before it learns of it).
+            self._idle_step = False
+            self._take_done(IDLE_WAIT_S)
         self._start_waiting()
         holding = self._holding
         self._finished.update(r for r in finished_req_ids if r in holding)
@@ -408,13 +422,15 @@ class WorkerSide:
         if batch:
             self._submit(self._fetch_all(d, batch))
 
-    def _take_done(self) -> None:
-        """Apply what the io thread finished: a new daemon incarnation, ended fetches."""
+    def _take_done(self, wait_s: float = 0.0) -> None:
+        """Apply what the io thread finished: a new daemon incarnation, ended fetches
+        (waiting up to ``wait_s`` for the first, when none is there yet)."""
         while True:
             try:
-                item = self._done.get_nowait()
+                item = self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait()
             except queue.Empty:
                 return
+            wait_s = 0.0
             if isinstance(item, _Daemon):
                 if self.zero_copy:
                     self._reseat(item)
