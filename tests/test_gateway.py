@@ -681,6 +681,35 @@ def test_the_gateway_answers_after_its_service_shut_down_until_it_is_stopped(
             c.describe()
 
 
+def test_a_lingering_stop_lets_the_engine_collect_and_close_what_it_holds(
+    sender: Sender, start_gateway: Callable[..., Started]
+) -> None:
+    """stop(linger) first waits for the engines' handles to close: an engine that asks for
+    its outcome meanwhile gets it (not shutting_down); a handle nobody closes delays the stop
+    by the linger only."""
+    gw, _, endpoint = start_gateway(sender, "linger")
+    with Client(endpoint, timeout_s=CALL_S) as c:
+        h = c.publish("gw-linger", [41])
+        c.cancel(h)
+        stopper = threading.Thread(target=gw.stop, args=(2.0, 10.0), name="test-stopper")
+        stopper.start()
+        try:
+            out = c.wait(h, CALL_S, close=True)  # served while the stop lingers
+            assert out is not None and out.closed is True, out
+            stopper.join(CALL_S + 5.0)
+            assert not stopper.is_alive(), "the stop went on lingering after the last close"
+        finally:
+            stopper.join(15.0)
+    gw2, _, endpoint2 = start_gateway(sender, "linger-bound")
+    with Client(endpoint2, timeout_s=CALL_S) as c:
+        h = c.publish("gw-linger-2", [42])
+        c.cancel(h)
+        t0 = time.monotonic()
+        gw2.stop(2.0, 0.3)  # the handle stays open: the linger bounds the wait
+        took = time.monotonic() - t0
+        assert 0.3 <= took < 0.3 + 2.0 + 3.0, took
+
+
 # -- deadlines, idempotent calls, work found again by key ------------------------------------
 def _sessions_of(sender: Sender, request_id: str) -> int:
     """How many sessions the sender holds for ``request_id`` (live or ended, not yet closed)."""

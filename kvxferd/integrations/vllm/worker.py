@@ -49,7 +49,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Coroutine
+from collections.abc import Awaitable, Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -616,8 +616,11 @@ class WorkerSide:
                 d.blocks.give(ids)
                 return
             except EngineError as e:  # no answer: it may have run; find it by key and close it
-                self.stats.add(save_failures=1)
-                log.error("request %s: publish not answered: %s", s.req_id, e)
+                if cancel.is_set():  # unpublished (vLLM aborted it) while the call ran
+                    log.info("request %s: publish cancelled while it ran", s.req_id)
+                else:
+                    self.stats.add(save_failures=1)
+                    log.error("request %s: publish not answered: %s", s.req_id, e)
                 await self._close_key(s.transfer_id, None, d, ids)
                 return
             self.stats.add(saves=1)
@@ -688,7 +691,7 @@ class WorkerSide:
         finally:
             self._cancels.pop(ld.req_id, None)
 
-    async def _first_outcome(self, call: Any, cancel: asyncio.Event) -> Outcome:
+    async def _first_outcome(self, call: Awaitable[Outcome], cancel: asyncio.Event) -> Outcome:
         """The answer of a ``publish_wait`` / ``fetch_wait`` call, unless ``cancel`` comes
         first: then EngineError (its handle is not known yet; the caller closes by key)."""
         waiter = asyncio.ensure_future(call)
@@ -698,7 +701,7 @@ class WorkerSide:
         if not waiter.done():
             waiter.cancel()
             raise EngineError(EngineReason.CANCELLED, "cancelled while the call ran")
-        return waiter.result()  # type: ignore[no-any-return]
+        return waiter.result()
 
     async def _release_remote(self, r: RemoteKv, d: _Daemon, ids: list[int]) -> None:
         try:
