@@ -78,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "repetitions alternating; --reps, --requests, --only, --security, --json (~4 min)",
     )
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="the engine path's floor: the same processes and hops in plain Python with no "
+        "kvxferd logic, p50 and daemon CPU at 1 in flight; --reps, --requests, --security (~1 min)",
+    )
+    p.add_argument(
         "--before",
         metavar="PATH",
         help="--engine-path: the checkout to compare against (its daemons and engines run its code)",
@@ -150,6 +156,10 @@ def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
         from kvxferd.bench.engine_ab import main_engine_ab
 
         return main_engine_ab(args)
+    if getattr(args, "floor", False):
+        from kvxferd.bench.floor import main_floor
+
+        return main_floor(args)
     if args.plot_path and not plot_available():
         print(
             "kvxferd bench: --plot needs matplotlib; install it with pip install 'kvxferd[bench]'",

@@ -127,6 +127,11 @@ _DEADLINES_EVERY_S = 0.002  # deadlines and in-doubt re-asks are looked at this 
 # added a third of a small request's time (issue 22).
 _NOTIF_WAIT_MIN_S, _NOTIF_WAIT_MAX_S = 25e-6, 2e-3
 _NOTIF_FRESH_S, _NOTIF_WAIT_FRESH_S = 0.002, 60e-6
+# With at most _SPIN_OPEN fetches open, a fresh one is looked for without waiting: UCX over
+# TCP completes the WRITE only while this side progresses it, and every timed wait added
+# its wake-up to the request (issue 22: 0.74 -> 0.56 ms p50 at 1 in flight, CPU unchanged:
+# the polls replace the wake-ups). With more open, the sender needs the core.
+_SPIN_OPEN = 2
 _NO_RECORD = "sender at {} declared no topology: a fetch from a prefill instance needs one"
 _MONITORED = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | HANDSHAKE_FAILED
@@ -582,11 +587,12 @@ class Receiver:
                     wait_s = _TICK_S if delay is None else min(_TICK_S, delay)
                     if self._fetches:  # fetches sent: their notifications come through NIXL
                         wait_s = min(wait_s, self._notif_wait)
-                        cap = (
-                            _NOTIF_WAIT_FRESH_S
-                            if time.monotonic() - self._sent_at < _NOTIF_FRESH_S
-                            else _NOTIF_WAIT_MAX_S
-                        )
+                        if time.monotonic() - self._sent_at >= _NOTIF_FRESH_S:
+                            cap = _NOTIF_WAIT_MAX_S
+                        elif len(self._fetches) <= _SPIN_OPEN:
+                            cap = 0.0
+                        else:
+                            cap = _NOTIF_WAIT_FRESH_S
                         self._notif_wait = min(self._notif_wait * 2, cap)
                     if self._commands or io.pending():
                         wait_s = 0.0
