@@ -81,9 +81,7 @@ class Spies:
         *,
         server_key: str = "",
     ) -> SpySocket:
-        spy = SpySocket(
-            self.real(endpoint, limits, timeout_ms, server_key=server_key), endpoint
-        )
+        spy = SpySocket(self.real(endpoint, limits, timeout_ms, server_key=server_key), endpoint)
         with self.lock:
             self.connects[endpoint] += 1
             self.sockets.append(spy)
