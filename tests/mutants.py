@@ -1250,6 +1250,21 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_revoked_keys_messages_are_answered_naming_what_they_answer",
         ),
     ),
+    Mutant(
+        "issue23-revoked-parked-attaches",
+        "a fetch parked before its key was removed is attached and written at publish",
+        (
+            Edit(
+                "kvxferd/transfer/sender.py",
+                "        if peer.identity != ANONYMOUS and not self.transport.admits(peer.identity):",
+                "        if False:",
+            ),
+        ),
+        (
+            "tests/test_revocation.py::"
+            "test_a_parked_fetch_of_a_revoked_key_is_told_and_never_attaches",
+        ),
+    ),
 )
 
 

@@ -7,7 +7,9 @@ the sender's allow-list directory and the lists are re-read as SIGHUP does
 (``Reject{not_authorized}``) and answers a revoked key's RequestData with a Result
 naming the fetch; the receiver ends every fetch open toward that sender within a
 second, ``not_authorized``, its blocks released only on the sender's CancelAck (the
-sender still honours a revoked key's Cancel), never by guess.
+sender still honours a revoked key's Cancel), never by guess. The last test drives the
+sender alone (tests/authz_world.py: real CURVE sockets, the controllable data plane) to
+show that a parked fetch of a revoked key is never written.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import time
 import numpy as np
 import pytest
 
-from kvxferd.auth import Curve, reload_allow_lists
+from kvxferd.auth import AllowList, Curve, reload_allow_lists
 from kvxferd.errors import Reason
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.session import RxState
+from tests.authz_world import CurvePeer, CurveWorld, Keys, world
 from tests.conditions import wait_until
 from tests.peers import fill_request
 from tests.test_auth import Keyring, Pair, answered, keys, pair, raw_dealer, transfer_ok
+from tests.test_races import BLOCKS, Harness, h
 
-__all__ = ["keys", "pair"]
+__all__ = ["h", "keys", "pair", "world"]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,3 +126,26 @@ def test_a_revoked_keys_messages_are_answered_naming_what_they_answer(
     finally:
         sock.close(linger=0)
     transfer_ok(pair, "others-unaffected")
+
+
+def test_a_parked_fetch_of_a_revoked_key_is_told_and_never_attaches(
+    world: CurveWorld, h: Harness
+) -> None:
+    """A peer whose key is removed while its fetch is parked gets Reject{not_authorized} at once; if it does not cancel, the publish refuses that fetch not_authorized and writes nothing."""
+    world.serving(Keys.new())
+    sx, dp = h.sender()
+    eve = Keys.new()
+    sx.transport.allow = AllowList(None, extra=[eve.identity])
+    peer = CurvePeer(world, sx, eve, "eve-1").register()
+    try:
+        peer.fetch("later", 5)
+        wait_until(lambda: sx._pending_count == 1, WAIT_S, "the fetch parked")
+        sx.transport.allow = AllowList(None)  # the key removed: a new list, as a reload makes
+        told = peer.next_message()
+        assert isinstance(told, wire.Reject) and told.reason is Reason.NOT_AUTHORIZED, told
+        sx.publish("later", BLOCKS)
+        refused = peer.next_result()
+        assert (refused.fetch_id, refused.reason) == (5, Reason.NOT_AUTHORIZED), refused
+        assert dp.xfers == [], "a write toward the revoked key was posted"
+    finally:
+        peer.close()
