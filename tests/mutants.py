@@ -1199,6 +1199,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_revocation.py::"
             "test_revoking_the_receivers_key_ends_its_open_fetch_within_a_second",
+            "tests/test_revocation.py::"
+            "test_a_sender_daemon_told_by_sighup_ends_the_receivers_open_fetch",
         ),
     ),
     Mutant(

@@ -9,24 +9,40 @@ naming the fetch; the receiver ends every fetch open toward that sender within a
 second, ``not_authorized``, its blocks released only on the sender's CancelAck (the
 sender still honours a revoked key's Cancel), never by guess. The last test drives the
 sender alone (tests/authz_world.py: real CURVE sockets, the controllable data plane) to
-show that a parked fetch of a revoked key is never written.
+show that a parked fetch of a revoked key is never written; the last one runs a real
+sender daemon and sends it SIGHUP.
 """
 
 from __future__ import annotations
 
+import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvxferd.auth import AllowList, Curve, reload_allow_lists
+from kvxferd.config import load_receiver_settings
 from kvxferd.errors import Reason
 from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.session import RxState
 from tests.authz_world import CurvePeer, CurveWorld, Keys, world
 from tests.conditions import wait_until
 from tests.peers import fill_request
-from tests.test_auth import Keyring, Pair, answered, keys, pair, raw_dealer, transfer_ok
+from tests.test_auth import (
+    DEADLINES,
+    POOL,
+    Keyring,
+    Pair,
+    answered,
+    keys,
+    pair,
+    raw_dealer,
+    transfer_ok,
+)
+from tests.test_daemon import DaemonProcess, daemon_env
 from tests.test_races import BLOCKS, Harness, h
 
 __all__ = ["h", "keys", "pair", "world"]
@@ -149,3 +165,51 @@ def test_a_parked_fetch_of_a_revoked_key_is_told_and_never_attaches(
         assert dp.xfers == [], "a write toward the revoked key was posted"
     finally:
         peer.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_sender_daemon_told_by_sighup_ends_the_receivers_open_fetch(
+    keys: Keyring, tmp_path: Path
+) -> None:
+    """A real sender daemon: the receiver's key removed from its allow-list and SIGHUP sent, the receiver's open fetch ends not_authorized within a second of the signal, its blocks released."""
+    allowed = keys.allowed("daemon", keys.rx)
+    env = daemon_env(
+        KVXFERD_SECURITY__MODE="curve",
+        KVXFERD_SECURITY__KEY_FILE=str(keys.tx.secret_file),
+        KVXFERD_SECURITY__ALLOWED_KEYS_DIR=str(allowed),
+        KVXFERD_SECURITY__ALLOWED_KEYS_POLL_MS=0,  # SIGHUP only
+        KVXFERD_LISTEN="tcp://127.0.0.1:0",
+        KVXFERD_POOL__NUM_LAYERS=POOL["num_layers"],
+        KVXFERD_POOL__NUM_BLOCKS=POOL["num_blocks"],
+        KVXFERD_POOL__BLOCK_ELEMS=POOL["block_elems"],
+    )
+    d = DaemonProcess("sender", "tx", str(tmp_path), env, [])
+    rx: Receiver | None = None
+    try:
+        endpoint = d.endpoint
+        rx = Receiver(
+            load_receiver_settings(
+                pool=POOL,
+                deadlines=DEADLINES,
+                security=keys.security(
+                    keys.rx,
+                    keys.allowed("rx", keys.tx),
+                    sender_keys={endpoint: keys.tx.pair.public},
+                ),
+            )
+        ).start()
+        dst = np.arange(8, 12, dtype=np.int64)
+        f = rx.fetch("never-published", endpoint, dst, want_aux=False, timeout_ms=DEADLINE_MS)
+        wait_until(lambda: rx is not None and rx.stats.get("requests_sent") >= 1, WAIT_S, "sent")
+        (allowed / f"{keys.rx.name}.key").unlink()
+        t0 = d.signal(signal.SIGHUP)
+        out = f.wait(WAIT_S)
+        took = time.monotonic() - t0
+        assert out is not None and out.reason is Reason.NOT_AUTHORIZED, out
+        assert took < ENDS_WITHIN_S, f"ended {took:.2f}s after SIGHUP"
+        assert f.close(WAIT_S) and rx.in_doubt() == 0
+        assert d.alive()
+    finally:
+        if rx is not None:
+            rx.shutdown(3.0)
+        d.kill()
