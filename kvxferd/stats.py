@@ -252,6 +252,11 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "RequestData/Cancel refused not_authorized: sent on a route registered by another identity",
     ),
     _c(
+        "peers_told_revoked",
+        _S,
+        "Reject{not_authorized} sent to a registered peer whose key left the allow-list",
+    ),
+    _c(
         "fetches_refused_token",
         _S,
         "Fetches refused not_authorized: the request's fetch token missing or wrong",
@@ -449,6 +454,11 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     _c("disconnects", _R, "Links whose TCP connection dropped"),
     _c("sender_restarts", _R, "Senders found to be a new process at a known endpoint"),
     _c("fetches_resent", _R, "Open fetches sent again to a restarted sender"),
+    _c(
+        "fetches_ended_key_refused",
+        _R,
+        "Open fetches ended not_authorized: their sender refused this receiver's key",
+    ),
     _c(
         "fences_released_restart",
         _R,

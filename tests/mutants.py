@@ -1152,6 +1152,121 @@ MUTANTS: tuple[Mutant, ...] = (
             + "test_frames_before_a_length_over_the_bound_are_answered_then_the_connection_closes",
         ),
     ),
+    # -- issue 23: routes belong to keys; revocation ends the fetch ---------------------------
+    Mutant(
+        "issue23-route-handover",
+        "a connection presenting another peer's routing id takes that peer's route",
+        (
+            Edit(
+                "kvxferd/transfer/control.py",
+                "    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)",
+                "    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)",
+            ),
+        ),
+        (
+            "tests/test_routes.py::test_another_key_presenting_the_victims_route_never_takes_it",
+            "tests/test_authz.py::test_a_route_taken_over_by_another_key_cannot_cancel_or_fetch",
+        ),
+    ),
+    Mutant(
+        "issue23-receiver-routing-id",
+        "kvxferd's receiver presents its receiver id as its routing id again",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "            # A name of our own: pyzmq's default (the socket's fd) can repeat",
+                "            dealer.disconnect(endpoint)\n"
+                "            dealer.setsockopt(zmq.IDENTITY, self.receiver_id.encode())\n"
+                "            dealer.connect(endpoint)\n"
+                "            # A name of our own: pyzmq's default (the socket's fd) can repeat",
+            ),
+        ),
+        (
+            "tests/test_routes.py::"
+            "test_a_key_squatting_the_receiver_id_does_not_lock_the_receiver_out",
+            "tests/test_routes.py::"
+            "test_a_receiver_reconnecting_after_a_blip_takes_over_its_own_registration",
+        ),
+    ),
+    Mutant(
+        "issue23-revocation-untold",
+        "a registered peer whose key left the allow-list is not told; its fetches wait",
+        (
+            Edit(
+                "kvxferd/transfer/sender.py", "            self._tell_revoked()", "            pass"
+            ),
+        ),
+        (
+            "tests/test_revocation.py::"
+            "test_revoking_the_receivers_key_ends_its_open_fetch_within_a_second",
+            "tests/test_revocation.py::"
+            "test_a_sender_daemon_told_by_sighup_ends_the_receivers_open_fetch",
+        ),
+    ),
+    Mutant(
+        "issue23-key-refused-only-counted",
+        "the receiver only counts a Reject{not_authorized}; its fetches run to their deadline",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "                self._key_refused(link, msg.detail)",
+                "                pass",
+            ),
+        ),
+        (
+            "tests/test_revocation.py::"
+            "test_revoking_the_receivers_key_ends_its_open_fetch_within_a_second",
+        ),
+    ),
+    Mutant(
+        "issue23-revoked-fetch-unnamed",
+        "a revoked key's RequestData gets a Reject that names no fetch",
+        (
+            Edit(
+                "kvxferd/transfer/sender.py",
+                "            if isinstance(msg, wire.RequestData):\n"
+                "                self._refuse_fetch(routing_id, None, msg, Reason.NOT_AUTHORIZED, detail)",
+                "            if False:\n                pass",
+            ),
+        ),
+        (
+            "tests/test_revocation.py::"
+            "test_a_revoked_keys_messages_are_answered_naming_what_they_answer",
+        ),
+    ),
+    Mutant(
+        "issue23-revoked-cancel-refused",
+        "a revoked key's Cancel is refused, so no CancelAck releases its receiver's blocks",
+        (
+            Edit(
+                "kvxferd/transfer/sender.py",
+                "            if isinstance(msg, wire.Cancel):\n"
+                "                self._handle_one(routing_id, frame, identity, max_bytes)",
+                "            if False:\n                pass",
+            ),
+        ),
+        (
+            "tests/test_revocation.py::"
+            "test_revoking_the_receivers_key_ends_its_open_fetch_within_a_second",
+            "tests/test_revocation.py::"
+            "test_a_revoked_keys_messages_are_answered_naming_what_they_answer",
+        ),
+    ),
+    Mutant(
+        "issue23-revoked-parked-attaches",
+        "a fetch parked before its key was removed is attached and written at publish",
+        (
+            Edit(
+                "kvxferd/transfer/sender.py",
+                "        if peer.identity != ANONYMOUS and not self.transport.admits(peer.identity):",
+                "        if False:",
+            ),
+        ),
+        (
+            "tests/test_revocation.py::"
+            "test_a_parked_fetch_of_a_revoked_key_is_told_and_never_attaches",
+        ),
+    ),
 )
 
 

@@ -168,23 +168,42 @@ def test_another_key_cannot_cancel_a_victims_fetch(world: CurveWorld, h: Harness
 def test_a_route_taken_over_by_another_key_cannot_cancel_or_fetch(
     world: CurveWorld, h: Harness
 ) -> None:
-    """Another key connecting with the victim's routing id (ROUTER_HANDOVER) has its Cancel and RequestData refused not_authorized; the victim's fetch completes."""
+    """Another key presenting the victim's routing id gets no part of its route while the victim is connected, and is refused not_authorized (Cancel, RequestData) once it holds that id after the victim left; the victim's fetch completes."""
     world.serving(Keys.new())
     sx, dp = h.sender()
     victim = _peer(world, h, sx, Keys.new(), "victim-1", route=b"victim-1").register()
     handle = sx.publish("req-v", BLOCKS)
     victim.fetch("req-v", 7)
     x = dp.wait_posted(1)
-    thief = _peer(world, h, sx, Keys.new(), "thief", route=b"victim-1")
-    thief.cancel("req-v", 7)
-    reject = thief.next_message()
-    assert isinstance(reject, wire.Reject) and reject.reason is Reason.NOT_AUTHORIZED, reject
-    thief.fetch("req-v", 8)
-    refused = thief.next_result()
-    assert refused.reason is Reason.NOT_AUTHORIZED, refused
+    thief_keys = Keys.new()
+    early = _peer(world, h, sx, thief_keys, "thief", route=b"victim-1")
+    early.cancel("req-v", 7)
+    assert early.more() == [], "the listener answered a connection presenting a taken route"
+    victim.cancel("req-v", 99)  # the route still answers the victim
+    ack = victim.next_message()
+    assert isinstance(ack, wire.CancelAck) and ack.fetch_id == 99, ack
+    assert sx.stats.get("cancels") == 1 and sx.stats.get("messages_refused_identity") == 0
+    victim.dealer.close(linger=0)  # the route id is free once the listener sees it gone
+
+    def thief_refused() -> bool:
+        thief = _peer(world, h, sx, thief_keys, "thief", route=b"victim-1")
+        thief.cancel("req-v", 7)  # on a connection that did not get the id: eaten, unanswered
+        reply = thief._poll(0.3)
+        if reply is None:
+            thief.close()
+            return False
+        assert isinstance(reply, wire.Reject) and reply.reason is Reason.NOT_AUTHORIZED, reply
+        thief.fetch("req-v", 8)
+        refused = thief.next_result()
+        assert refused.reason is Reason.NOT_AUTHORIZED, refused
+        return True
+
+    wait_until(thief_refused, WAIT_S, "a thief holding the victim's route id", poll=0.05)
     assert sx.stats.get("messages_refused_identity") == 2
     x.finish(True)
-    assert victim.next_result().status == "done"
+    assert victim.results is not None and victim.results.poll(int(WAIT_S * 1000))
+    done = wire.decode_to_receiver(victim.results.recv_multipart()[1:], 1 << 30)
+    assert isinstance(done, wire.Result) and done.status == "done", done
     out = handle.wait(WAIT_S)
     assert out is not None and out.state is TxState.COMPLETE, out
     assert len(dp.xfers) == 1

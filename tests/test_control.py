@@ -78,13 +78,10 @@ class Spies:
         endpoint: str,
         limits: SocketLimits,
         timeout_ms: int,
-        identity: bytes | None = None,
         *,
         server_key: str = "",
     ) -> SpySocket:
-        spy = SpySocket(
-            self.real(endpoint, limits, timeout_ms, identity, server_key=server_key), endpoint
-        )
+        spy = SpySocket(self.real(endpoint, limits, timeout_ms, server_key=server_key), endpoint)
         with self.lock:
             self.connects[endpoint] += 1
             self.sockets.append(spy)
@@ -214,7 +211,6 @@ class TestSharedDealerPool:
             ep: str,
             limits: SocketLimits,
             timeout_ms: int,
-            identity: bytes | None = None,
             *,
             server_key: str = "",
         ):  # type: ignore[no-untyped-def]
@@ -224,7 +220,7 @@ class TestSharedDealerPool:
                 second_arrived.wait(QUIET_S)
             else:
                 second_arrived.set()
-            return real(ep, limits, timeout_ms, identity, server_key=server_key)
+            return real(ep, limits, timeout_ms, server_key=server_key)
 
         monkeypatch.setattr(control, "connect_dealer", slow_connect)
         pool = make_pool(pools)

@@ -111,14 +111,18 @@ def bind_router(endpoint: str, limits: SocketLimits) -> tuple[zmq.Socket[bytes],
     """A ROUTER bound at ``endpoint`` (``:0`` picks a free port); returns the bound address.
 
     ROUTER_MANDATORY makes a send to a gone peer fail loudly instead of dropping silently;
-    its sends are always NOBLOCK (the owner thread never waits on a peer).
+    its sends are always NOBLOCK (the owner thread never waits on a peer). A route belongs
+    to one connection for its life (no ROUTER_HANDOVER, docs/protocol.md section 1).
     """
     sock = process_context().socket(zmq.ROUTER)
     _common(sock, limits)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(
-        zmq.ROUTER_HANDOVER, 1
-    )  # a peer that reconnects with its id takes its route back
+    # Never hand a route over: with ROUTER_HANDOVER a connection that presents another
+    # peer's routing id (any allowed key may choose one) takes that peer's route, and
+    # the victim's replies go to it. Without it libzmq ignores such a connection while
+    # the route's own one is open. kvxferd's DEALERs set no identity: each connection
+    # gets a route of its own, and a receiver registers again on every reconnect.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
     try:
@@ -137,11 +141,12 @@ def connect_dealer(
     endpoint: str,
     limits: SocketLimits,
     send_timeout_ms: int,
-    identity: bytes | None = None,
     *,
     server_key: str = "",
 ) -> zmq.Socket[bytes]:
     """A DEALER connected to ``endpoint`` whose sends give up after ``send_timeout_ms``.
+
+    It sets no routing identity: the server's ROUTER names each connection itself.
 
     With ``limits.curve`` the server at ``endpoint`` must present ``server_key`` (Z85);
     without, ``endpoint`` must be loopback or ipc (PlaintextRefused, a ZMQError).
@@ -160,8 +165,6 @@ def connect_dealer(
             sock.setsockopt(zmq.TCP_MAXRT, limits.heartbeat_timeout_ms)
     if limits.connect_timeout_ms and endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.CONNECT_TIMEOUT, limits.connect_timeout_ms)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
     try:
         if limits.curve is not None:
             limits.curve.apply_client(sock, server_key)

@@ -761,12 +761,12 @@ class Receiver:
             self.stats.add("connect_errors")
             return f"not_authorized: {e.detail}"
         try:
-            # Our identity is our receiver id: a reconnect hands the sender's route over to us.
+            # No routing identity: the sender's ROUTER names each connection, so no other
+            # key can take our route; after a reconnect we register again (_on_monitor).
             dealer = connect_dealer(
                 endpoint,
                 self.socket_limits,
                 self.settings.deadlines.send_timeout_ms,
-                identity=self.receiver_id.encode(),
                 server_key=server_key,
             )
         except zmq.ZMQError as e:  # connect_problem let it through, libzmq did not
@@ -1237,6 +1237,9 @@ class Receiver:
         if isinstance(msg, wire.Reject):
             self.stats.add(f"peer_rejected_{msg.reason}")
             log.warning("sender rejected a message: %s %s", msg.reason, msg.detail)
+            link = self._by_socket.get(sock)
+            if msg.reason is Reason.NOT_AUTHORIZED and link is not None and sock is link.dealer:
+                self._key_refused(link, msg.detail)
             return
         with self._lock:
             found = self._fetches.get(msg.fetch_id) or self._in_doubt.get(msg.fetch_id)
@@ -1278,6 +1281,34 @@ class Receiver:
                 self._fail(rx, Reason.PEER_LOST, "REGISTER could not be sent")
             return
         self._apply_result(rx, msg.status, msg.reason, msg.detail, msg.nbytes, msg.aux_bytes)
+
+    def _key_refused(self, link: _Link, detail: str) -> None:
+        """The sender at ``link`` refuses our key (``Reject{not_authorized}``, e.g. revoked):
+        end every fetch open toward it now, not at its deadline.
+
+        One not yet sent fails (nothing can be written). One sent ends ``not_authorized``
+        with its blocks fenced, since a write of it may be in flight, and its Cancel goes
+        out: the sender still honours a revoked key's Cancel, so its CancelAck (or the
+        fetch's failed Result) releases them; else the fence deadline puts them in doubt.
+        """
+        why = f"sender at {link.endpoint} refused this receiver's key: {detail}"
+        with self._lock:
+            open_here = [
+                rx
+                for rx in self._fetches.values()
+                if rx.sender_endpoint == link.endpoint and not rx.ended
+            ]
+        for rx in open_here:
+            if rx.sent:
+                self._cancel(rx, RxState.FAILED, Reason.NOT_AUTHORIZED, why)
+            else:
+                if rx in link.waiting:
+                    link.waiting.remove(rx)
+                self._fail(rx, Reason.NOT_AUTHORIZED, why)
+        for g in self._resolving.pop(link.endpoint, []):
+            self._fail_group(g, Reason.NOT_AUTHORIZED, why)
+        if open_here:
+            self.stats.add("fetches_ended_key_refused", len(open_here))
 
     def _apply_result(
         self,

@@ -259,6 +259,7 @@ class Sender:
         self.ownership = Ownership(IdentityLimits.of(settings.limits))
         self._grants: dict[int, _Grant] = {}  # session id -> who may fetch it (registry lock)
         self._reap_at = 0.0  # listener only: next orphan reclaim
+        self._allowed_keys: frozenset[str] = frozenset()  # listener only: the list last seen
         # (ttl deadline, session id) of every published session, earliest first. Lazy
         # deletion: an entry whose session is gone or fetched is dropped when it comes due,
         # so housekeeping costs what expires, not what is live.
@@ -561,9 +562,7 @@ class Sender:
         if identity and not self.transport.admits(identity):
             # ZAP checks a key once, at the handshake: a key removed from the allow-list
             # since then is refused here, message by message, on its open connection.
-            self.stats.add(f"rejected_{Reason.NOT_AUTHORIZED}")
-            detail = "this key is no longer in the allow-list"
-            self._reply(routing_id, wire.Reject(reason=Reason.NOT_AUTHORIZED, detail=detail))
+            self._refuse_revoked(routing_id, body, identity, max_bytes)
             return
         if len(body) > wire.MAX_BATCH:
             self.stats.add(f"rejected_{Reason.MALFORMED}")
@@ -574,6 +573,64 @@ class Sender:
         frames_: list[bytes | None] = list(body) if body else [None]
         for frame in frames_:
             self._handle_one(routing_id, frame, identity, max_bytes)
+
+    def _refuse_revoked(
+        self, routing_id: bytes, body: list[bytes], identity: str, max_bytes: int
+    ) -> None:
+        """Answer each message of a key removed from the allow-list, naming what it answers.
+
+        A RequestData gets ``Result{failed, not_authorized}`` with its fetch id (nothing
+        was written), a Register ``RegisterReply{ok=false, not_authorized}``, a frame that
+        does not decode ``Reject{not_authorized}``. A Cancel is still honoured: it only
+        gives up the key's own fetch, and its CancelAck is the receiver's proof that no
+        write toward those blocks is in flight (docs/protocol.md, Reject).
+        """
+        detail = "this key is no longer in the allow-list"
+        frames: list[bytes | None] = list(body) if 0 < len(body) <= wire.MAX_BATCH else [None]
+        for frame in frames:
+            try:
+                msg = wire.decode_to_sender([] if frame is None else [frame], max_bytes)
+            except ProtocolError:
+                msg = None
+            if isinstance(msg, wire.Cancel):
+                self._handle_one(routing_id, frame, identity, max_bytes)
+                continue
+            if isinstance(msg, wire.RequestData):
+                self._refuse_fetch(routing_id, None, msg, Reason.NOT_AUTHORIZED, detail)
+                continue
+            self.stats.add(f"rejected_{Reason.NOT_AUTHORIZED}")
+            if isinstance(msg, wire.Register):
+                self.stats.add("registers_refused")
+                reply: wire._Msg = wire.RegisterReply(
+                    ok=False, sender_id=self.sender_id, reason=Reason.NOT_AUTHORIZED, detail=detail
+                )
+            else:
+                reply = wire.Reject(reason=Reason.NOT_AUTHORIZED, detail=detail)
+            self._reply(routing_id, reply)
+
+    def _tell_revoked(self) -> None:
+        """After the allow-list changed: tell each registered peer whose key left it.
+
+        Its receiver hears ``Reject{not_authorized}`` on its route and ends the fetches it
+        has open here at once instead of at their deadlines; its Cancels are still
+        honoured (``_refuse_revoked``), and no fetch of it attaches any more
+        (``_check_grant_locked``). Listener thread.
+        """
+        with self._lock:
+            routes = [
+                rid
+                for rid, p in self._peers.items()
+                if p.identity != ANONYMOUS and not self.transport.admits(p.identity)
+            ]
+        for rid in routes:
+            self.stats.add("peers_told_revoked")
+            self._reply(
+                rid,
+                wire.Reject(
+                    reason=Reason.NOT_AUTHORIZED,
+                    detail="this key was removed from the allow-list",
+                ),
+            )
 
     def _handle_one(
         self, routing_id: bytes, frame: bytes | None, identity: str, max_bytes: int
@@ -598,7 +655,7 @@ class Sender:
     def _note_heard(self, routing_id: bytes, identity: str = "") -> None:
         """A receiver that sends us a message is reachable: the data plane may reconnect it.
 
-        Only its own identity counts: another key on a route it took over proves nothing.
+        Only its own identity counts: another key on a route id it reuses proves nothing.
         """
         peer = self._peers.get(routing_id)  # one atomic read; the table's writers hold the lock
         if peer is not None and peer.identity == identity:
@@ -943,7 +1000,7 @@ class Sender:
             peer = self._peers.get(routing_id)
         if peer is None:
             return self._refuse_fetch(routing_id, None, msg, Reason.UNKNOWN_PEER, "REGISTER first")
-        if peer.identity != identity:  # a route taken over (ROUTER_HANDOVER) by another key
+        if peer.identity != identity:  # another key's connection under a route id of this peer
             self.stats.add("messages_refused_identity")
             return self._refuse_fetch(
                 routing_id,
@@ -1096,6 +1153,9 @@ class Sender:
         The publisher's ``allowed_receivers`` names identities or receiver ids; its fetch
         token is compared in constant time and lives only as long as the request.
         """
+        if peer.identity != ANONYMOUS and not self.transport.admits(peer.identity):
+            # A fetch parked before its key was removed never attaches after.
+            raise RejectedError(Reason.NOT_AUTHORIZED, "this key is no longer in the allow-list")
         grant = self._grants.get(session.session_id)
         if grant is None:
             return
@@ -1153,7 +1213,7 @@ class Sender:
         with self._lock:
             peer = self._peers.get(routing_id)
             if peer is not None and peer.identity != identity:
-                stolen: Peer | None = peer  # a route taken over (ROUTER_HANDOVER) by another key
+                stolen: Peer | None = peer  # another key under a route id of this peer
                 peer = None
             else:
                 stolen = None
@@ -1212,6 +1272,10 @@ class Sender:
         self._lane_for(session, peer.receiver_id).put(AckTask(session, peer, msg.fetch_id))
 
     def _housekeeping(self, now: float) -> None:
+        allow = self.transport.allow
+        if allow is not None and allow.keys is not self._allowed_keys:
+            self._allowed_keys = allow.keys  # replaced whole by each reload
+            self._tell_revoked()
         expired: list[_Pending] = []
         with self._lock:
             for rid in list(self._pending):
@@ -1225,6 +1289,9 @@ class Sender:
             for p in expired:
                 self._parked_keys.discard((p.peer.receiver_id, p.msg.fetch_id))
                 self.ownership.count(p.peer.receiver_id, "parked", -1)
+            # A receiver that reconnected since its fetch parked answers on its new route
+            # (a receiver id is bound to one key: ownership.py).
+            routes = {q.receiver_id: rid for rid, q in self._peers.items()} if expired else {}
             due: list[TxSession] = []
             heap = self._ttl_heap
             while heap and heap[0][0] <= now:
@@ -1235,7 +1302,7 @@ class Sender:
             self.stats.add(f"rejected_{Reason.EXPIRED}")
             self.stats.add("parked_fetches_expired")
             self._reply(
-                p.peer.routing_id,
+                routes.get(p.peer.receiver_id, p.peer.routing_id),
                 wire.Result(
                     request_id=p.msg.request_id,
                     fetch_id=p.msg.fetch_id,
