@@ -1169,6 +1169,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue23-routing-ids-unseeded",
+        "libzmq's generated routing ids start from an unseeded rand(): a client can collide",
+        (
+            Edit(
+                "kvxferd/transfer/control.py",
+                "                seed_routing_ids()  # before the first ROUTER of this process",
+                "                pass",
+            ),
+        ),
+        (
+            "tests/test_routes.py::"
+            "test_a_client_cannot_abort_the_daemon_with_the_routing_id_libzmq_generates_next",
+        ),
+    ),
+    Mutant(
         "issue23-receiver-routing-id",
         "kvxferd's receiver presents its receiver id as its routing id again",
         (

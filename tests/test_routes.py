@@ -13,6 +13,8 @@ shows that the receiver's own new connection still takes over its registration.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -251,3 +253,49 @@ def test_a_receiver_reconnecting_after_a_blip_takes_over_its_own_registration(
         assert pair.tx.stats.get("peers_replaced") == 0, "a reconnect is not a new incarnation"
     finally:
         relay.close()
+
+
+# libzmq names a connection that presents no routing id from a counter starting at rand(),
+# unseeded: in every process the first generated id is this one. A client presenting it
+# before that id is generated made libzmq assert (the process aborted, exit 134).
+_UNSEEDED_FIRST_ID = b"\x00k\x8bEg"
+_COLLIDE = r"""
+import sys, zmq
+from kvxferd.transfer.control import process_context
+ctx = process_context()
+router = ctx.socket(zmq.ROUTER)
+port = router.bind_to_random_port("tcp://127.0.0.1")
+router.rcvtimeo = 5000
+ep = f"tcp://127.0.0.1:{port}"
+plain = zmq.Context()
+attacker = plain.socket(zmq.DEALER)
+attacker.setsockopt(zmq.ROUTING_ID, bytes.fromhex(sys.argv[1]))
+attacker.connect(ep)
+attacker.send(b"a")
+router.recv_multipart()
+victim = plain.socket(zmq.DEALER)
+victim.connect(ep)
+victim.send(b"v")
+rid, body = router.recv_multipart()
+print(rid.hex(), flush=True)
+"""
+
+
+def _collide() -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _COLLIDE, _UNSEEDED_FIRST_ID.hex()],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_a_client_cannot_abort_the_daemon_with_the_routing_id_libzmq_generates_next() -> None:
+    """kvxferd's process context seeds rand() from the OS: the id libzmq would generate next
+    cannot be guessed, so a client presenting it does not collide (libzmq would abort)."""
+    runs = [_collide() for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-500:]}"
+    generated = [run.stdout.strip() for run in runs]
+    assert _UNSEEDED_FIRST_ID.hex() not in generated
+    assert generated[0] != generated[1], "each process starts from its own seed"

@@ -29,7 +29,9 @@ ZMQ sockets are not thread-safe. The rules kvxferd keeps:
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import secrets
 import threading
 from dataclasses import dataclass
 
@@ -41,6 +43,23 @@ from kvxferd.errors import SendTimeout
 
 _context_lock = threading.Lock()
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
+
+
+def seed_routing_ids() -> bool:
+    """Seed the C library's ``rand`` from the OS, once per process, before any ROUTER exists.
+
+    libzmq names a connection that presents no routing id from a counter that starts at
+    ``rand()``, and never seeds it: every process generates the same ids
+    (``00 6b 8b 45 67`` first). A client that connects with the id the ROUTER will
+    generate next makes libzmq assert when it does, and the daemon aborts; any key the
+    handshake lets in could do it. From an unknown seed the next id cannot be guessed.
+    True when seeded (False where the C library has no ``srand``).
+    """
+    try:
+        ctypes.CDLL(None).srand(secrets.randbits(32))
+    except (OSError, AttributeError):  # pragma: no cover - no C library to seed
+        return False
+    return True
 
 
 ZMQ_DEFAULT_MAX_SOCKETS = 1023  # libzmq's own default
@@ -56,6 +75,8 @@ def process_context(max_sockets: int = 0) -> zmq.Context[zmq.Socket[bytes]]:
     global _context
     with _context_lock:
         if _context is None or _context.closed:
+            if _context is None:
+                seed_routing_ids()  # before the first ROUTER of this process
             _context = zmq.Context()
         if max_sockets > _context.get(zmq.MAX_SOCKETS):
             _context.set(zmq.MAX_SOCKETS, max_sockets)
