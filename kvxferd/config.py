@@ -612,18 +612,35 @@ def _load(cls: type[S], toml_path: str | Path | None, overrides: dict[str, Any])
     try:
         return cls(**overrides)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = tuple(str(p) for p in err["loc"])
-            if loc and loc[0] == "KVXFERD_NUM_THREADS":
-                loc = ("num_threads", *loc[1:])
-            source = _source_of(cls, loc, toml, path, overrides) if loc else "default"
-            lines.append(
-                f"  {'.'.join(loc)}: {err['msg']} (got {err.get('input')!r} from {source})"
-            )
-        raise ConfigError(f"invalid {cls.__name__}:\n" + "\n".join(lines)) from None
+        raise ConfigError(_one_line(cls, e, toml, path, overrides)) from None
     finally:
         _TOML_PATH.reset(token)
+
+
+def _one_line(
+    cls: type[BaseModel],
+    e: ValidationError,
+    toml: dict[str, Any],
+    path: Path | None,
+    overrides: dict[str, Any],
+) -> str:
+    """A validation error as one line: each problem names its setting, its value and where
+    the value came from; a check across settings (no setting of its own) is its message,
+    which names the settings and the fix. Never a dump of the whole configuration."""
+    parts = []
+    for err in e.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        if loc and loc[0] == "KVXFERD_NUM_THREADS":
+            loc = ("num_threads", *loc[1:])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if not loc:
+            parts.append(msg)
+            continue
+        source = _source_of(cls, loc, toml, path, overrides)
+        got = repr(err.get("input"))
+        got = got if len(got) <= 80 else got[:77] + "..."
+        parts.append(f"{'.'.join(loc)}: {msg} (got {got} from {source})")
+    return f"invalid {cls.__name__}: " + "; ".join(parts)
 
 
 def load_sender_settings(toml_path: str | Path | None = None, **overrides: Any) -> SenderSettings:

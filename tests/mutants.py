@@ -1184,6 +1184,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue23-refusal-dumps",
+        "a configuration refusal is a multi-line dump again",
+        (
+            Edit(
+                "kvxferd/config.py",
+                """    return f"invalid {cls.__name__}: " + "; ".join(parts)""",
+                """    return f"invalid {cls.__name__}:\\n  " + "\\n  ".join(parts)""",
+            ),
+        ),
+        ("tests/test_refusals.py::test_a_refusal_is_one_line_exit_2_no_traceback",),
+    ),
+    Mutant(
         "issue23-receiver-routing-id",
         "kvxferd's receiver presents its receiver id as its routing id again",
         (
