@@ -618,7 +618,7 @@ def _load(cls: type[S], toml_path: str | Path | None, overrides: dict[str, Any])
 
 
 def _one_line(
-    cls: type[BaseModel],
+    cls: type[_RoleSettings],
     e: ValidationError,
     toml: dict[str, Any],
     path: Path | None,

@@ -1196,6 +1196,23 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_refusals.py::test_a_refusal_is_one_line_exit_2_no_traceback",),
     ),
     Mutant(
+        "issue23-one-pool-name-per-socket",
+        "daemons of one engine socket string derive one segment name and remove it at start",
+        (
+            Edit(
+                "kvxferd/transfer/pool.py",
+                '''    return f"{daemon_shm_prefix(role, engine_socket)}-{os.getpid()}-{secrets.token_hex(4)}"''',
+                "    return daemon_shm_prefix(role, engine_socket)",
+            ),
+            Edit(
+                "kvxferd/service/preflight.py",
+                "        if holder_alive(path):\n            continue  # a live daemon's pool",
+                "        if False:\n            continue  # a live daemon's pool",
+            ),
+        ),
+        ("tests/test_auth.py::test_two_daemons_on_one_engine_socket_string_keep_their_own_pools",),
+    ),
+    Mutant(
         "issue23-receiver-routing-id",
         "kvxferd's receiver presents its receiver id as its routing id again",
         (

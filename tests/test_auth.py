@@ -725,3 +725,45 @@ def test_a_discovered_senders_key_is_expected_only_if_allowed(keys: Keyring) -> 
         if rx is not None:
             rx.shutdown(3.0)
         tx.shutdown(3.0)
+
+
+def test_two_daemons_on_one_engine_socket_string_keep_their_own_pools(
+    keys: Keyring, tmp_path: Path
+) -> None:
+    """Two daemons with ``tcp://127.0.0.1:0`` engine sockets (one string, two sockets): each
+    has its own pool segment, neither removes the other's, and a write through one
+    engine's mapping lands only in its own daemon's pool (issue 23, item 5)."""
+    from kvxferd.engine.client import Client, attach_pool
+
+    engine = _key(keys.root, "engine")
+    env = daemon_env(
+        KVXFERD_SECURITY__MODE="curve",
+        KVXFERD_SECURITY__KEY_FILE=str(keys.tx.secret_file),
+        KVXFERD_SECURITY__ALLOWED_KEYS_DIR=str(keys.allowed("peers", keys.rx)),
+        KVXFERD_SECURITY__ENGINE_KEYS_DIR=str(keys.allowed("engines", engine)),
+        KVXFERD_LISTEN="tcp://127.0.0.1:0",
+        KVXFERD_SERVICE__ENGINE_SOCKET="tcp://127.0.0.1:0",
+    )
+    daemons = [DaemonProcess("sender", f"tcp{i}", str(tmp_path), env, []) for i in range(2)]
+    clients: list[Client] = []
+    try:
+        for d in daemons:
+            curve = Curve(engine.pair, server_key=keys.tx.pair.public)
+            clients.append(Client(d.engine_socket, timeout_s=WAIT_S, curve=curve))
+        infos = [c.describe() for c in clients]
+        names = [str(i.shm_name) for i in infos]
+        assert names[0] != names[1], names
+        for name in names:
+            assert (Path("/dev/shm") / name).exists(), f"{name} was removed"
+        kv = [attach_pool(i) for i in infos]
+        kv[0][0, 0, :64] = 0xA5
+        kv[1][0, 0, :64] = 0x5A
+        assert bool((kv[0][0, 0, :64] == 0xA5).all()), "one engine's write reached the other's pool"
+        assert bool((kv[1][0, 0, :64] == 0x5A).all())
+        for d in daemons:
+            assert d.proc.poll() is None, d.describe()
+    finally:
+        for c in clients:
+            c.close_client()
+        for d in daemons:
+            d.kill()

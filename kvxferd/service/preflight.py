@@ -18,10 +18,13 @@ set-up would do later:
   (the gateway creates the directory); a socket file there that accepts a
   connection belongs to a live daemon and is refused, one nobody listens on
   is stale and is replaced as before;
-* a pool segment a killed daemon of the same engine socket left in /dev/shm
-  (SIGKILL skips its unlink; the name is :func:`~kvxferd.transfer.pool.daemon_shm_name`)
-  is removed, once the engine socket is known to have no live daemon, and
-  logged: without that, each restart after a kill needs room for one more pool;
+* pool segments killed daemons of the same engine socket left in /dev/shm (SIGKILL
+  skips the unlink; the names start with
+  :func:`~kvxferd.transfer.pool.daemon_shm_prefix`) are removed and logged, each only
+  when no process holds its flock and the pid in its name is gone (a live daemon on
+  the same socket string keeps its own): without that, each restart after a kill needs
+  room for one more pool; a configured ``pool.shm_name`` that a live daemon holds is
+  refused;
 * the pool's host part (aux slots, plus the KV blocks on ``device = "cpu"``)
   fits in the free bytes of /dev/shm;
 * ``security.mode = "curve"``: the key file exists, is a secret certificate
@@ -45,11 +48,10 @@ import stat
 from kvxferd.config import ReceiverSettings, SenderSettings
 from kvxferd.endpoints import IPC_PATH_MAX, advertise_host, advertised
 from kvxferd.errors import ConfigError
-from kvxferd.transfer.pool import daemon_shm_name
+from kvxferd.transfer.pool import SHM_DIR, daemon_shm_name, daemon_shm_prefix, holder_alive
 
 log = logging.getLogger("kvxferd.daemon")
 
-SHM_DIR = "/dev/shm"
 _PROBE_CONNECT_S = 0.5
 
 
@@ -91,49 +93,52 @@ def _security(settings: SenderSettings | ReceiverSettings, host: str | None) -> 
 
 
 def pool_name(settings: SenderSettings | ReceiverSettings) -> str:
-    """The daemon's pool segment name: the configured one, else :func:`daemon_shm_name`."""
+    """The daemon's pool segment name: the configured one, else a new name of this instance
+    (:func:`~kvxferd.transfer.pool.daemon_shm_name`: unique per daemon, never derived)."""
     role = "tx" if isinstance(settings, SenderSettings) else "rx"
     return settings.pool.shm_name or daemon_shm_name(role, settings.service.engine_socket)
 
 
 def _stale_pool(settings: SenderSettings | ReceiverSettings) -> None:
-    if settings.pool.shm_name is not None:
+    """Remove the pool segments killed daemons of this engine socket left; refuse an
+    operator's ``pool.shm_name`` that a live process holds. A segment is removed only when
+    no process holds its flock and the pid in its name is gone."""
+    configured = settings.pool.shm_name
+    if configured is not None:
+        path = os.path.join(SHM_DIR, configured)
+        if os.path.exists(path) and holder_alive(path):
+            raise ConfigError(
+                f"pool.shm_name = {configured!r} is the segment of a live daemon on this"
+                " host; give each daemon its own name, or leave pool.shm_name unset"
+            )
         return  # an operator's own name: never removed behind their back
+    role = "tx" if isinstance(settings, SenderSettings) else "rx"
     engine_socket = settings.service.engine_socket
-    if engine_socket.startswith("ipc://") and not _nobody_serves(engine_socket[len("ipc://") :]):
-        return  # a live (or unknowable) daemon: its segment is not ours to remove
-    path = os.path.join(SHM_DIR, pool_name(settings))
+    prefix = daemon_shm_prefix(role, engine_socket)
     try:
-        size = os.stat(path).st_size
-        os.unlink(path)
-    except FileNotFoundError:
+        names = [n for n in os.listdir(SHM_DIR) if n == prefix or n.startswith(prefix + "-")]
+    except OSError:
         return
-    except OSError as e:
-        raise ConfigError(
-            f"pool: {path}, left by a previous daemon of {engine_socket!r}, cannot be removed"
-            f" ({e.strerror})"
-        ) from None
-    log.warning(
-        "removed %s (%d bytes): the pool a previous daemon of %s left when it was killed",
-        path,
-        size,
-        engine_socket,
-    )
-
-
-def _nobody_serves(path: str) -> bool:
-    """True when no process accepts connections on the unix socket ``path`` (or it is absent)."""
-    if path.startswith("@"):
-        return False  # abstract: cannot tell cheaply; leave any segment alone
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(_PROBE_CONNECT_S)
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        if holder_alive(path):
+            continue  # a live daemon's pool (another instance on this socket string)
         try:
-            s.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return True
-        except OSError:
-            return False
-    return False
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise ConfigError(
+                f"pool: {path}, left by a previous daemon of {engine_socket!r}, cannot be"
+                f" removed ({e.strerror})"
+            ) from None
+        log.warning(
+            "removed %s (%d bytes): the pool a previous daemon of %s left when it was killed",
+            path,
+            size,
+            engine_socket,
+        )
 
 
 def _endpoint(name: str, endpoint: str) -> None:

@@ -13,8 +13,10 @@ write can touch them).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import secrets
 import socket
 import threading
 import uuid
@@ -37,18 +39,65 @@ _TORCH_DTYPES = {
 }
 
 
-def daemon_shm_name(role: str, engine_socket: str) -> str:
-    """The pool segment name of the daemon serving ``engine_socket`` on this host.
+SHM_DIR = "/dev/shm"
 
-    Stable across restarts, unlike a library pool's generated name: a daemon
-    killed with SIGKILL never unlinks its segment, and its successor on the same
-    engine socket finds the leftover by this name and removes it
-    (kvxferd/service/preflight.py) instead of needing /dev/shm room for two pools. The
-    host name keeps containers that share /dev/shm but not their socket
-    directory apart.
-    """
+
+def daemon_shm_prefix(role: str, engine_socket: str) -> str:
+    """What the pool segment names of ``role``'s daemons serving ``engine_socket`` on this
+    host start with (the host name keeps containers that share /dev/shm but not their
+    socket directory apart)."""
     key = f"{socket.gethostname()}\0{engine_socket}".encode()
     return f"kvxferd-{role}-{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def daemon_shm_name(role: str, engine_socket: str) -> str:
+    """A new pool segment name for one daemon instance: the prefix, its pid and a random part.
+
+    Never the same for two live daemons, even on one engine socket string (two daemons
+    with ``tcp://127.0.0.1:0`` once derived one name, and the second unlinked the first's
+    live segment). Engines learn the name from the daemon they attach to (PoolInfo),
+    never by derivation. A daemon killed with SIGKILL leaves its segment; its successor
+    finds it by the prefix and removes it once no process holds it
+    (:func:`holder_alive`, kvxferd/service/preflight.py).
+    """
+    return f"{daemon_shm_prefix(role, engine_socket)}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def hold(path: str) -> int | None:
+    """An open descriptor of ``path`` with an exclusive flock on it, held until closed:
+    the mark of a live pool. None where the segment cannot be opened or locked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def holder_alive(path: str) -> bool:
+    """True when a live process holds the segment at ``path``: its flock is taken, or the
+    pid in its name (``...-PID-RANDOM``) is a live process (a segment just created, before
+    its flock). False only when it is a leftover, safe to unlink."""
+    fd = hold(path)
+    if fd is None:
+        return os.path.exists(path)  # locked by someone (or unreadable): leave it alone
+    try:
+        parts = os.path.basename(path).rsplit("-", 2)
+        if len(parts) == 3 and parts[1].isdigit():
+            try:
+                os.kill(int(parts[1]), 0)
+                return True  # its creator lives (it may not have locked it yet)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                return True
+        return False
+    finally:
+        os.close(fd)
 
 
 class KvPool:
@@ -71,6 +120,8 @@ class KvPool:
         self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
             name=self.shm_name, create=True, size=host_bytes
         )
+        # Held for the pool's life: no other daemon's start-up removes a segment in use.
+        self._hold = hold(os.path.join(SHM_DIR, self.shm_name))
         host = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=host_bytes)
         shape = (settings.num_layers, settings.num_blocks, settings.block_elems)
         if settings.device == "cpu":
@@ -111,6 +162,9 @@ class KvPool:
             shm.unlink()
         except FileNotFoundError:
             pass
+        held, self._hold = self._hold, None
+        if held is not None:
+            os.close(held)
 
 
 class IdAllocator:
