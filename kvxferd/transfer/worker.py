@@ -786,7 +786,15 @@ class Worker:
             if now >= out.deadline:
                 box.popleft()
                 stats.add("send_timeouts")
-                log.warning("%s for fetch %d dropped: receiver not reading", out.tag, out.fetch_id)
+                log.warning(
+                    "%s for fetch %d not delivered to the receiver's result endpoint %s before"
+                    " its deadline: the receiver is not reading, or its result ROUTER never"
+                    " completed the handshake (with CURVE it must serve the key it registered"
+                    " with, docs/protocol.md section 1)",
+                    out.tag,
+                    out.fetch_id,
+                    endpoint,
+                )
                 continue
             try:
                 sock = self._dealer(endpoint)
