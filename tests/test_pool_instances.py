@@ -125,3 +125,28 @@ def test_a_configured_shm_name_a_live_daemon_holds_is_refused(sock_dir: str) -> 
         if first is not None:
             first.kill()
         path.unlink(missing_ok=True)
+
+
+def test_start_up_refuses_a_configured_name_held_and_removes_one_left(
+    segment: Callable[[str], Path],
+) -> None:
+    """The start-up check itself: an operator's ``pool.shm_name`` whose flock a live
+    process holds is a one-line ConfigError naming the setting, and stays; the same name
+    once nobody holds it is removed, so the pool can be created under it."""
+    from kvxferd.config import load_receiver_settings
+    from kvxferd.errors import ConfigError
+    from kvxferd.service.preflight import _stale_pool
+
+    path = segment(f"kvxferd-test-op{secrets.token_hex(4)}")
+    settings = load_receiver_settings(pool={"shm_name": path.name})
+    fd = hold(str(path))
+    assert fd is not None
+    try:
+        with pytest.raises(ConfigError, match="pool.shm_name") as refused:
+            _stale_pool(settings)
+        assert "\n" not in str(refused.value)
+        assert path.exists(), "a live holder's segment was removed"
+    finally:
+        os.close(fd)
+    _stale_pool(settings)
+    assert not path.exists(), "a leftover nobody holds should be removed"
