@@ -79,7 +79,12 @@ class PoolSettings(_Frozen):
     device: Literal["cpu", "cuda"] = "cpu"
     cuda_device: int = Field(0, ge=0)
     shm_name: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9_.-]{1,200}$", description="POSIX shm name; None = generated"
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,200}$",
+        description=(
+            "POSIX shm name of the pool; None = a name of this daemon instance (engines learn"
+            " it from pool_info); one a live daemon holds is refused at start"
+        ),
     )
     aux_slots: int = Field(256, ge=1, le=1 << 20)
     aux_slot_bytes: int = Field(4096, ge=64, le=1 << 20)

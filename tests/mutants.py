@@ -1367,6 +1367,21 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_parked_fetch_of_a_revoked_key_is_told_and_never_attaches",
         ),
     ),
+    Mutant(
+        "issue23-configured-pool-name-taken-over",
+        "a daemon given the pool.shm_name of a live daemon removes that daemon's segment",
+        (
+            Edit(
+                "kvxferd/service/preflight.py",
+                "        if holder_alive(path):\n            raise ConfigError(",
+                "        if False:\n            raise ConfigError(",
+            ),
+        ),
+        (
+            "tests/test_pool_instances.py::"
+            "test_start_up_refuses_a_configured_name_held_and_removes_one_left",
+        ),
+    ),
 )
 
 

@@ -150,8 +150,8 @@ class Daemon:
                 'security.mode is "off": the control plane is plaintext and unauthenticated'
                 " (accepted because every endpoint is loopback or ipc)"
             )
-        # A name stable across restarts: the next daemon on this socket can remove what a
-        # killed one left (preflight does, after making sure no daemon is live there).
+        # A name of this daemon instance (or the operator's): the next daemon on this socket
+        # removes what a killed one left, and only what no live process holds (preflight).
         pool = self.settings.pool.model_copy(
             update={"shm_name": preflight.pool_name(self.settings)}
         )

@@ -24,7 +24,7 @@ set-up would do later:
   when no process holds its flock and the pid in its name is gone (a live daemon on
   the same socket string keeps its own): without that, each restart after a kill needs
   room for one more pool; a configured ``pool.shm_name`` that a live daemon holds is
-  refused;
+  refused, one that nobody holds is removed like them;
 * the pool's host part (aux slots, plus the KV blocks on ``device = "cpu"``)
   fits in the free bytes of /dev/shm;
 * ``security.mode = "curve"``: the key file exists, is a secret certificate
@@ -101,19 +101,23 @@ def pool_name(settings: SenderSettings | ReceiverSettings) -> str:
 
 def _stale_pool(settings: SenderSettings | ReceiverSettings) -> None:
     """Remove the pool segments killed daemons of this engine socket left; refuse an
-    operator's ``pool.shm_name`` that a live process holds. A segment is removed only when
-    no process holds its flock and the pid in its name is gone."""
+    operator's ``pool.shm_name`` that a live process holds (a leftover under that name is
+    removed like the others). A segment is removed only when no process holds its flock
+    and the pid in its name is gone."""
+    engine_socket = settings.service.engine_socket
     configured = settings.pool.shm_name
     if configured is not None:
         path = os.path.join(SHM_DIR, configured)
-        if os.path.exists(path) and holder_alive(path):
+        if not os.path.exists(path):
+            return
+        if holder_alive(path):
             raise ConfigError(
                 f"pool.shm_name = {configured!r} is the segment of a live daemon on this"
                 " host; give each daemon its own name, or leave pool.shm_name unset"
             )
-        return  # an operator's own name: never removed behind their back
+        _remove_leftover(path, engine_socket)
+        return
     role = "tx" if isinstance(settings, SenderSettings) else "rx"
-    engine_socket = settings.service.engine_socket
     prefix = daemon_shm_prefix(role, engine_socket)
     try:
         names = [n for n in os.listdir(SHM_DIR) if n == prefix or n.startswith(prefix + "-")]
@@ -123,22 +127,27 @@ def _stale_pool(settings: SenderSettings | ReceiverSettings) -> None:
         path = os.path.join(SHM_DIR, name)
         if holder_alive(path):
             continue  # a live daemon's pool (another instance on this socket string)
-        try:
-            size = os.stat(path).st_size
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise ConfigError(
-                f"pool: {path}, left by a previous daemon of {engine_socket!r}, cannot be"
-                f" removed ({e.strerror})"
-            ) from None
-        log.warning(
-            "removed %s (%d bytes): the pool a previous daemon of %s left when it was killed",
-            path,
-            size,
-            engine_socket,
-        )
+        _remove_leftover(path, engine_socket)
+
+
+def _remove_leftover(path: str, engine_socket: str) -> None:
+    """Unlink a pool segment no live process holds (checked by the caller); logged."""
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError(
+            f"pool: {path}, left by a previous daemon of {engine_socket!r}, cannot be"
+            f" removed ({e.strerror})"
+        ) from None
+    log.warning(
+        "removed %s (%d bytes): the pool a previous daemon of %s left when it was killed",
+        path,
+        size,
+        engine_socket,
+    )
 
 
 def _endpoint(name: str, endpoint: str) -> None:

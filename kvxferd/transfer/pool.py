@@ -19,6 +19,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from multiprocessing import shared_memory
@@ -40,6 +41,7 @@ _TORCH_DTYPES = {
 
 
 SHM_DIR = "/dev/shm"
+_HOLD_WAIT_S = 2.0  # a probe holds the lock for microseconds; this only bounds the wait
 
 
 def daemon_shm_prefix(role: str, engine_socket: str) -> str:
@@ -63,19 +65,29 @@ def daemon_shm_name(role: str, engine_socket: str) -> str:
     return f"{daemon_shm_prefix(role, engine_socket)}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def hold(path: str) -> int | None:
+def hold(path: str, wait_s: float = 0.0) -> int | None:
     """An open descriptor of ``path`` with an exclusive flock on it, held until closed:
-    the mark of a live pool. None where the segment cannot be opened or locked."""
+    the mark of a live pool. None where the segment cannot be opened, or not locked within
+    ``wait_s`` (a creator waits out another daemon's :func:`holder_alive`, which takes the
+    lock for a moment)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.005)
+                continue
+            os.close(fd)
+            return None
+        except OSError:
+            os.close(fd)
+            return None
 
 
 def holder_alive(path: str) -> bool:
@@ -121,7 +133,7 @@ class KvPool:
             name=self.shm_name, create=True, size=host_bytes
         )
         # Held for the pool's life: no other daemon's start-up removes a segment in use.
-        self._hold = hold(os.path.join(SHM_DIR, self.shm_name))
+        self._hold = hold(os.path.join(SHM_DIR, self.shm_name), wait_s=_HOLD_WAIT_S)
         host = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=host_bytes)
         shape = (settings.num_layers, settings.num_blocks, settings.block_elems)
         if settings.device == "cpu":
