@@ -451,19 +451,6 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     _c("connect_errors", _R, "Sender endpoints libzmq would not connect to"),
     _c("discovery_events", _R, "Senders discovery reported added, changed or removed"),
     _c("reconnects", _R, "Links that reconnected (and registered again)"),
-    _c("connect_retries", _R, "Connection attempts to a sender that failed (libzmq retries)"),
-    _c(
-        "links_lost",
-        _R,
-        "Links given up: every connect refused for connect_refused_ms after the connection"
-        " dropped; their open fetches ended peer_lost at once",
-    ),
-    _c("fetches_refused_peer_down", _R, "Fetches failed peer_lost at once: their sender is down"),
-    _c(
-        "fetches_ended_peer_removed",
-        _R,
-        "Open fetches ended peer_lost: discovery removed the sender",
-    ),
     _c("disconnects", _R, "Links whose TCP connection dropped"),
     _c("sender_restarts", _R, "Senders found to be a new process at a known endpoint"),
     _c("fetches_resent", _R, "Open fetches sent again to a restarted sender"),

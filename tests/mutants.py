@@ -1213,62 +1213,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_auth.py::test_two_daemons_on_one_engine_socket_string_keep_their_own_pools",),
     ),
     Mutant(
-        "issue23-lost-link-keeps-its-fetches",
-        "a sender whose port refuses every connect is only dropped: sent fetches wait out their deadline",
-        (
-            Edit(
-                "kvxferd/transfer/receiver.py",
-                "                if link.ever_connected:\n                    self._lose_link(link, detail)",
-                "                if False:\n                    self._lose_link(link, detail)",
-            ),
-        ),
-        (
-            "tests/test_dead_peer.py::test_a_killed_sender_ends_its_fetches_in_seconds_and_is_not_redialled",
-        ),
-    ),
-    Mutant(
-        "issue23-in-doubt-retry-redials",
-        "an in-doubt Cancel retry dials a sender known lost again",
-        (
-            Edit(
-                "kvxferd/transfer/receiver.py",
-                "            return  # lost: only a fetch or discovery dials it again, not a retry",
-                "            pass  # lost: only a fetch or discovery dials it again, not a retry",
-            ),
-        ),
-        (
-            "tests/test_dead_peer.py::test_a_killed_sender_ends_its_fetches_in_seconds_and_is_not_redialled",
-        ),
-    ),
-    Mutant(
-        "issue23-redial-without-backoff",
-        "DEALERs redial every 100 ms for ever",
-        (
-            Edit(
-                "kvxferd/transfer/control.py",
-                "    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)",
-                "    pass",
-            ),
-        ),
-        (
-            "tests/test_dead_peer.py::test_a_killed_sender_ends_its_fetches_in_seconds_and_is_not_redialled",
-        ),
-    ),
-    Mutant(
-        "issue23-removed-sender-keeps-fetches",
-        "discovery's removal of a sender leaves its fetches open until their deadline",
-        (
-            Edit(
-                "kvxferd/transfer/receiver.py",
-                "            self._end_fetches(link, open_here, detail)\n            self._close_if_removed",
-                "            self._close_if_removed",
-            ),
-        ),
-        (
-            "tests/test_dead_peer.py::test_a_sender_discovery_removes_ends_its_fetches_and_a_live_one_releases_the_blocks",
-        ),
-    ),
-    Mutant(
         "issue23-receiver-routing-id",
         "kvxferd's receiver presents its receiver id as its routing id again",
         (

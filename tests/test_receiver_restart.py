@@ -88,13 +88,9 @@ def test_a_sender_restart_resends_every_parked_fetch_to_the_new_incarnation(
     n, fetch_timeout_ms = 8, 120_000
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     settings = dict(listen=endpoint, pool=pool(n), num_threads=2, deadlines=DEADLINES)
-    # The port refuses connections while the sender restarts (seconds): within
-    # connect_refused_ms the link waits for it and resends; past it the link would be
-    # given up and the fetches end peer_lost at once (tests/test_dead_peer.py).
-    rx_deadlines = {**DEADLINES, "connect_refused_ms": 60_000}
     first = spawn("sender", "tx-first", settings=settings, prefix="g", count=0, blocks=BLOCKS)
     first.wait_event("ready", STARTUP_S)
-    r = Receiver(load_receiver_settings(pool=pool(n), deadlines=rx_deadlines)).start()
+    r = Receiver(load_receiver_settings(pool=pool(n), deadlines=DEADLINES)).start()
     receivers.append(r)
     alloc = IdAllocator(n * BLOCKS, shuffle_seed=9)
     dsts = [alloc.take(BLOCKS) for _ in range(n)]

@@ -41,7 +41,6 @@ from kvxferd.auth import Curve, is_local_endpoint, watch_server
 from kvxferd.config import Deadlines, Limits
 from kvxferd.errors import SendTimeout
 
-RECONNECT_MAX_MS = 2000  # a DEALER's redial interval doubles from 100 ms up to this
 _context_lock = threading.Lock()
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
 
@@ -187,9 +186,6 @@ def connect_dealer(
             sock.setsockopt(zmq.TCP_MAXRT, limits.heartbeat_timeout_ms)
     if limits.connect_timeout_ms and endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.CONNECT_TIMEOUT, limits.connect_timeout_ms)
-    # Redials back off: 100 ms, doubling to RECONNECT_MAX_MS (libzmq's default retries
-    # every 100 ms for ever: a dead peer was dialled 20 times in 3 s).
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
     try:
         if limits.curve is not None:
             limits.curve.apply_client(sock, server_key)

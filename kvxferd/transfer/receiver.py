@@ -51,13 +51,6 @@ A link (one sender endpoint) and its sender's incarnation::
        |  every connect refused for connect_refused_ms --> dropped (waiting fetches: peer_lost)
        |  no reply within register_timeout_ms ----------> dropped (waiting fetches: timeout)
     ready --disconnected, then connected (monitor)--> Register again --> waiting
-    ready --disconnected, then every connect refused for connect_refused_ms--> lost:
-       its open fetches end peer_lost at once (those sent: fenced, a Cancel goes out),
-       the link closes and the endpoint is *down* for a backoff (1 s doubling to 30 s):
-       a fetch toward it fails peer_lost at once, no dial, until the backoff passes,
-       discovery reports the sender again, or it answers a Register
-    discovery removes the sender: its open fetches end peer_lost (sent ones fenced, a
-       Cancel goes out); the link closes once nothing of it is open
     ready --Result failed/unknown_peer--> Register again, that fetch waits (once per fetch)
     RegisterReply with another sender_id: a new sender process. Open fetches sent to the
     old one are sent again (same fetch id) while their deadline allows, else fail
@@ -140,8 +133,6 @@ _NOTIF_FRESH_S, _NOTIF_WAIT_FRESH_S = 0.002, 60e-6
 # (issue 22: 0.74 -> 0.56 ms p50 at 1 in flight, CPU unchanged: the looks replace the
 # wake-ups). Bounded, because on a loaded host a longer spin took the sender's core.
 _SPIN_OPEN, _SPIN_S = 2, 300e-6
-# A lost link's endpoint stays down this long, doubling per loss in a row.
-_DOWN_MIN_S, _DOWN_MAX_S = 1.0, 30.0
 _NO_RECORD = "sender at {} declared no topology: a fetch from a prefill instance needs one"
 _MONITORED = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | HANDSHAKE_FAILED
@@ -161,8 +152,7 @@ class _Link:
     sender_id: str = ""  # the incarnation that answered it; another one means a restart
     ever_connected: bool = False
     disconnected: bool = False  # the connection dropped; the next CONNECTED registers again
-    refused_since: float | None = None  # first refused connect, never or no longer connected
-    removed: bool = False  # discovery removed the sender: close once nothing of it is open
+    refused_since: float | None = None  # first refused connect while never connected
     waiting: list[RxSession] = field(default_factory=list)  # fetches queued until registered
     # RequestData frames of this turn, sent together at its end (``_flush_link``): one
     # multipart message, one wake-up of ZMQ's I/O threads and of the sender's listener.
@@ -278,8 +268,6 @@ class Receiver:
         # Instance fetches: each sender's record from its RegisterReply, the groups waiting
         # for one (io thread only), and the groups not planned yet (``_lock``).
         self._records: dict[str, Topology] = {}
-        # Endpoints whose link was lost: (down until, backoff). io thread only.
-        self._down: dict[str, tuple[float, float]] = {}
         self._resolving: dict[str, list[RxGroup]] = {}
         self._unplanned: dict[int, RxGroup] = {}
         self._stopping = threading.Event()
@@ -743,10 +731,7 @@ class Receiver:
             if peer.public_key:  # the key to expect there, if our allow-list holds it
                 learned = self.transport.learn_key(peer.endpoint, peer.public_key)
                 self.stats.add("discovery_keys_learned" if learned else "discovery_keys_refused")
-            self._down.pop(peer.endpoint, None)  # discovery sees it again: dial at once
             known = self._links.get(peer.endpoint)
-            if known is not None:
-                known.removed = False
             if known is None:
                 if len(self._links) < self.settings.limits.max_peers:
                     self._link(peer.endpoint)
@@ -754,82 +739,22 @@ class Receiver:
                 self._register(known)  # a restart seen by discovery before the sender said so
         elif isinstance(event, PeerRemoved):
             link = self._links.get(event.peer.endpoint)
-            if link is None:
+            if link is None or link.waiting:
                 return
-            link.removed = True
-            detail = f"discovery removed the sender at {link.endpoint} (its lease ended)"
-            open_here = self._open_toward(link.endpoint)
-            if open_here:  # counted before the engine can see them end
-                self.stats.add("fetches_ended_peer_removed", len(open_here))
-            self._end_fetches(link, open_here, detail)
-            self._close_if_removed(link)
-
-    def _open_toward(self, endpoint: str) -> list[RxSession]:
-        with self._lock:
-            return [
-                rx
-                for rx in self._fetches.values()
-                if rx.sender_endpoint == endpoint and not rx.ended
-            ]
-
-    def _end_fetches(self, link: _Link, open_here: list[RxSession], detail: str) -> None:
-        """End ``open_here`` (fetches toward ``link``'s sender) ``peer_lost`` now: one not sent
-        fails (nothing can be written); one sent ends with its blocks fenced (a write may
-        be in flight) and its Cancel goes out, so a live sender's CancelAck releases them
-        and a dead one's fence deadline puts them in doubt. Groups waiting for the
-        sender's record fail."""
-        for rx in open_here:
-            if rx.sent:
-                self._cancel(rx, RxState.FAILED, Reason.PEER_LOST, detail)
-            else:
-                if rx in link.waiting:
-                    link.waiting.remove(rx)
-                self._fail(rx, Reason.PEER_LOST, detail)
-        for g in self._resolving.pop(link.endpoint, []):
-            self._fail_group(g, Reason.PEER_LOST, detail)
-
-    def _close_if_removed(self, link: _Link) -> None:
-        """Close a link discovery removed once no fetch toward it is open or fenced."""
-        if not link.removed or self._links.get(link.endpoint) is not link:
-            return
-        with self._lock:
-            busy = any(
-                rx.sender_endpoint == link.endpoint and (not rx.ended or rx.fence is Fence.FENCED)
-                for rx in self._fetches.values()
-            )
-        if not busy:
-            self._close_link(link)
-
-    def _lose_link(self, link: _Link, detail: str) -> None:
-        """The connection dropped and every connect since was refused: nobody listens there.
-
-        Its open fetches end now (:meth:`_end_open_fetches`), the link closes (no more
-        dials) and the endpoint is down for a backoff: fetches toward it fail at once.
-        """
-        now = time.monotonic()
-        _, prev = self._down.get(link.endpoint, (0.0, 0.0))
-        backoff = min(max(prev * 2, _DOWN_MIN_S), _DOWN_MAX_S)
-        self._down[link.endpoint] = (now + backoff, backoff)
-        self.stats.add("links_lost")
-        self._end_fetches(link, self._open_toward(link.endpoint), detail)
-        self._drop_link(link, Reason.PEER_LOST, detail)
+            with self._lock:  # _fetches: engine threads add to it under this lock
+                busy = any(
+                    f.sender_endpoint == link.endpoint and not f.ended
+                    for f in self._fetches.values()
+                )
+            if not busy:
+                self._close_link(link)
 
     # -- links -------------------------------------------------------------------------
     def _link(self, endpoint: str) -> _Link | str:
-        """The link to ``endpoint``, opened and registering if new; why not, if it cannot be
-        (a string starting with the reason: ``not_authorized``, ``peer_lost`` for an
-        endpoint down, else a bad endpoint)."""
+        """The link to ``endpoint``, opened and registering if new; why not, if it cannot be."""
         link = self._links.get(endpoint)
         if link is not None:
             return link
-        down = self._down.get(endpoint)
-        if down is not None:
-            left = down[0] - time.monotonic()
-            if left > 0:
-                return (
-                    f"{Reason.PEER_LOST}: the sender at {endpoint} is down (its connection was"
-                    f" refused); the next try in {left:.1f}s"
-                )
         try:
             server_key = self.transport.server_key_for(endpoint)  # "" when security is off
         except RejectedError as e:
@@ -922,8 +847,6 @@ class Receiver:
             return self._plan_group(g)
         link = self._link(ep0)
         if isinstance(link, str):
-            if link.startswith(Reason.PEER_LOST):
-                return self._fail_group(g, Reason.PEER_LOST, link)
             denied = link.startswith(Reason.NOT_AUTHORIZED)
             return self._fail_group(
                 g, Reason.NOT_AUTHORIZED if denied else Reason.BAD_ENDPOINT, link
@@ -1042,9 +965,8 @@ class Receiver:
                 self.stats.add("disconnects")
             elif event & HANDSHAKE_FAILED:  # a sender presenting another key, or plaintext
                 self.stats.add(f"handshakes_failed_{handshake_kind(event)}")
-            elif event == zmq.EVENT_CONNECT_RETRIED:
-                self.stats.add("connect_retries")
-                if (not link.ever_connected or link.disconnected) and link.refused_since is None:
+            elif event == zmq.EVENT_CONNECT_RETRIED and not link.ever_connected:
+                if link.refused_since is None:
                     link.refused_since = time.monotonic()
 
     def _on_register_reply(self, link: _Link, msg: wire.RegisterReply) -> None:
@@ -1066,9 +988,6 @@ class Receiver:
             self._drop_link(link, msg.reason or Reason.INCOMPATIBLE, msg.detail)
             return
         link.ready = True
-        # A reply proves a connection (its CONNECTED event may have come before the monitor)
-        link.ever_connected = True
-        self._down.pop(link.endpoint, None)
         if msg.topology is not None:
             self._records[link.endpoint] = msg.topology
         for g in self._resolving.pop(link.endpoint, []):
@@ -1112,15 +1031,9 @@ class Receiver:
             return
         link = self._link(rx.sender_endpoint)
         if isinstance(link, str):
-            if link.startswith(Reason.PEER_LOST):  # down: nothing sent, nothing in doubt
-                self.stats.add("fetches_refused_peer_down")
-                self._fail(rx, Reason.PEER_LOST, link)
-                return
             denied = link.startswith(Reason.NOT_AUTHORIZED)  # no allowed key for the sender
             self._fail(rx, Reason.NOT_AUTHORIZED if denied else Reason.BAD_ENDPOINT, link)
-            return
-        link.removed = False  # a fetch brings a sender discovery removed back
-        if link.ready:
+        elif link.ready:
             self._send_request(link, rx)
         elif self._links.get(rx.sender_endpoint) is link:
             link.waiting.append(rx)
@@ -1202,8 +1115,6 @@ class Receiver:
 
     def _send_cancel(self, rx: RxSession) -> None:
         """Cancel ``rx`` at its sender: on a registered link, else (re)open one for next time."""
-        if rx.sender_endpoint in self._down and rx.sender_endpoint not in self._links:
-            return  # lost: only a fetch or discovery dials it again, not a retry
         link = self._link(rx.sender_endpoint)
         if isinstance(link, str) or not link.ready:
             return  # the fence deadline, or the next in-doubt retry, covers it
@@ -1493,20 +1404,15 @@ class Receiver:
     def _check_deadlines(self, now: float) -> None:
         refused_s = self.settings.deadlines.connect_refused_ms / 1000
         for link in list(self._links.values()):
-            if link.refused_since is not None and now - link.refused_since >= refused_s:
-                detail = f"connection to {link.endpoint} refused for {refused_s:g}s"
-                if link.ever_connected:
-                    self._lose_link(link, detail)
-                else:
-                    self._drop_link(link, Reason.PEER_LOST, detail)
-                continue
-            if link.removed:
-                self._close_if_removed(link)
-                if self._links.get(link.endpoint) is not link:
-                    continue
             if link.ready:
                 continue
-            if now >= link.register_deadline:
+            if link.refused_since is not None and now - link.refused_since >= refused_s:
+                self._drop_link(
+                    link,
+                    Reason.PEER_LOST,
+                    f"connection to {link.endpoint} refused for {refused_s:g}s",
+                )
+            elif now >= link.register_deadline:
                 self._drop_link(link, Reason.TIMEOUT, f"no REGISTER reply from {link.endpoint}")
         with self._lock:
             fetches = list(self._fetches.values())
