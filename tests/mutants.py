@@ -1311,6 +1311,34 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_parked_fetch_of_a_revoked_key_is_told_and_never_attaches",
         ),
     ),
+    Mutant(
+        "issue23-dead-peer-waited-out",
+        "a link lost and not back is never declared down: its fetches wait for their deadline",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "            if not link.down and link.lost_since is not None and now - link.lost_since >= down_s:",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/test_dead_peer.py::test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled",
+        ),
+    ),
+    Mutant(
+        "issue23-removed-peer-redialled",
+        "a sender discovery removed keeps its link: libzmq redials the dead port",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "        self._link_down(link, detail)\n        self._close_link(link)",
+                "        self._link_down(link, detail)",
+            ),
+        ),
+        (
+            "tests/test_dead_peer.py::test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled",
+        ),
+    ),
 )
 
 

@@ -127,15 +127,21 @@ def test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled(etcd: E
         bound = t_kill + REFUSED_S + OUTCOME_S
         for h in parked:
             out = cr.wait(h, max(0.0, bound - time.monotonic()))
-            assert out is not None, f"a parked fetch still open {time.monotonic() - t_kill:.1f}s after the kill"
+            assert out is not None, (
+                f"a parked fetch still open {time.monotonic() - t_kill:.1f}s after the kill"
+            )
             assert out.state == "failed" and out.reason == "peer_lost", out
             assert out.in_doubt and not out.reusable, out  # sent: the fence stays until proof
         for h in after:
             out = cr.wait(h, max(0.0, bound - time.monotonic()))
-            assert out is not None, f"a late fetch still open {time.monotonic() - t_kill:.1f}s after the kill"
+            assert out is not None, (
+                f"a late fetch still open {time.monotonic() - t_kill:.1f}s after the kill"
+            )
             assert out.state == "failed" and out.reason == "peer_lost", out
         print(f"\nevery fetch ended {time.monotonic() - t_kill:.2f}s after the kill")
-        wait_until(lambda: not watcher.snapshot().peers, TTL_S * 3 + 2, "the sender's lease expired")
+        wait_until(
+            lambda: not watcher.snapshot().peers, TTL_S * 3 + 2, "the sender's lease expired"
+        )
         port = int(tx.endpoint.rsplit(":", 1)[1])
         counter = AcceptCounter(port)
         t0 = time.monotonic()
