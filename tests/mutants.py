@@ -1326,6 +1326,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue23-down-link-sends",
+        "a fetch toward a down link is queued (and sent once it returns) instead of failing at once",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "        elif link.down:  # nothing is sent that could put its blocks in doubt",
+                "        elif False:",
+            ),
+        ),
+        (
+            "tests/test_dead_peer.py::"
+            "test_a_fetch_toward_a_down_link_fails_at_once_and_another_sender_keeps_serving",
+        ),
+    ),
+    Mutant(
         "issue23-removed-peer-redialled",
         "a sender discovery removed keeps its link: libzmq redials the dead port",
         (

@@ -1,4 +1,4 @@
-"""A dead sender ends its fetches fast and is not dialled in a loop: real daemons, real etcd.
+"""A dead or frozen sender ends its fetches fast, is not dialled in a loop, and costs other pairs nothing.
 
 A sender and a receiver daemon discover each other through a real etcd on
 loopback (TTL 3 s). The sender is SIGKILLed with fetches open at it (parked
@@ -8,6 +8,10 @@ sender's connection being refused (the first redial, 100 ms after the kill):
 ``peer_lost``, in doubt with the blocks kept for the ones whose RequestData went
 out. Once its lease expired, a socket listening on the dead port counts the
 receiver's connection attempts: fewer than 5 in 10 s.
+
+A SIGSTOPped sender (``tests/peers.py`` children, the receiver in the test
+process): once its link is down a fetch toward it fails ``peer_lost`` at once
+with nothing sent, while another sender's fetches on the same receiver go on.
 """
 
 from __future__ import annotations
@@ -22,17 +26,21 @@ from pathlib import Path
 
 import pytest
 
-from kvxferd.config import DiscoverySettings
+from kvxferd.config import DiscoverySettings, load_receiver_settings
 from kvxferd.discovery import make_watcher
+from kvxferd.errors import Reason
+from kvxferd.transfer.pool import IdAllocator
+from kvxferd.transfer.receiver import Receiver
 from tests.conditions import wait_until
 from tests.etcd_server import ETCD, SKIP_REASON, EtcdServer
+from tests.peers import check_request
 from tests.test_daemon import TCP_DATA_PLANE, DaemonProcess, Engines, blocks_of, daemon_env
+from tests.test_receiver_restart import BLOCKS, STARTUP_S, Spawn, pool, receivers, spawn
+from tests.test_receiver_restart import DEADLINES as RESTART_DEADLINES
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(ETCD is None, reason=SKIP_REASON),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+needs_etcd = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
+__all__ = ["receivers", "spawn"]  # fixtures shared with test_receiver_restart.py
 
 PREFIX = "/kvxferd-dead-peer"
 TTL_S = 3
@@ -93,6 +101,7 @@ class AcceptCounter:
         self.sock.close()
 
 
+@needs_etcd
 def test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled(etcd: EtcdServer) -> None:
     """After a sender's SIGKILL every fetch toward it has an outcome within 2 s of the refused redial (peer_lost; in doubt, blocks kept, if sent), and its dead port sees fewer than 5 connection attempts in the 10 s after its lease expired."""
     sock_dir = tempfile.mkdtemp(prefix="kxdp")
@@ -163,3 +172,58 @@ def rx_counter(d: DaemonProcess, name: str) -> float:
     from tests.test_discovery_daemons import counter
 
     return counter(d.probe_port, name)
+
+
+# -- a frozen sender: its link is down, another sender's pair is untouched -----------------
+
+FROZEN_DEADLINES: dict[str, int] = {
+    **RESTART_DEADLINES,
+    "heartbeat_ivl_ms": 200,
+    "heartbeat_timeout_ms": 600,
+    "kv_transfer_timeout_ms": 20_000,
+}
+
+
+def test_a_fetch_toward_a_down_link_fails_at_once_and_another_sender_keeps_serving(
+    spawn: Spawn, receivers: list[Receiver]
+) -> None:
+    """A SIGSTOPped sender's link goes down (heartbeat lost, no Register answered): a fetch toward it fails peer_lost at once with nothing sent, its blocks reusable; another sender's fetches on the same receiver complete byte-exact; after SIGCONT the link is back and serves."""
+    n = 4
+    senders = {}
+    for name in ("a", "b"):
+        p = spawn(
+            "sender", f"tx-{name}", settings=dict(pool=pool(n)), prefix=name, count=n, blocks=BLOCKS
+        )
+        senders[name] = (p, p.wait_event("ready", STARTUP_S)["endpoint"])
+    for p, _ in senders.values():
+        p.wait_events("published", n, 30)
+    (a, ep_a), (_, ep_b) = senders["a"], senders["b"]
+    r = Receiver(load_receiver_settings(pool=pool(2 * n), deadlines=FROZEN_DEADLINES)).start()
+    receivers.append(r)
+    alloc = IdAllocator(2 * n * BLOCKS, shuffle_seed=5)
+    for rid, ep in (("a-0", ep_a), ("b-0", ep_b)):
+        out = r.fetch(rid, ep, alloc.take(BLOCKS)).wait(10)
+        assert out is not None and out.ok, (rid, out)
+    a.signal(signal.SIGSTOP)
+    wait_until(lambda: r.stats.get("links_down") >= 1, 10, "the frozen sender's link down")
+    sent = r.stats.get("requests_sent")
+    t0 = time.monotonic()
+    h = r.fetch("a-1", ep_a, alloc.take(BLOCKS))
+    out = h.wait(1.0)
+    took = time.monotonic() - t0
+    assert out is not None and out.reason is Reason.PEER_LOST, out
+    assert took < 0.5, f"the fetch toward a down link took {took:.2f}s to fail"
+    assert h.close(0), "nothing was sent: its blocks are reusable at once"
+    assert r.stats.get("requests_sent") == sent
+    for i in range(1, n):
+        dst = alloc.take(BLOCKS)
+        out = r.fetch(f"b-{i}", ep_b, dst).wait(10)
+        assert out is not None and out.ok, out
+        assert check_request(r.pool, f"b-{i}", dst) == ""
+    a.signal(signal.SIGCONT)
+    wait_until(lambda: r.stats.get("links_back") >= 1, 15, "the thawed sender's link back")
+    dst = alloc.take(BLOCKS)
+    out = r.fetch("a-2", ep_a, dst).wait(10)
+    assert out is not None and out.ok, out
+    assert check_request(r.pool, "a-2", dst) == ""
+    assert r.shutdown() is True

@@ -51,10 +51,11 @@ A link (one sender endpoint) and its sender's incarnation::
        |  every connect refused for connect_refused_ms --> dropped (waiting fetches: peer_lost)
        |  no reply within register_timeout_ms ----------> dropped (waiting fetches: timeout)
     ready --disconnected, then connected (monitor)--> Register again --> waiting
-    disconnected, not back for peer_down_ms --> down: fetches not sent fail peer_lost, sent
+    disconnected, no RegisterReply for peer_down_ms --> down: fetches not sent fail peer_lost, sent
        ones end failed/peer_lost with their fence in doubt (a write may have been posted);
        new fetches fail peer_lost at once; libzmq redials with a backoff (reconnect_max_ms)
-       and the next CONNECTED registers again (the reply settles the doubt, see below)
+       and the next CONNECTED registers again; the reply makes it ready (and re-asks about
+       the doubt, or a new incarnation settles it, see below)
     discovery removed the sender (lease expired) --> if the link is not connected: as down,
        and the link is closed; the endpoint is not dialled again (not even to re-ask about
        fetches in doubt) until discovery or a new fetch brings it back. A connected link
@@ -1015,10 +1016,9 @@ class Receiver:
             except zmq.Again:
                 return
             if event == zmq.EVENT_CONNECTED:
-                link.refused_since = link.lost_since = None
-                if link.down:
-                    link.down = False
-                    self.stats.add("links_back")
+                # A TCP connect is no sign of life (a frozen process's kernel accepts it):
+                # a lost link is back only once its sender answers the Register.
+                link.refused_since = None
                 if link.disconnected:
                     # The sender may be a new process that never heard of us: tell it who we
                     # are; its reply says whether it is the same incarnation.
@@ -1061,6 +1061,11 @@ class Receiver:
             self._drop_link(link, msg.reason or Reason.INCOMPATIBLE, msg.detail)
             return
         link.ready = True
+        link.lost_since = None
+        if link.down:
+            link.down = False
+            self.stats.add("links_back")
+            log.info("link to %s back", link.endpoint)
         if msg.topology is not None:
             self._records[link.endpoint] = msg.topology
         for g in self._resolving.pop(link.endpoint, []):
