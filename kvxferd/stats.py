@@ -456,6 +456,12 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     ),
     _c("links_back", _R, "Links down that connected again"),
     _c(
+        "connect_retries",
+        _R,
+        "Redials libzmq scheduled on links (after a refused or lost connection; they back off"
+        " to reconnect_max_ms)",
+    ),
+    _c(
         "fetches_ended_peer_down",
         _R,
         "Sent fetches ended peer_lost, in doubt, because their link went down",

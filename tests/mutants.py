@@ -1341,6 +1341,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue23-redial-no-backoff",
+        "a lost link is redialled every 100 ms (libzmq's default), without a backoff",
+        (
+            Edit(
+                "kvxferd/transfer/control.py",
+                "        sock.setsockopt(zmq.RECONNECT_IVL_MAX, limits.reconnect_max_ms)",
+                "        pass",
+            ),
+        ),
+        ("tests/test_dead_peer.py::test_a_killed_senders_link_is_redialled_with_a_backoff",),
+    ),
+    Mutant(
         "issue23-removed-peer-redialled",
         "a sender discovery removed keeps its link: libzmq redials the dead port",
         (

@@ -227,3 +227,25 @@ def test_a_fetch_toward_a_down_link_fails_at_once_and_another_sender_keeps_servi
     assert out is not None and out.ok, out
     assert check_request(r.pool, "a-2", dst) == ""
     assert r.shutdown() is True
+
+
+def test_a_killed_senders_link_is_redialled_with_a_backoff(
+    spawn: Spawn, receivers: list[Receiver]
+) -> None:
+    """A SIGKILLed sender's link (no discovery) is down within 2 s, and libzmq redials it 100 ms doubling to reconnect_max_ms apart: fewer than 10 redials in 6 s, not one every 100 ms."""
+    tx = spawn("sender", "tx-k", settings=dict(pool=pool(1)), prefix="k", count=1, blocks=BLOCKS)
+    ep = tx.wait_event("ready", STARTUP_S)["endpoint"]
+    tx.wait_events("published", 1, 30)
+    r = Receiver(load_receiver_settings(pool=pool(1), deadlines=FROZEN_DEADLINES)).start()
+    receivers.append(r)
+    out = r.fetch("k-0", ep, IdAllocator(BLOCKS).take(BLOCKS)).wait(10)
+    assert out is not None and out.ok, out
+    tx.signal(signal.SIGKILL)
+    tx.wait_exit(10)
+    t_kill = time.monotonic()
+    wait_until(lambda: r.stats.get("links_down") >= 1, 2.0, "the dead sender's link down")
+    before = r.stats.get("connect_retries")
+    time.sleep(max(0.0, t_kill + 6.0 - time.monotonic()))  # a counting window
+    retries = r.stats.get("connect_retries")
+    print(f"\nredials in the 6 s after the kill: {retries} ({before} when the link went down)")
+    assert retries < 10

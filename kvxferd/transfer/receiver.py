@@ -1038,8 +1038,9 @@ class Receiver:
                     return
             elif event & HANDSHAKE_FAILED:  # a sender presenting another key, or plaintext
                 self.stats.add(f"handshakes_failed_{handshake_kind(event)}")
-            elif event == zmq.EVENT_CONNECT_RETRIED and not link.ever_connected:
-                if link.refused_since is None:
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.stats.add("connect_retries")  # a redial, refused or lost (backs off)
+                if not link.ever_connected and link.refused_since is None:
                     link.refused_since = time.monotonic()
 
     def _on_register_reply(self, link: _Link, msg: wire.RegisterReply) -> None:
