@@ -1353,6 +1353,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_dead_peer.py::test_a_killed_senders_link_is_redialled_with_a_backoff",),
     ),
     Mutant(
+        "issue23-doubt-waits-backoff-after-heal",
+        "a link back after an outage re-asks about its doubt only when the backoff says",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "        self._ask_again_now(link.endpoint)\n",
+                "",
+            ),
+        ),
+        (
+            "tests/test_doubt_end.py::"
+            "test_a_link_back_after_a_freeze_ends_the_doubt_within_3s_and_returns_the_memory",
+        ),
+    ),
+    Mutant(
         "issue23-removed-peer-redialled",
         "a sender discovery removed keeps its link: libzmq redials the dead port",
         (

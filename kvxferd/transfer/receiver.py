@@ -1067,6 +1067,7 @@ class Receiver:
             link.down = False
             self.stats.add("links_back")
             log.info("link to %s back", link.endpoint)
+        self._ask_again_now(link.endpoint)
         if msg.topology is not None:
             self._records[link.endpoint] = msg.topology
         for g in self._resolving.pop(link.endpoint, []):
@@ -1266,6 +1267,18 @@ class Receiver:
             self.stats.add("aux_slots_released")
         self.stats.add("in_doubt_resolved")
         log.info("fetch %d of %s: outcome no longer in doubt", rx.fetch_id, rx.request_id)
+
+    def _ask_again_now(self, endpoint: str) -> None:
+        """The sender at ``endpoint`` answered a Register: ask about its fetches in doubt now.
+
+        Their re-asks backed off while it was away (up to ``in_doubt_retry_max_ms``); waiting
+        that out after a heal kept blocks fenced for tens of seconds with the link back.
+        """
+        with self._lock:
+            doubtful = [rx for rx in self._in_doubt.values() if rx.sender_endpoint == endpoint]
+        for rx in doubtful:
+            rx.retry_at = 0.0
+            rx.retry_every = self.settings.deadlines.in_doubt_retry_ms / 1000
 
     def _retry_in_doubt(self, now: float) -> None:
         """Ask again about fetches in doubt, backing off to ``in_doubt_retry_max_ms``."""
