@@ -37,7 +37,7 @@ Deadlines (milliseconds)::
     heartbeat_timeout_ms    3000   no traffic this long -> the connection is dropped, reopened
     connect_timeout_ms      1000   one TCP connect attempt of a DEALER (then retried afresh)
     peer_down_ms            1000   a receiver link lost and not back this long -> down: its fetches end
-    reconnect_max_ms        5000   cap of a DEALER's redial backoff (from 100 ms, doubling)
+    reconnect_max_ms        2000   cap of a DEALER's redial backoff (from 100 ms, doubling)
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ class Deadlines(_Frozen):
         " its fetches end at once (peer_lost, or in doubt if sent) and new ones fail peer_lost",
     )
     reconnect_max_ms: int = Field(
-        5_000,
+        2_000,
         ge=100,
         le=600_000,
         description="cap of a DEALER's redial backoff (libzmq's, from 100 ms, doubling)",
