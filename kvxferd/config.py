@@ -36,6 +36,8 @@ Deadlines (milliseconds)::
     heartbeat_ivl_ms        1000   ZMTP PING on every DEALER (0: off)
     heartbeat_timeout_ms    3000   no traffic this long -> the connection is dropped, reopened
     connect_timeout_ms      1000   one TCP connect attempt of a DEALER (then retried afresh)
+    peer_down_ms            1000   a receiver link lost and not back this long -> down: its fetches end
+    reconnect_max_ms        2000   cap of a DEALER's redial backoff (from 100 ms, doubling)
 """
 
 from __future__ import annotations
@@ -156,6 +158,18 @@ class Deadlines(_Frozen):
     )
     connect_timeout_ms: int = Field(
         1_000, ge=1, description="one TCP connect attempt of a DEALER before a fresh one"
+    )
+    peer_down_ms: int = Field(
+        1_000,
+        ge=1,
+        description="receiver: a link whose connection dropped and is not back this long is down:"
+        " its fetches end at once (peer_lost, or in doubt if sent) and new ones fail peer_lost",
+    )
+    reconnect_max_ms: int = Field(
+        2_000,
+        ge=100,
+        le=600_000,
+        description="cap of a DEALER's redial backoff (libzmq's, from 100 ms, doubling)",
     )
 
     @model_validator(mode="after")

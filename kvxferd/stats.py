@@ -448,6 +448,29 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Links to a sender dropped (register refused or unanswered, connect refused, send failed)",
     ),
     _c("reregistrations", _R, "Fetches answered unknown_peer that registered again"),
+    _c(
+        "links_down",
+        _R,
+        "Links declared down: connection lost and not back within peer_down_ms, or discovery"
+        " removed a sender whose link was not connected",
+    ),
+    _c("links_back", _R, "Links down that connected again"),
+    _c(
+        "connect_retries",
+        _R,
+        "Redials libzmq scheduled on links (after a refused or lost connection; they back off"
+        " to reconnect_max_ms)",
+    ),
+    _c(
+        "fetches_ended_peer_down",
+        _R,
+        "Sent fetches ended peer_lost, in doubt, because their link went down",
+    ),
+    _c(
+        "fetches_refused_link_down",
+        _R,
+        "Fetches failed peer_lost at once, nothing sent: their link was down",
+    ),
     _c("connect_errors", _R, "Sender endpoints libzmq would not connect to"),
     _c("discovery_events", _R, "Senders discovery reported added, changed or removed"),
     _c("reconnects", _R, "Links that reconnected (and registered again)"),

@@ -1326,6 +1326,76 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_start_up_refuses_a_configured_name_held_and_removes_one_left",
         ),
     ),
+    Mutant(
+        "issue23-dead-peer-waited-out",
+        "a link lost and not back is never declared down: its fetches wait for their deadline",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "            if not link.down and link.lost_since is not None and now - link.lost_since >= down_s:",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/test_dead_peer.py::test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled",
+        ),
+    ),
+    Mutant(
+        "issue23-down-link-sends",
+        "a fetch toward a down link is queued (and sent once it returns) instead of failing at once",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "        elif link.down:  # nothing is sent that could put its blocks in doubt",
+                "        elif False:",
+            ),
+        ),
+        (
+            "tests/test_dead_peer.py::"
+            "test_a_fetch_toward_a_down_link_fails_at_once_and_another_sender_keeps_serving",
+        ),
+    ),
+    Mutant(
+        "issue23-redial-no-backoff",
+        "a lost link is redialled every 100 ms (libzmq's default), without a backoff",
+        (
+            Edit(
+                "kvxferd/transfer/control.py",
+                "        sock.setsockopt(zmq.RECONNECT_IVL_MAX, limits.reconnect_max_ms)",
+                "        pass",
+            ),
+        ),
+        ("tests/test_dead_peer.py::test_a_killed_senders_link_is_redialled_with_a_backoff",),
+    ),
+    Mutant(
+        "issue23-doubt-waits-backoff-after-heal",
+        "a link back after an outage re-asks about its doubt only when the backoff says",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "        self._ask_again_now(link.endpoint)\n",
+                "",
+            ),
+        ),
+        (
+            "tests/test_doubt_end.py::"
+            "test_a_link_back_after_a_freeze_ends_the_doubt_within_3s_and_returns_the_memory",
+        ),
+    ),
+    Mutant(
+        "issue23-removed-peer-redialled",
+        "a sender discovery removed keeps its link: libzmq redials the dead port",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "        self._link_down(link, detail)\n        self._close_link(link)",
+                "        self._link_down(link, detail)",
+            ),
+        ),
+        (
+            "tests/test_dead_peer.py::test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled",
+        ),
+    ),
 )
 
 

@@ -90,7 +90,10 @@ def test_a_sender_restart_resends_every_parked_fetch_to_the_new_incarnation(
     settings = dict(listen=endpoint, pool=pool(n), num_threads=2, deadlines=DEADLINES)
     first = spawn("sender", "tx-first", settings=settings, prefix="g", count=0, blocks=BLOCKS)
     first.wait_event("ready", STARTUP_S)
-    r = Receiver(load_receiver_settings(pool=pool(n), deadlines=DEADLINES)).start()
+    # A receiver that waits out a restart: its link is not declared down (which would end
+    # the parked fetches peer_lost within a second, test_dead_peer.py) while the sender is away.
+    waits = {**DEADLINES, "peer_down_ms": fetch_timeout_ms}
+    r = Receiver(load_receiver_settings(pool=pool(n), deadlines=waits)).start()
     receivers.append(r)
     alloc = IdAllocator(n * BLOCKS, shuffle_seed=9)
     dsts = [alloc.take(BLOCKS) for _ in range(n)]

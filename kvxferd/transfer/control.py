@@ -97,6 +97,7 @@ class SocketLimits:
     heartbeat_timeout_ms: int = 0
     connect_timeout_ms: int = 0  # 0: the OS's (about two minutes of SYN retries)
     curve: Curve | None = None  # this daemon's keys and ZAP domain; None: plaintext, local only
+    reconnect_max_ms: int = 0  # cap of the redial backoff (doubling from 100 ms); 0: no backoff
 
     @classmethod
     def of(cls, limits: Limits, deadlines: Deadlines, curve: Curve | None = None) -> SocketLimits:
@@ -108,6 +109,7 @@ class SocketLimits:
             deadlines.heartbeat_timeout_ms,
             deadlines.connect_timeout_ms,
             curve,
+            deadlines.reconnect_max_ms,
         )
 
 
@@ -186,6 +188,9 @@ def connect_dealer(
             sock.setsockopt(zmq.TCP_MAXRT, limits.heartbeat_timeout_ms)
     if limits.connect_timeout_ms and endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.CONNECT_TIMEOUT, limits.connect_timeout_ms)
+    if limits.reconnect_max_ms:
+        # A dead peer is redialled 100 ms, 200 ms, ... up to the cap apart, not every 100 ms.
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, limits.reconnect_max_ms)
     try:
         if limits.curve is not None:
             limits.curve.apply_client(sock, server_key)

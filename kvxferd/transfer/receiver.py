@@ -51,6 +51,15 @@ A link (one sender endpoint) and its sender's incarnation::
        |  every connect refused for connect_refused_ms --> dropped (waiting fetches: peer_lost)
        |  no reply within register_timeout_ms ----------> dropped (waiting fetches: timeout)
     ready --disconnected, then connected (monitor)--> Register again --> waiting
+    disconnected, no RegisterReply for peer_down_ms --> down: fetches not sent fail peer_lost, sent
+       ones end failed/peer_lost with their fence in doubt (a write may have been posted);
+       new fetches fail peer_lost at once; libzmq redials with a backoff (reconnect_max_ms)
+       and the next CONNECTED registers again; the reply makes it ready (and re-asks about
+       the doubt, or a new incarnation settles it, see below)
+    discovery removed the sender (lease expired) --> if the link is not connected: as down,
+       and the link is closed; the endpoint is not dialled again (not even to re-ask about
+       fetches in doubt) until discovery or a new fetch brings it back. A connected link
+       stays (a lease expiry is no proof of death); its next disconnect closes it so.
     ready --Result failed/unknown_peer--> Register again, that fetch waits (once per fetch)
     RegisterReply with another sender_id: a new sender process. Open fetches sent to the
     old one are sent again (same fetch id) while their deadline allows, else fail
@@ -153,6 +162,9 @@ class _Link:
     ever_connected: bool = False
     disconnected: bool = False  # the connection dropped; the next CONNECTED registers again
     refused_since: float | None = None  # first refused connect while never connected
+    lost_since: float | None = None  # the connection dropped and is not back since then
+    down: bool = False  # lost for peer_down_ms: new fetches fail peer_lost until it is back
+    removed: bool = False  # discovery removed the sender while this link was connected
     waiting: list[RxSession] = field(default_factory=list)  # fetches queued until registered
     # RequestData frames of this turn, sent together at its end (``_flush_link``): one
     # multipart message, one wake-up of ZMQ's I/O threads and of the sender's listener.
@@ -265,6 +277,9 @@ class Receiver:
         self._batched: list[_Link] = []  # io thread only: links with RequestData to send
         self._by_socket: dict[zmq.Socket[bytes], _Link] = {}  # io thread only: dealers, monitors
         self._reregistered: set[int] = set()  # io thread only: fetches retried after UNKNOWN_PEER
+        # io thread only: endpoints discovery removed; not dialled (not even to re-ask about
+        # a fetch in doubt) until discovery adds them again or a new fetch names one.
+        self._removed: set[str] = set()
         # Instance fetches: each sender's record from its RegisterReply, the groups waiting
         # for one (io thread only), and the groups not planned yet (``_lock``).
         self._records: dict[str, Topology] = {}
@@ -720,14 +735,17 @@ class Receiver:
         Added: open the link (it registers at once, so the first fetch finds it ready).
         Changed: a new incarnation at a known link registers again now (the reply
         settles what was sent to the old one, see _on_register_reply); a new endpoint
-        is dialled. Removed: an idle link is closed; one in use stays (a removal may be
-        an etcd problem while the data path is fine) and the next fetch decides.
+        is dialled. Removed: a link that is not connected is down now and closed
+        (``_peer_gone``); a connected idle one is closed; a connected one in use stays (a
+        lease expiry is no proof of death: it may be an etcd problem while the data path
+        is fine) until its connection drops, which closes it as down.
         """
         from kvxferd.discovery import PeerAdded, PeerChanged, PeerRemoved
 
         self.stats.add("discovery_events")
         if isinstance(event, PeerAdded | PeerChanged):
             peer = event.peer if isinstance(event, PeerAdded) else event.new
+            self._removed.discard(peer.endpoint)
             if peer.public_key:  # the key to expect there, if our allow-list holds it
                 learned = self.transport.learn_key(peer.endpoint, peer.public_key)
                 self.stats.add("discovery_keys_learned" if learned else "discovery_keys_refused")
@@ -738,8 +756,14 @@ class Receiver:
             elif known.ready and known.sender_id and known.sender_id != peer.incarnation:
                 self._register(known)  # a restart seen by discovery before the sender said so
         elif isinstance(event, PeerRemoved):
+            self._removed.add(event.peer.endpoint)
             link = self._links.get(event.peer.endpoint)
+            if link is not None and (link.disconnected or not link.ever_connected):
+                self._peer_gone(link, "discovery removed the sender and its link is down")
+                return
             if link is None or link.waiting:
+                if link is not None:
+                    link.removed = True
                 return
             with self._lock:  # _fetches: engine threads add to it under this lock
                 busy = any(
@@ -748,6 +772,8 @@ class Receiver:
                 )
             if not busy:
                 self._close_link(link)
+            else:
+                link.removed = True  # its connection dropping closes it (_on_monitor)
 
     # -- links -------------------------------------------------------------------------
     def _link(self, endpoint: str) -> _Link | str:
@@ -836,6 +862,46 @@ class Receiver:
             self._fail(rx, reason, detail)
         for g in self._resolving.pop(link.endpoint, []):
             self._fail_group(g, reason, f"{link.endpoint}: {detail}")
+
+    def _link_down(self, link: _Link, detail: str) -> None:
+        """``link`` is down: every fetch toward it ends now, not at its deadline.
+
+        A fetch whose RequestData never left fails ``peer_lost`` (nothing can be written).
+        One sent ends ``failed``/``peer_lost`` with its fence in doubt at once: a write of
+        it may have been posted, and only proof (an answer, a new incarnation) releases
+        its blocks; the engine hears both now and decides. New fetches fail ``peer_lost``
+        at once until the link is back.
+        """
+        self._flush_link(link)  # a RequestData of this turn is sent: it may be accepted
+        link.down, link.ready = True, False
+        self.stats.add("links_down")
+        log.warning("link to %s down: %s", link.endpoint, detail)
+        waiting, link.waiting = link.waiting, []
+        for rx in waiting:
+            self._fail(rx, Reason.PEER_LOST, detail)
+        for g in self._resolving.pop(link.endpoint, []):
+            self._fail_group(g, Reason.PEER_LOST, f"{link.endpoint}: {detail}")
+        with self._lock:
+            open_here = [
+                rx
+                for rx in self._fetches.values()
+                if rx.sender_endpoint == link.endpoint and not rx.ended
+            ]
+        for rx in open_here:
+            if not rx.sent:
+                self._fail(rx, Reason.PEER_LOST, detail)
+            elif rx.abandon(Reason.PEER_LOST, detail):
+                self.stats.add("fetches_failed")
+                self.stats.add(f"failed_{Reason.PEER_LOST}")
+                self.stats.add("fetches_ended_peer_down")
+                self._maybe_forget(rx)
+
+    def _peer_gone(self, link: _Link, detail: str) -> None:
+        """Discovery removed the sender and ``link`` is not connected: down, and closed."""
+        self._removed.add(link.endpoint)
+        self._link_down(link, detail)
+        self._close_link(link)
+        self.stats.add("links_dropped")
 
     # -- fetches from a prefill instance ----------------------------------------------
     def _start_group(self, g: RxGroup) -> None:
@@ -950,6 +1016,8 @@ class Receiver:
             except zmq.Again:
                 return
             if event == zmq.EVENT_CONNECTED:
+                # A TCP connect is no sign of life (a frozen process's kernel accepts it):
+                # a lost link is back only once its sender answers the Register.
                 link.refused_since = None
                 if link.disconnected:
                     # The sender may be a new process that never heard of us: tell it who we
@@ -962,11 +1030,17 @@ class Receiver:
                 link.ever_connected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 link.disconnected = True
+                if link.lost_since is None:
+                    link.lost_since = time.monotonic()
                 self.stats.add("disconnects")
+                if link.removed:  # discovery removed it and now its connection dropped
+                    self._peer_gone(link, "discovery removed the sender and its link dropped")
+                    return
             elif event & HANDSHAKE_FAILED:  # a sender presenting another key, or plaintext
                 self.stats.add(f"handshakes_failed_{handshake_kind(event)}")
-            elif event == zmq.EVENT_CONNECT_RETRIED and not link.ever_connected:
-                if link.refused_since is None:
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.stats.add("connect_retries")  # a redial, refused or lost (backs off)
+                if not link.ever_connected and link.refused_since is None:
                     link.refused_since = time.monotonic()
 
     def _on_register_reply(self, link: _Link, msg: wire.RegisterReply) -> None:
@@ -988,6 +1062,12 @@ class Receiver:
             self._drop_link(link, msg.reason or Reason.INCOMPATIBLE, msg.detail)
             return
         link.ready = True
+        link.lost_since = None
+        if link.down:
+            link.down = False
+            self.stats.add("links_back")
+            log.info("link to %s back", link.endpoint)
+        self._ask_again_now(link.endpoint)
         if msg.topology is not None:
             self._records[link.endpoint] = msg.topology
         for g in self._resolving.pop(link.endpoint, []):
@@ -1029,11 +1109,15 @@ class Receiver:
     def _start_fetch(self, rx: RxSession) -> None:
         if rx.ended:
             return
+        self._removed.discard(rx.sender_endpoint)  # a fetch brings a removed sender back
         link = self._link(rx.sender_endpoint)
         if isinstance(link, str):
             denied = link.startswith(Reason.NOT_AUTHORIZED)  # no allowed key for the sender
             self._fail(rx, Reason.NOT_AUTHORIZED if denied else Reason.BAD_ENDPOINT, link)
-        elif link.ready:
+        elif link.down:  # nothing is sent that could put its blocks in doubt
+            self.stats.add("fetches_refused_link_down")
+            self._fail(rx, Reason.PEER_LOST, f"link to {link.endpoint} is down")
+        elif link.ready and link.lost_since is None:
             self._send_request(link, rx)
         elif self._links.get(rx.sender_endpoint) is link:
             link.waiting.append(rx)
@@ -1114,7 +1198,10 @@ class Receiver:
         return True
 
     def _send_cancel(self, rx: RxSession) -> None:
-        """Cancel ``rx`` at its sender: on a registered link, else (re)open one for next time."""
+        """Cancel ``rx`` at its sender: on a registered link, else (re)open one for next time
+        (not to a sender discovery removed: nothing dials it until it is back)."""
+        if rx.sender_endpoint in self._removed:
+            return
         link = self._link(rx.sender_endpoint)
         if isinstance(link, str) or not link.ready:
             return  # the fence deadline, or the next in-doubt retry, covers it
@@ -1180,6 +1267,18 @@ class Receiver:
             self.stats.add("aux_slots_released")
         self.stats.add("in_doubt_resolved")
         log.info("fetch %d of %s: outcome no longer in doubt", rx.fetch_id, rx.request_id)
+
+    def _ask_again_now(self, endpoint: str) -> None:
+        """The sender at ``endpoint`` answered a Register: ask about its fetches in doubt now.
+
+        Their re-asks backed off while it was away (up to ``in_doubt_retry_max_ms``); waiting
+        that out after a heal kept blocks fenced for tens of seconds with the link back.
+        """
+        with self._lock:
+            doubtful = [rx for rx in self._in_doubt.values() if rx.sender_endpoint == endpoint]
+        for rx in doubtful:
+            rx.retry_at = 0.0
+            rx.retry_every = self.settings.deadlines.in_doubt_retry_ms / 1000
 
     def _retry_in_doubt(self, now: float) -> None:
         """Ask again about fetches in doubt, backing off to ``in_doubt_retry_max_ms``."""
@@ -1403,8 +1502,14 @@ class Receiver:
 
     def _check_deadlines(self, now: float) -> None:
         refused_s = self.settings.deadlines.connect_refused_ms / 1000
+        down_s = self.settings.deadlines.peer_down_ms / 1000
         for link in list(self._links.values()):
-            if link.ready:
+            if not link.down and link.lost_since is not None and now - link.lost_since >= down_s:
+                self._link_down(
+                    link, f"connection to {link.endpoint} lost, not back in {down_s:g}s"
+                )
+                continue
+            if link.ready or link.down:
                 continue
             if link.refused_since is not None and now - link.refused_since >= refused_s:
                 self._drop_link(
