@@ -1196,6 +1196,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_refusals.py::test_a_refusal_is_one_line_exit_2_no_traceback",),
     ),
     Mutant(
+        "issue23-ipc-missing-directory",
+        "an ipc listen in a missing directory reaches ZMQ's bind (a traceback) again",
+        (
+            Edit(
+                "kvxferd/service/preflight.py",
+                """    if existing != parent and name != "service.engine_socket":""",
+                """    if False:""",
+            ),
+        ),
+        (
+            "tests/test_refusals.py::test_a_refusal_is_one_line_exit_2_no_traceback"
+            "[ipc-listen-in-a-missing-directory]",
+        ),
+    ),
+    Mutant(
         "issue23-one-pool-name-per-socket",
         "daemons of one engine socket string derive one segment name and remove it at start",
         (

@@ -78,6 +78,14 @@ CASES = [
         None,
         "limits.max_frame_bytes",
     ),
+    Refusal(
+        "ipc-listen-in-a-missing-directory",
+        "sender",
+        ("--listen", "ipc:///nonexistent-kvxferd-dir/tx.sock"),
+        {"KVXFERD_SECURITY__MODE": "off"},
+        None,
+        "listen",
+    ),
     Refusal("an-unknown-setting", "sender", (), {}, "[pool]\nsize_of_everything = 3\n", "pool"),
     Refusal("not-toml", "receiver", (), {}, "[pool\n", "config file"),
     Refusal(

@@ -14,8 +14,8 @@ set-up would do later:
   ``listen`` / ``result_endpoint`` needs ``service.advertise_host`` or
   ``service.advertise_interface`` (which must have an IPv4 address);
 * every ``ipc://`` path: no longer than :data:`~kvxferd.endpoints.IPC_PATH_MAX`,
-  its directory exists and is writable, or its nearest existing ancestor is
-  (the gateway creates the directory); a socket file there that accepts a
+  its directory exists and is writable (for the engine socket, its nearest existing
+  ancestor may stand in: the gateway creates the directory); a socket file there that accepts a
   connection belongs to a live daemon and is refused, one nobody listens on
   is stale and is replaced as before;
 * pool segments killed daemons of the same engine socket left in /dev/shm (SIGKILL
@@ -198,6 +198,13 @@ def _ipc(name: str, value: str, path: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"{name} = {value!r}: {existing} is not a directory")
+    if existing != parent and name != "service.engine_socket":
+        # Only the engine gateway creates its directory; ZMQ's bind would fail later, as a
+        # traceback (issue 23).
+        raise ConfigError(
+            f"{name} = {value!r}: directory {parent} does not exist; create it or pick"
+            " a path in an existing directory"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "directory" if existing == parent else f"directory {parent} is missing and"
         raise ConfigError(f"{name} = {value!r}: {what} {existing} is not writable")
