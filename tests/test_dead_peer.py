@@ -29,6 +29,7 @@ import pytest
 from kvxferd.config import DiscoverySettings, load_receiver_settings
 from kvxferd.discovery import make_watcher
 from kvxferd.errors import Reason
+from kvxferd.service.probes import ReceiverProbe
 from kvxferd.transfer.pool import IdAllocator
 from kvxferd.transfer.receiver import Receiver
 from tests.conditions import wait_until
@@ -206,6 +207,9 @@ def test_a_fetch_toward_a_down_link_fails_at_once_and_another_sender_keeps_servi
         assert out is not None and out.ok, (rid, out)
     a.signal(signal.SIGSTOP)
     wait_until(lambda: r.stats.get("links_down") >= 1, 10, "the frozen sender's link down")
+    probe = ReceiverProbe(r, r.settings)
+    assert probe.snapshot().peer_cache["down_links"] == 1  # what /metrics exports
+    assert probe.readiness()[0]  # one cut sender does not make the receiver unready
     sent = r.stats.get("requests_sent")
     t0 = time.monotonic()
     h = r.fetch("a-1", ep_a, alloc.take(BLOCKS))
