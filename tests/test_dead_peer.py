@@ -152,6 +152,12 @@ def test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled(etcd: E
         wait_until(
             lambda: not watcher.snapshot().peers, TTL_S * 3 + 2, "the sender's lease expired"
         )
+        # Closed, not kept redialling: nothing is left to dial the dead port.
+        wait_until(
+            lambda: tx.endpoint not in [link["endpoint"] for link in _links(rx.probe_port)],
+            2,
+            "the removed sender's link closed",
+        )
         port = int(tx.endpoint.rsplit(":", 1)[1])
         counter = AcceptCounter(port)
         t0 = time.monotonic()
@@ -167,6 +173,12 @@ def test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled(etcd: E
         for d in (tx, rx):
             if d.alive():
                 d.proc.kill()
+
+
+def _links(port: int) -> list[dict[str, object]]:
+    from tests.test_discovery_daemons import _links as links
+
+    return links(port)
 
 
 def rx_counter(d: DaemonProcess, name: str) -> float:
