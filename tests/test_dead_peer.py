@@ -29,6 +29,7 @@ import pytest
 from kvxferd.config import DiscoverySettings, load_receiver_settings
 from kvxferd.discovery import make_watcher
 from kvxferd.errors import Reason
+from kvxferd.service.probes import ReceiverProbe
 from kvxferd.transfer.pool import IdAllocator
 from kvxferd.transfer.receiver import Receiver
 from tests.conditions import wait_until
@@ -151,6 +152,12 @@ def test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled(etcd: E
         wait_until(
             lambda: not watcher.snapshot().peers, TTL_S * 3 + 2, "the sender's lease expired"
         )
+        # Closed, not kept redialling: nothing is left to dial the dead port.
+        wait_until(
+            lambda: tx.endpoint not in [link["endpoint"] for link in _links(rx.probe_port)],
+            2,
+            "the removed sender's link closed",
+        )
         port = int(tx.endpoint.rsplit(":", 1)[1])
         counter = AcceptCounter(port)
         t0 = time.monotonic()
@@ -166,6 +173,12 @@ def test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled(etcd: E
         for d in (tx, rx):
             if d.alive():
                 d.proc.kill()
+
+
+def _links(port: int) -> list[dict[str, object]]:
+    from tests.test_discovery_daemons import _links as links
+
+    return links(port)
 
 
 def rx_counter(d: DaemonProcess, name: str) -> float:
@@ -206,6 +219,9 @@ def test_a_fetch_toward_a_down_link_fails_at_once_and_another_sender_keeps_servi
         assert out is not None and out.ok, (rid, out)
     a.signal(signal.SIGSTOP)
     wait_until(lambda: r.stats.get("links_down") >= 1, 10, "the frozen sender's link down")
+    probe = ReceiverProbe(r, r.settings)
+    assert probe.snapshot().peer_cache["down_links"] == 1  # what /metrics exports
+    assert probe.readiness()[0]  # one cut sender does not make the receiver unready
     sent = r.stats.get("requests_sent")
     t0 = time.monotonic()
     h = r.fetch("a-1", ep_a, alloc.take(BLOCKS))

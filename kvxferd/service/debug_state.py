@@ -194,8 +194,9 @@ def receiver_state(
                   a write possibly still landing; blocks and aux slot kept
         aux_slots {free, quarantined, total}
         links     [{endpoint, ready, sender_id, waiting, ever_connected, disconnected,
-                    register_deadline_in_s}]  sender_id: the incarnation that answered;
-                  waiting: fetches queued until it registers
+                    down, register_deadline_in_s}]  sender_id: the incarnation that
+                  answered; waiting: fetches queued until it registers; down: lost and
+                  not answering (its fetches fail peer_lost at once)
         commands_queued, io_thread {alive, last_progress_age_s}
         journal   {endings, idle_s, last_done_age_s, window_s, peer_rates [...]}
         stats     {counter: value}
@@ -243,6 +244,7 @@ def receiver_state(
                 "waiting": len(link.waiting),
                 "ever_connected": link.ever_connected,
                 "disconnected": link.disconnected,
+                "down": link.down,
                 "register_deadline_in_s": None if link.ready else _age(link.register_deadline, now),
             }
             for link in copy_values(rx._links)[:limit]

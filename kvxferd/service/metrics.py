@@ -40,7 +40,7 @@ IN_FLIGHT_STATES: dict[str, tuple[str, ...]] = {
 # What each role holds per peer (see Snapshot.peer_cache).
 PEER_CACHE_KINDS: dict[str, tuple[str, ...]] = {
     "sender": ("peers", "nixl_agents", "retiring_agents", "shared_dealers", "worker_dealers"),
-    "receiver": ("links", "ready_links"),
+    "receiver": ("links", "ready_links", "down_links"),
 }
 AUX_SLOT_STATES: dict[str, tuple[str, ...]] = {
     "sender": ("free", "in_use"),

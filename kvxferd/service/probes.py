@@ -291,6 +291,7 @@ class ReceiverProbe:
             oldest = max(oldest, now - f.started)
         links = copy_values(rx._links)
         ready = sum(1 for link in links if link.ready)
+        down = sum(1 for link in links if link.down)
         free, quarantined = rx.aux_slot_counts()
         total = self.settings.pool.aux_slots
         return Snapshot(
@@ -304,7 +305,7 @@ class ReceiverProbe:
             durations_s=rx.stats.take_samples("fetch_seconds"),
             in_flight={"requested": requested, "fenced": fenced, "in_doubt": unresolved},
             oldest_in_flight_s=oldest,
-            peer_cache={"links": len(links), "ready_links": ready},
+            peer_cache={"links": len(links), "ready_links": ready, "down_links": down},
             aux_slots={
                 "free": free,
                 "in_use": max(0, total - free - quarantined),
