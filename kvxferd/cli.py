@@ -3,7 +3,8 @@
 ``sender`` and ``receiver`` run until SIGINT/SIGTERM, then shut down within
 their configured bound; the exit code says whether the drain was complete
 (0) or not (3). A configuration error exits 2 with a message naming the setting,
-the source its value came from and the limit it broke (precedence: kvxferd.config).
+the source its value came from and the limit it broke (precedence: kvxferd.config);
+a bad flag too. Either is one line on stderr, never a traceback or a usage dump.
 
 SIGHUP never ends ``sender`` or ``receiver`` (a closing terminal or a careless
 ``kill -HUP`` must not end a daemon that holds transfers): it re-reads the
@@ -27,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import typing
 from typing import Any, Literal
 
 from kvxferd import __version__
@@ -54,8 +56,18 @@ def _positive(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refuses a bad command line in one line (as a configuration error, exit 2), not a
+    usage dump; ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        command = self.prog.removeprefix("kvxferd").strip()
+        where = f"{command}: " if command else ""
+        self.exit(EXIT_CONFIG, f"kvxferd: {where}{message}; see `{self.prog} --help`\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxferd", description=__doc__.splitlines()[0])
+    p = _Parser(prog="kvxferd", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"kvxferd {__version__}")
     sub = p.add_subparsers(
         dest="cmd",

@@ -1211,6 +1211,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue23-flag-refusal-usage-dump",
+        "a bad command-line flag prints argparse's usage and error (two lines) again",
+        (
+            Edit(
+                "kvxferd/cli.py",
+                """        self.exit(EXIT_CONFIG, f"kvxferd: {where}{message}; see `{self.prog} --help`\\n")""",
+                """        super().error(message)""",
+            ),
+        ),
+        (
+            "tests/test_refusals.py::test_a_refusal_is_one_line_exit_2_no_traceback"
+            "[threads-flag-not-a-number]",
+        ),
+    ),
+    Mutant(
         "issue23-one-pool-name-per-socket",
         "daemons of one engine socket string derive one segment name and remove it at start",
         (

@@ -69,6 +69,10 @@ CASES = [
         "THREADS",
     ),
     Refusal("threads-flag-zero", "sender", ("--num-threads", "0"), {}, None, "num_threads"),
+    Refusal(
+        "threads-flag-not-a-number", "sender", ("--num-threads", "x"), {}, None, "--num-threads"
+    ),
+    Refusal("log-level-flag-unknown", "receiver", ("--log-level", "loud"), {}, None, "--log-level"),
     Refusal("listen-not-here", "sender", ("--listen", "tcp://10.1.2.3:0"), {}, None, "listen"),
     Refusal(
         "a-bad-number",
