@@ -1226,6 +1226,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue23-result-router-any-key",
+        "the sender dials a result endpoint expecting some other key than the Register's",
+        (
+            Edit(
+                "kvxferd/transfer/worker.py",
+                "        self._server_keys[endpoint] = peer.identity  # its result ROUTER presents",
+                "        self._server_keys[endpoint] = 'x' * 40  # its result ROUTER presents",
+            ),
+        ),
+        (
+            "tests/test_protocol_conformance.py::"
+            "test_with_curve_a_result_reaches_only_a_curve_result_router_with_the_register_key",
+        ),
+    ),
+    Mutant(
         "issue23-one-pool-name-per-socket",
         "daemons of one engine socket string derive one segment name and remove it at start",
         (

@@ -90,7 +90,15 @@ def test_the_worked_example_is_what_a_peer_writes() -> None:
 class MinimalReceiver:
     """A receiver peer from the document: NIXL agent and pool, request DEALER, result ROUTER."""
 
-    def __init__(self, sender_endpoint: str) -> None:
+    def __init__(
+        self,
+        sender_endpoint: str,
+        curve: tuple[bytes, bytes, bytes] | None = None,
+        curve_results: bool = True,
+    ) -> None:
+        """``curve``: (public, secret, the sender's public key): the request DEALER is a CURVE
+        client with that pair, and the result ROUTER a CURVE server with it when
+        ``curve_results`` (§1), else plaintext."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.receiver_id = f"conformance-{secrets.token_hex(6)}"
@@ -107,10 +115,17 @@ class MinimalReceiver:
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.ROUTER)
         self.results.linger = 0
+        if curve is not None and curve_results:
+            self.results.curve_publickey, self.results.curve_secretkey = curve[:2]
+            self.results.curve_server = True
         port = self.results.bind_to_random_port("tcp://127.0.0.1")
         self.result_endpoint = f"tcp://127.0.0.1:{port}"
         self.requests = self.ctx.socket(zmq.DEALER)
         self.requests.linger = 0
+        if curve is not None:
+            public, secret, server = curve
+            self.requests.curve_publickey, self.requests.curve_secretkey = public, secret
+            self.requests.curve_serverkey = server
         self.requests.connect(sender_endpoint)
 
     def send(self, msg: dict[str, Any]) -> None:
@@ -259,5 +274,79 @@ def test_a_peer_written_from_the_document_registers_fetches_and_is_refused_as_it
         peer.send({"request_id": "x", "fetch_id": 1})
         rej = peer.reply()
         assert rej["t"] == "reject" and rej["reason"] == "malformed", rej
+    finally:
+        peer.close()
+
+
+@pytest.fixture
+def curve_sender(tmp_path: Path) -> Iterator[tuple[Sender, tuple[bytes, bytes, bytes]]]:
+    """A CURVE sender whose allow-list holds one peer key, and that peer's CURVE triple."""
+    import zmq.auth
+
+    for name in ("tx", "peer"):
+        (tmp_path / name).mkdir()
+        zmq.auth.create_certificates(str(tmp_path / name), name)
+        (tmp_path / name / f"{name}.key_secret").chmod(0o600)
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    (allow / "peer.key").write_bytes((tmp_path / "peer" / "peer.key").read_bytes())
+    tx_public, _ = zmq.auth.load_certificate(str(tmp_path / "tx" / "tx.key"))
+    public, secret = zmq.auth.load_certificate(str(tmp_path / "peer" / "peer.key_secret"))
+    assert secret is not None
+    tx = Sender(
+        load_sender_settings(
+            listen="tcp://127.0.0.1:0",
+            num_threads=1,
+            pool=dict(
+                num_layers=LAYERS,
+                num_blocks=BLOCKS,
+                block_elems=BLOCK_BYTES,
+                dtype="uint8",
+                aux_slots=AUX_SLOTS,
+                aux_slot_bytes=AUX_SLOT_BYTES,
+            ),
+            deadlines=dict(drain_timeout_ms=500, shutdown_timeout_ms=3000),
+            security=dict(
+                mode="curve",
+                key_file=str(tmp_path / "tx" / "tx.key_secret"),
+                allowed_keys_dir=str(allow),
+            ),
+        )
+    ).start()
+    try:
+        yield tx, (public, secret, tx_public)
+    finally:
+        tx.shutdown(3.0)
+
+
+@pytest.mark.parametrize("curve_results", [True, False], ids=["curve-results", "plain-results"])
+def test_with_curve_a_result_reaches_only_a_curve_result_router_with_the_register_key(
+    curve_sender: tuple[Sender, tuple[bytes, bytes, bytes]], curve_results: bool
+) -> None:
+    """With CURVE on, the done Result reaches a result ROUTER that is a CURVE server with the Register's key pair; a plaintext one gets nothing although the bytes land (§1)."""
+    sender, curve = curve_sender
+    peer = MinimalReceiver(sender.endpoint, curve, curve_results)
+    try:
+        reply = peer.register()
+        assert reply["ok"] is True, reply
+        src = np.array([1], dtype=np.int64)
+        sender.pool.kv_bytes_view()[:, torch.from_numpy(src)] = 7
+        handle = sender.publish("curve-req", src)
+        peer.send(
+            {"t": "request_data", "request_id": "curve-req", "fetch_id": 9, "dst_blocks": [2]}
+        )
+        if curve_results:
+            result = peer.result_anywhere()
+            assert (result["t"], result["status"]) == ("result", "done"), result
+        else:
+            deadline = time.monotonic() + WAIT_MS / 1000
+            while sender.stats.get("sent_result") < 1:  # the sender sent its done Result
+                assert time.monotonic() < deadline, "the sender never sent the Result"
+                peer.agent.get_new_notifs()
+                time.sleep(0.02)
+            assert bool((peer.kv[:, 2] == 7).all()), "the bytes did not land"
+            # Nothing arrives in the time a CURVE result ROUTER gets it many times over.
+            assert not peer.results.poll(1000), "a Result reached a plaintext result ROUTER"
+        handle.close(timeout=WAIT_MS / 1000)
     finally:
         peer.close()
