@@ -9,6 +9,7 @@ its source blocks, and the receiver must get the new bytes, never the old ones.
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from kvxferd.engine.client import Client, EngineUnavailable
 from kvxferd.engine.engine_protocol import EngineReason
 from tests import test_daemon
+from tests.conditions import wait_until
 from tests.test_daemon import CALL_S, Engines, Spawn, daemon_env, gauge
 
 pytestmark = pytest.mark.integration
@@ -28,6 +30,16 @@ engines = test_daemon.engines
 
 LAYERS, BLOCKS, BLOCK_BYTES = 2, 64, 16 << 10
 FROZEN_CALL_S = 0.5  # the engine's bound on the publish that meets a frozen daemon
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped. kill(SIGSTOP) returns before the threads stop:
+    one running on the other core answered a call sent just after it."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(state in ("T", "t") for state in states)
 
 
 def small_env() -> dict[str, str]:
@@ -68,6 +80,7 @@ def test_publish_read_after_its_deadline_by_a_frozen_daemon_never_happens(
     try:
         tx.signal(signal.SIGSTOP)
         try:
+            wait_until(lambda: stopped(tx.pid), 5, "the sender daemon stopped")
             with pytest.raises(EngineUnavailable) as ei:
                 short.publish(rid, src)
             assert ei.value.reason is EngineReason.TIMEOUT
