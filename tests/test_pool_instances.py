@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,16 +19,10 @@ import pytest
 
 from kvxferd.transfer.pool import SHM_DIR, hold, holder_alive
 from tests.test_daemon import DaemonProcess, daemon_env
+from tests.test_daemon import sock_dir as sock_dir  # the fixture, shared
 from tests.test_preflight import assert_fails_fast
 
 SHM = Path(SHM_DIR)
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="kx")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

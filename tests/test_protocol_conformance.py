@@ -184,9 +184,9 @@ class MinimalReceiver:
             self.agent.deregister_memory(reg)
 
 
-@pytest.fixture
-def sender() -> Iterator[Sender]:
-    tx = Sender(
+def _start_sender(**extra: Any) -> Sender:
+    """A sender of the pool every test peer registers with."""
+    return Sender(
         load_sender_settings(
             listen="tcp://127.0.0.1:0",
             num_threads=1,
@@ -201,8 +201,14 @@ def sender() -> Iterator[Sender]:
             deadlines=dict(
                 kv_transfer_timeout_ms=5000, drain_timeout_ms=500, shutdown_timeout_ms=3000
             ),
+            **extra,
         )
     ).start()
+
+
+@pytest.fixture
+def sender() -> Iterator[Sender]:
+    tx = _start_sender()
     try:
         yield tx
     finally:
@@ -293,26 +299,13 @@ def curve_sender(tmp_path: Path) -> Iterator[tuple[Sender, tuple[bytes, bytes, b
     tx_public, _ = zmq.auth.load_certificate(str(tmp_path / "tx" / "tx.key"))
     public, secret = zmq.auth.load_certificate(str(tmp_path / "peer" / "peer.key_secret"))
     assert secret is not None
-    tx = Sender(
-        load_sender_settings(
-            listen="tcp://127.0.0.1:0",
-            num_threads=1,
-            pool=dict(
-                num_layers=LAYERS,
-                num_blocks=BLOCKS,
-                block_elems=BLOCK_BYTES,
-                dtype="uint8",
-                aux_slots=AUX_SLOTS,
-                aux_slot_bytes=AUX_SLOT_BYTES,
-            ),
-            deadlines=dict(drain_timeout_ms=500, shutdown_timeout_ms=3000),
-            security=dict(
-                mode="curve",
-                key_file=str(tmp_path / "tx" / "tx.key_secret"),
-                allowed_keys_dir=str(allow),
-            ),
+    tx = _start_sender(
+        security=dict(
+            mode="curve",
+            key_file=str(tmp_path / "tx" / "tx.key_secret"),
+            allowed_keys_dir=str(allow),
         )
-    ).start()
+    )
     try:
         yield tx, (public, secret, tx_public)
     finally:
