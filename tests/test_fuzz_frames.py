@@ -556,7 +556,12 @@ def send_oversized(
         try:
             deadline = time.monotonic() + CALL_S
             ended = False
-            sock.send_multipart(hostile.oversized(max_bytes, header), zmq.NOBLOCK)
+            try:
+                sock.send_multipart(hostile.oversized(max_bytes, header), zmq.NOBLOCK)
+            except zmq.Again:
+                # The handshake was refused before the frame could go (no pipe left to
+                # queue it on): the monitor below must still report how it ended.
+                pass
             while not ended and time.monotonic() < deadline:
                 if mon.poll(100):
                     ended = bool(recv_monitor_message(mon)["event"] & ended_by)
