@@ -121,6 +121,14 @@ class DataPlaneSettings(_Frozen):
         description="receiver: ask senders to tell a fetch done by a NIXL notification once its"
         " WRITEs completed (no control message on the success path); false: a done Result",
     )
+    agent_per_link: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="receiver: one NIXL agent per sender link, torn down when the link goes"
+        " down, which ends that link's fetches in doubt (docs/protocol.md section 15). auto: on"
+        " when ucx_tls (or UCX_TLS) names only transports a teardown revokes (tcp, rc, ud, dc,"
+        " posix, sysv...; not cma, knem, xpmem, cuda_ipc); on: always (a teardown then ends no"
+        " doubt unless the transports are revocable); off: one agent for every link",
+    )
 
 
 class Deadlines(_Frozen):

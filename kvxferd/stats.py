@@ -488,6 +488,22 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Fences released because the sender restarted (nothing of the old process can land)",
     ),
     _c(
+        "fences_released_teardown",
+        _R,
+        "Fences released because the link's NIXL agent was torn down (link down or shutdown;"
+        " revocable transports only: nothing sent through it can land)",
+    ),
+    _c("link_agents_made", _R, "NIXL agents made for sender links (dataplane.agent_per_link)"),
+    _c("link_agents_taken", _R, "NIXL agents a link took for its Register"),
+    _c("link_agents_torn_down", _R, "NIXL agents of links destroyed (link down, closed, shutdown)"),
+    _c("link_agents_failed", _R, "NIXL agents for links that could not be made (retried)"),
+    _c("registers_waiting_agent", _R, "Registers that waited for a link's NIXL agent"),
+    _c(
+        "registers_stale_agent",
+        _R,
+        "RegisterReplies to a Register whose NIXL agent was torn down since (registered again)",
+    ),
+    _c(
         "fences_in_doubt",
         _R,
         "Fences that passed cancel_fence_ms without a CancelAck (outcome in doubt)",

@@ -747,8 +747,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/receiver.py",
-                "if safe and joined:\n            self.dataplane.close()",
-                "self.dataplane.close()\n        if safe and joined:",
+                "if safe and joined:\n            self.agents.close()",
+                "self.agents.close()\n        if safe and joined:",
             ),
         ),
         (RXWIRE + "test_shutdown_keeps_memory_registered_while_an_outcome_is_in_doubt",),
@@ -1439,6 +1439,62 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             "tests/test_dead_peer.py::test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled",
+        ),
+    ),
+    Mutant(
+        "issue23-teardown-keeps-agent",
+        "a link's NIXL agent handed to tear down is never destroyed: writes to it still land",
+        (
+            Edit(
+                "kvxferd/transfer/link_agents.py",
+                "        nixl, agent.agent = agent.agent, None",
+                "        nixl, agent.agent = None, agent.agent",
+            ),
+        ),
+        ("tests/test_link_agents.py::test_a_torn_down_link_agent_takes_no_write",),
+    ),
+    Mutant(
+        "issue23-down-link-not-torn-down",
+        "a link that goes down keeps its NIXL agent: its fetches stay in doubt while it is down",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                "        # (_agent_torn) ends its doubts.\n        self._tear_down(link)\n",
+                "",
+            ),
+        ),
+        (
+            "tests/test_dead_peer.py::test_a_killed_sender_ends_every_fetch_within_2s_and_is_not_redialled",
+        ),
+    ),
+    Mutant(
+        "issue23-stale-register-makes-ready",
+        "a RegisterReply to a Register whose agent was torn down since makes the link ready",
+        (
+            Edit(
+                "kvxferd/transfer/receiver.py",
+                '            self.stats.add("registers_stale_agent")\n            self._register(link)\n            return\n',
+                "            pass\n",
+            ),
+        ),
+        (
+            "tests/test_dead_peer.py::"
+            "test_a_fetch_toward_a_down_link_fails_at_once_and_another_sender_keeps_serving",
+        ),
+    ),
+    Mutant(
+        "issue23-new-agent-old-kept",
+        "a receiver registering a new NIXL agent leaves its old one live at the sender",
+        (
+            Edit(
+                "kvxferd/transfer/sender.py",
+                "                    self._retire_peer(old, True)\n",
+                "                    pass\n",
+            ),
+        ),
+        (
+            "tests/test_teardown.py::"
+            "test_a_frozen_senders_late_write_never_lands_in_blocks_released_by_the_teardown",
         ),
     ),
 )

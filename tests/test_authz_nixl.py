@@ -72,7 +72,7 @@ def test_an_impostor_with_the_victims_nixl_metadata_is_refused_and_the_victim_is
     """A second key registering the victim's real NIXL metadata (and memory addresses) is refused not_authorized before NIXL loads it; the victim's transfers before and after are byte-exact."""
     sx, rx, tx_keys = pair
     _move(sx, rx, tx_keys, "before", seed=1)
-    victim_agent = nixl_agent_name(rx.dataplane.metadata())
+    victim_agent = nixl_agent_name(rx.agents.metadata())
     assert victim_agent == rx.receiver_id
     imp = CurvePeer(world, sx, Keys.new(), "impostor-1", metadata=rx.dataplane.metadata())
     try:

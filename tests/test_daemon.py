@@ -583,7 +583,7 @@ class _NonReadingPeer:
                 wire.Register(
                     receiver_id="never-reads",
                     result_endpoint=self.results.getsockopt(zmq.LAST_ENDPOINT).decode(),
-                    agent_metadata=r.dataplane.metadata(),
+                    agent_metadata=r.agents.metadata(),
                     layout=wire.WireLayout.of(r.pool.layout),
                     kv_base=r.pool.kv_base,
                     aux_base=r.pool.aux_base,

@@ -392,16 +392,16 @@ def test_receiver_io_error_is_caught_fetches_go_on_and_healthz_is_503(
     sx, dp = sender
     rx = receiver()
     try:
-        real_notifications = rx.dataplane.notifications
+        real_notifications = rx.agents.notifications
         raised = threading.Event()
 
-        def notifications_once() -> list[tuple[str, bytes]]:
+        def notifications_once(agent: object = None) -> list[tuple[int, str, bytes]]:
             if not raised.is_set():
                 raised.set()
                 raise RuntimeError("injected io fault")
             return real_notifications()
 
-        monkeypatch.setattr(rx.dataplane, "notifications", notifications_once)
+        monkeypatch.setattr(rx.agents, "notifications", notifications_once)
         assert raised.wait(WAIT_S)
         sx.publish("req-after-fault", [3])
         h = rx.fetch("req-after-fault", sx.endpoint, [6])

@@ -169,7 +169,7 @@ def register_raw(
     reg = wire.Register(
         receiver_id="hand-written",
         result_endpoint=result_endpoint,
-        agent_metadata=receiver.dataplane.metadata(),
+        agent_metadata=receiver.agents.metadata(),
         layout=wire.WireLayout.of(receiver.pool.layout),
         kv_base=receiver.pool.kv_base,
         aux_base=receiver.pool.aux_base,

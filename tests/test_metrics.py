@@ -46,6 +46,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
     "transfer/peer_agents.py": ("sender",),
     "transfer/receiver.py": ("receiver",),
+    "transfer/link_agents.py": ("receiver",),
     "engine/gateway.py": ("gateway",),
     "transfer/guard.py": ("sender", "receiver", "gateway"),
     "auth.py": ("sender", "receiver", "gateway"),

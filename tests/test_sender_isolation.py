@@ -87,9 +87,15 @@ class WriteCounter:
 
         return posted
 
-    def toward(self, peer: str) -> int:
+    def toward(self, receiver_id: str) -> int:
+        """Writes open toward the receiver's NIXL agent (``receiver_id``, or one of its
+        agents per link, ``receiver_id.l<n>``)."""
         with self.lock:
-            return self.open.get(peer, 0)
+            return sum(
+                n
+                for peer, n in self.open.items()
+                if peer == receiver_id or peer.startswith(receiver_id + ".l")
+            )
 
 
 @pytest.fixture

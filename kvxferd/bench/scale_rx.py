@@ -66,7 +66,7 @@ class _RxServer:
                     "index": k,
                     "create_s": t1 - t0,
                     "register_s": t2 - t1,
-                    "metadata_bytes": len(rx.dataplane.metadata()),
+                    "metadata_bytes": len(rx.agents.metadata()),
                 }
             )
         return {"members": members}
@@ -157,7 +157,7 @@ class _RxServer:
         if not self.receivers:
             raise BenchError("nixl_cost needs a receiver in this process")
         rx = next(iter(self.receivers.values()))
-        meta = rx.dataplane.metadata()
+        meta = rx.agents.metadata()
         biggest = max(descs)
         # Tiny blocks: a prepared list's cost is per descriptor, not per byte.
         ps = PoolSettings(

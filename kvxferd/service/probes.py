@@ -253,7 +253,7 @@ class ReceiverProbe:
                 f"no free aux slot ({free} free, {quarantined} quarantined by outcomes in doubt,"
                 f" aux_slots={self.settings.pool.aux_slots})"
             )
-        if _dataplane_closed(rx.dataplane):
+        if rx.agents.closed:
             failing.append("data plane closed (pool not registered)")
         count, oldest = self.pending_work()
         what = f"{count} fetch{'' if count == 1 else 'es'} open"

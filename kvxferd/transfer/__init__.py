@@ -21,6 +21,8 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     worker.py     a sender worker (a thread, or the listener's inline one): lanes per receiver,
                   coalesced writes in flight, one notification or Result per slice
     receiver.py   the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table
+    link_agents.py  the receiver's NIXL agent per sender link: spares made ahead, torn down when a
+                  link goes down (the proof that ends its doubts, with revocable transports)
     waiters.py    completion delivery to threads and to every asyncio loop
     journal.py    one record per request end: its log line, per-peer histograms, failure windows
     drain.py      what a drain dropped: the drain_dropped_* counters, the shutdown reports

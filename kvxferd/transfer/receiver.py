@@ -113,6 +113,7 @@ from kvxferd.transfer.guard import Guard
 from kvxferd.transfer.iohooks import IoHooks
 from kvxferd.transfer.journal import Ending, Journal
 from kvxferd.transfer.layout import check_blocks, check_layers
+from kvxferd.transfer.link_agents import LinkAgent, LinkAgents, SharedAgent, teardown_proves
 from kvxferd.transfer.poller import Poller, tight_timers
 from kvxferd.transfer.pool import IdAllocator, KvPool
 from kvxferd.transfer.reshard import declared, plan_rank
@@ -166,6 +167,9 @@ class _Link:
     down: bool = False  # lost for peer_down_ms: new fetches fail peer_lost until it is back
     removed: bool = False  # discovery removed the sender while this link was connected
     waiting: list[RxSession] = field(default_factory=list)  # fetches queued until registered
+    # The NIXL agent its Register names (link_agents.py); None until one is taken (a link
+    # waiting for a spare sends its Register when one is ready) and after a teardown.
+    agent: LinkAgent | None = None
     # RequestData frames of this turn, sent together at its end (``_flush_link``): one
     # multipart message, one wake-up of ZMQ's I/O threads and of the sender's listener.
     batch: list[tuple[RxSession, bytes, bool]] = field(default_factory=list)
@@ -242,9 +246,35 @@ class Receiver:
         self.topology: Topology | None = None
         if topology is not None:
             self.declare_topology(topology)
-        self.dataplane: DataPlane = dataplane or NixlDataPlane(
-            self.receiver_id, settings.dataplane, self.pool
-        )
+        # NIXL: one agent per sender link (link_agents.py: a link that is down is torn down,
+        # which ends its doubts), or one agent shared by every link. ``dataplane`` is that
+        # shared agent's data plane (None with agents per link).
+        self._lock = threading.Lock()
+        self._commands: deque[tuple[str, Any]] = deque()  # (kind, RxSession | PeerEvent | None)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.agents: LinkAgents | SharedAgent
+        self.dataplane: DataPlane | None = dataplane
+        per_link = settings.dataplane.agent_per_link
+        if dataplane is None and (
+            per_link == "on"
+            or (
+                per_link == "auto"
+                and teardown_proves(settings.dataplane.ucx_tls or os.environ.get("UCX_TLS"))
+            )
+        ):
+            self.agents = LinkAgents(
+                self.receiver_id,
+                settings.dataplane,
+                self.pool,
+                self.stats,
+                on_spare=lambda: self._command(("agent_ready", None)),
+                on_torn=lambda gen: self._command(("agent_torn", gen)),
+            )
+        else:
+            self.dataplane = dataplane or NixlDataPlane(
+                self.receiver_id, settings.dataplane, self.pool
+            )
+            self.agents = SharedAgent(self.dataplane)
         process_context(sockets_needed(0, settings.limits.max_peers))  # before any socket
         # Sender endpoints come from request data: only those the operator allows are dialled.
         self.dial_allow = DialAllow(settings.access.dial_allow)
@@ -259,14 +289,11 @@ class Receiver:
         )
         # the advertised form: sent in every Register, in PoolInfo and the ready line
         self.result_endpoint = advertised(self.bound_result_endpoint, adv_host, "result_endpoint")
-        self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # notified when an in-doubt fetch resolves
         self._fetches: dict[int, RxSession] = {}
         self._in_doubt: dict[int, RxSession] = {}  # ended in doubt, still asked about (bounded)
         self._forgotten_in_doubt = 0  # fetches ended in doubt and not resolved yet
         self._aux_quarantined = 0  # aux slots held by those fetches
-        self._commands: deque[tuple[str, Any]] = deque()  # (kind, RxSession | PeerEvent | None)
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # The engine gateway is served by the io thread too (iohooks.py).
         self.io = IoHooks(self.guard)
         self._notif_wait = _NOTIF_WAIT_MIN_S  # io thread only
@@ -705,7 +732,13 @@ class Receiver:
                 if not self._commands:
                     return
                 kind, rx = self._commands.popleft()
-            if kind == "retry":  # shutdown: ask about every fetch in doubt now
+            if kind == "agent_ready":  # a spare NIXL agent: links waiting for one register
+                for link in list(self._links.values()):
+                    if link.agent is None and not link.ready and not link.disconnected:
+                        self._register(link, waited=True)
+            elif kind == "agent_torn":
+                self._agent_torn(rx)
+            elif kind == "retry":  # shutdown: ask about every fetch in doubt now
                 with self._lock:
                     doubtful = list(self._in_doubt.values())
                 for d in doubtful:
@@ -814,16 +847,25 @@ class Receiver:
         self._register(link)
         return link
 
-    def _register(self, link: _Link) -> None:
-        """Send Register on ``link``; fetches wait for the reply (``register_timeout_ms``)."""
+    def _register(self, link: _Link, waited: bool = False) -> None:
+        """Send Register on ``link``; fetches wait for the reply (``register_timeout_ms``).
+
+        ``waited``: the link waited for a NIXL agent; its deadline runs from the first try.
+        """
         link.ready = False
-        link.register_deadline = (
-            time.monotonic() + self.settings.deadlines.register_timeout_ms / 1000
-        )
+        if not waited:
+            link.register_deadline = (
+                time.monotonic() + self.settings.deadlines.register_timeout_ms / 1000
+            )
+        if link.agent is None:
+            link.agent = self.agents.take()
+            if link.agent is None:  # sent when a spare is ready ("agent_ready")
+                self.stats.add("registers_waiting_agent")
+                return
         reg = wire.Register(
             receiver_id=self.receiver_id,
             result_endpoint=self.result_endpoint,
-            agent_metadata=self.dataplane.metadata(),
+            agent_metadata=link.agent.metadata,
             layout=wire.WireLayout.of(self.pool.layout),
             kv_base=self.pool.kv_base,
             aux_base=self.pool.aux_base,
@@ -842,6 +884,7 @@ class Receiver:
     def _close_link(self, link: _Link) -> None:
         if link.batch:
             self._flush_link(link)
+        self._tear_down(link)
         if self._links.get(link.endpoint) is link:
             del self._links[link.endpoint]
         self._by_socket.pop(link.dealer, None)
@@ -895,6 +938,41 @@ class Receiver:
                 self.stats.add(f"failed_{Reason.PEER_LOST}")
                 self.stats.add("fetches_ended_peer_down")
                 self._maybe_forget(rx)
+        # Our side of the data plane toward it goes: once it is destroyed, no write
+        # addressed to it can land (with revocable transports), and that proof
+        # (_agent_torn) ends its doubts.
+        self._tear_down(link)
+
+    def _tear_down(self, link: _Link) -> None:
+        """Have ``link``'s NIXL agent destroyed (its next Register takes a fresh one)."""
+        agent, link.agent = link.agent, None
+        if agent is not None:
+            self.agents.tear_down(agent)
+
+    def _agent_torn(self, gen: int) -> None:
+        """A link's NIXL agent is destroyed: no write sent through it can land any more.
+
+        With revocable transports (``LinkAgents.proves``) that is proof: every fetch sent
+        through it ends (``peer_lost``, if still open) and its fence is released
+        (``fences_released_teardown``). Otherwise its fetches stay in doubt.
+        """
+        if not self.agents.proves:
+            return
+        with self._lock:
+            through = [
+                rx
+                for rx in (*self._fetches.values(), *self._in_doubt.values())
+                if rx.sent and rx.agent_gen == gen
+            ]
+        for rx in through:
+            if not rx.ended and rx.abandon(
+                Reason.PEER_LOST, "the link's data plane was torn down (link down)"
+            ):
+                self.stats.add("fetches_failed")
+                self.stats.add(f"failed_{Reason.PEER_LOST}")
+            if rx.release():
+                self.stats.add("fences_released_teardown")
+                self._settle(rx)
 
     def _peer_gone(self, link: _Link, detail: str) -> None:
         """Discovery removed the sender and ``link`` is not connected: down, and closed."""
@@ -1061,6 +1139,12 @@ class Receiver:
         if not msg.ok:
             self._drop_link(link, msg.reason or Reason.INCOMPATIBLE, msg.detail)
             return
+        if link.agent is None:
+            # It answers a Register whose NIXL agent was torn down since (the link went down
+            # meanwhile): register again with a fresh one; that reply makes the link ready.
+            self.stats.add("registers_stale_agent")
+            self._register(link)
+            return
         link.ready = True
         link.lost_since = None
         if link.down:
@@ -1154,6 +1238,7 @@ class Receiver:
         # Marked sent now: a Cancel of this fetch goes on the same link after the batch
         # (``_send_cancel`` flushes it first), so the sender always sees them in order.
         rx.mark_sent(link.sender_id)
+        rx.agent_gen = link.agent.gen if link.agent is not None else -1
         if not link.batch:
             self._batched.append(link)
         link.batch.append((rx, wire.encode(msg), was_sent))
@@ -1438,8 +1523,8 @@ class Receiver:
         sender incarnation the fetch was sent to (its sender id, or a spare path of it).
         NIXL sends it once the WRITE is complete: the bytes are in our blocks.
         """
-        got = self.dataplane.notifications()
-        for agent, payload in got:
+        got = self.agents.notifications()
+        for gen, agent, payload in got:
             records = wire.decode_notification(payload)
             if records is None:
                 self.stats.add("notifications_unknown")
@@ -1450,7 +1535,7 @@ class Receiver:
                 if rx is None:
                     self.stats.add("late_messages")
                     continue
-                if not self._notified_by_its_sender(rx, agent, nonce):
+                if rx.agent_gen != gen or not self._notified_by_its_sender(rx, agent, nonce):
                     self.stats.add("notifications_refused")
                     log.warning("notification for fetch %d refused: not from its sender", fetch_id)
                     continue
@@ -1620,10 +1705,25 @@ class Receiver:
             in_doubt += sum(1 for rx in self._fetches.values() if not rx.blocks_reusable)
         in_doubt = max(in_doubt, sum(1 for rx in open_fetches if not rx.blocks_reusable))
         safe = in_doubt == 0
-        if in_doubt:
+        if not safe and joined and self.agents.proves:
+            # Our side of every link torn down: nothing sent through them can land now.
+            self.agents.close()
+            released = 0
+            with self._lock:
+                doubtful = [*self._in_doubt.values(), *self._fetches.values(), *open_fetches]
+            for rx in doubtful:
+                if rx.release():
+                    released += 1
+            self.stats.add("fences_released_teardown", released)
+            with self._lock:  # those no longer tracked (over the table's bound) too
+                self._in_doubt.clear()
+                self._forgotten_in_doubt = 0
+            log.info("receiver shutdown: %d outcome(s) in doubt ended by tearing down", in_doubt)
+            in_doubt, safe = 0, True
+        elif in_doubt:
             self.stats.add("drain_dropped_in_doubt", in_doubt)
         if safe and joined:
-            self.dataplane.close()
+            self.agents.close()
             if self._owns_pool:
                 self.pool.close()
         else:

@@ -715,6 +715,7 @@ class Sender:
                 known is not None
                 and known.receiver_id == msg.receiver_id
                 and known.topology == msg.topology
+                and (agent is None or known.nixl_name == agent)
             )
             if why is None and not again:
                 # Only one process can bind a result endpoint: a new receiver id there (or
@@ -752,7 +753,12 @@ class Sender:
             return
         for old in replaced:
             if old.receiver_id == msg.receiver_id:
-                continue  # the same process on a new route: its NIXL agent is the one it sends
+                # The same process on a new route: its NIXL agent is the one it sends. A new
+                # agent means it destroyed the old one (a receiver's agent per link, torn
+                # down when the link went down): nothing more is written or sent toward it.
+                if agent is not None and old.nixl_name != agent:
+                    self._retire_peer(old, True)
+                continue
             self._end_incarnation(old, msg.receiver_id)
         for old in unregistered:
             self._end_incarnation(old, msg.receiver_id, registered=False)

@@ -480,6 +480,7 @@ class RxSession:
     sender_key: str = ""  # the identity its Results must come from ("" with security off)
     sent: bool = False  # REQUEST_DATA has left (a write may come from now on)
     sent_to: str = ""  # the sender incarnation (sender_id) it was last sent to
+    agent_gen: int = -1  # the receiver's NIXL agent (link_agents.py) it was last sent through
     state: RxState = RxState.REQUESTED
     fence: Fence = Fence.NONE
     fence_deadline: float = 0.0
