@@ -25,5 +25,6 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
                   link goes down (the proof that ends its doubts, with revocable transports)
     waiters.py    completion delivery to threads and to every asyncio loop
     journal.py    one record per request end: its log line, per-peer histograms, failure windows
+    views.py      frozen views of the sender, receiver and what hangs off them: what the probes read
     drain.py      what a drain dropped: the drain_dropped_* counters, the shutdown reports
 """

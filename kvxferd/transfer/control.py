@@ -249,6 +249,11 @@ class SharedDealerPool:
         self._dealers: dict[str, _SharedDealer] = {}
         self._closed = False
 
+    @property
+    def size(self) -> int:
+        """DEALERs open now (len() without the lock: a probe never waits on it)."""
+        return len(self._dealers)
+
     def send(self, endpoint: str, frame: bytes, server_key: str = "") -> None:
         """Send one frame to ``endpoint``; SendTimeout within the deadline, or when closed.
 

@@ -98,6 +98,7 @@ from kvxferd.endpoints import DialAllow, advertise_host, advertised
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.stats import Stats
 from kvxferd.transfer import protocol as wire
+from kvxferd.transfer import views
 from kvxferd.transfer.control import (
     SocketLimits,
     bind_router,
@@ -356,6 +357,47 @@ class Receiver:
     def aux_slot_counts(self) -> tuple[int, int]:
         """(free aux slots, aux slots quarantined by fetches in doubt)."""
         return self.aux_slots.free, self._aux_quarantined
+
+    def view(self, *, locked: bool = True) -> views.ReceiverView:
+        """What the probes read (views.py): ``_lock`` held while the fetch and in-doubt tables
+        are copied; ``locked=False``: copied without it (the hang dump, best effort)."""
+
+        def tables() -> tuple[list[RxSession], list[RxSession], int, int, int]:
+            return (
+                list(self._fetches.values()),
+                list(self._in_doubt.values()),
+                self._forgotten_in_doubt,
+                self._aux_quarantined,
+                len(self._commands),
+            )
+
+        if locked:
+            with self._lock:
+                fetches, doubtful, unresolved, quarantined, queued = tables()
+        else:
+            fetches, doubtful, unresolved, quarantined, queued = views.copied(
+                tables, lambda: ([], [], 0, 0, 0)
+            )
+        return views.ReceiverView(
+            self.receiver_id,
+            self.result_endpoint,
+            self._draining.is_set(),
+            self._io.is_alive(),
+            self.io_progress,
+            views.oldest_first((views.RxFetchView.of(f) for f in fetches), key=lambda v: v.started),
+            views.InDoubtView(
+                unresolved,
+                views.oldest_first(
+                    (views.RxFetchView.of(f) for f in doubtful), key=lambda v: v.started
+                ),
+            ),
+            # io thread only: never locked
+            tuple(map(views.LinkView.of, views.copied_values(self._links))),
+            queued,
+            self.aux_slots.free,
+            quarantined,
+            self.agents.closed,
+        )
 
     # -- engine API --------------------------------------------------------------------
     def declare_topology(self, topology: Topology) -> None:

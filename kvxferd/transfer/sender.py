@@ -104,6 +104,7 @@ from kvxferd.endpoints import advertise_host, advertised, connect_problem
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.stats import Stats
 from kvxferd.transfer import protocol as wire
+from kvxferd.transfer import views
 from kvxferd.transfer.control import (
     SharedDealerPool,
     SocketLimits,
@@ -328,6 +329,68 @@ class Sender:
     def session_count(self) -> int:
         with self._lock:
             return len(self._sessions)
+
+    def view(self, *, locked: bool = True) -> views.SenderView:
+        """What the probes read (views.py): the registry lock held while its tables are
+        copied; ``locked=False``: copied without any lock (the hang dump, best effort)."""
+
+        def tables() -> tuple[
+            list[TxSession], list[Peer], list[_Pending], int, dict[str, tuple[int, int, int, int]]
+        ]:
+            parked = [p for ps in list(self._pending.values()) for p in list(ps)]
+            who = {
+                i: (u.peers, u.fetches, u.parked, len(u.receiver_ids))
+                for i, u in self.ownership.identities().items()
+            }
+            return (
+                list(self._sessions.values()),
+                list(self._peers.values()),
+                parked,
+                self._pending_count,
+                who,
+            )
+
+        if locked:
+            with self._lock:
+                sessions, peers, parked, parked_count, who = tables()
+            writes, retiring = self.agents.writes(), sorted(self.agents.retiring())
+        else:
+            sessions, peers, parked, parked_count, who = views.copied(
+                tables, lambda: ([], [], [], 0, {})
+            )
+            writes = views.copied(self.agents.writes_unlocked, dict)
+            retiring = views.copied(self.agents.retiring_unlocked, list)
+        seen: dict[bytes, float] = views.copied(
+            lambda: dict(self._peer_seen), dict
+        )  # the listener's, never locked
+
+        def lane(session: TxSession, receiver_id: str) -> int:
+            return self._lane_for(session, receiver_id).index
+
+        return views.SenderView(
+            self.sender_id,
+            self.endpoint,
+            self.draining,
+            self.topology,
+            self._listener.is_alive(),
+            self.listener_progress,
+            tuple(w.view() for w in self._workers),
+            None if self._inline is None else self._inline.view(),
+            views.oldest_first(
+                (views.tx_session_view(s, locked, lane) for s in sessions), key=lambda s: s.created
+            ),
+            tuple(
+                views.PeerView.of(p, seen.get(p.routing_id), writes.get(p.nixl_name, 0))
+                for p in peers
+            ),
+            tuple(views.IdentityView(i, *counts) for i, counts in sorted(who.items())),
+            tuple(views.RetiringView(n, writes.get(n, 0)) for n in retiring),
+            parked_count,
+            views.oldest_first(map(views.ParkedView.of, parked), key=lambda p: p.parked_at),
+            self.aux_slots.free,
+            self._shared.size,
+            views.dataplane_closed(self.dataplane),
+        )
 
     # -- engine API --------------------------------------------------------------------
     def declare_topology(self, topology: Topology) -> None:

@@ -79,6 +79,7 @@ from kvxferd.transfer.pool import KvPool
 from kvxferd.transfer.reshard import Piece, piece_descriptors
 from kvxferd.transfer.session import Slice, SliceState, TxSession
 from kvxferd.transfer.topology import Topology
+from kvxferd.transfer.views import WorkerView
 
 log = logging.getLogger("kvxferd.sender")
 jlog = logging.getLogger("kvxferd.journal")  # per-request lines: fields in extra (logs.py)
@@ -247,6 +248,18 @@ class Worker:
         self.queue.put(task)
         if self._wake is not None:
             self._wake()
+
+    def view(self) -> WorkerView:
+        """What the probes read (views.py); no lock: sizes of this thread's tables by len()."""
+        return WorkerView(
+            self.index,
+            self.inline,
+            self.thread.is_alive(),
+            self.queue.qsize(),
+            len(self._busy_lanes),
+            len(self._dealers),
+            self.last_progress,
+        )
 
     def _lane_writes(self) -> int:
         """Writes in progress that hold a lane (the ones the per-worker bound counts)."""
