@@ -469,7 +469,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/service/probes.py",
-                "if free == 0:  # every fetch with aux",
+                "if view.aux_free == 0:  # every fetch with aux",
                 "if False:  # every fetch with aux",
             ),
         ),
@@ -922,7 +922,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/service/probes.py",
-                "if snd.aux_slots.free == 0:  # every publish with aux would be refused busy",
+                "if view.aux_free == 0:  # every publish with aux would be refused busy",
                 "if False:",
             ),
         ),

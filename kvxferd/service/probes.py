@@ -1,9 +1,11 @@
 """The sender's and receiver's probes: liveness, readiness, metrics and debug state.
 
-:class:`SenderProbe` and :class:`ReceiverProbe` read a running service without
-waiting on its locks where they can (table sizes by ``len()``, copies retried
-as in debug_state.py): liveness from each thread's progress stamp and the
-errors its threads caught, readiness as the reasons listed in health.py, a
+:class:`SenderProbe` and :class:`ReceiverProbe` read a running service only
+through its views (kvxferd/transfer/views.py), never its private attributes or
+its locks: liveness, readiness and the dump take the unlocked view (they must
+answer while a stuck thread holds a lock), ``/metrics`` the locked one. From
+them: liveness from each thread's progress stamp and the errors its threads
+caught, readiness as the reasons listed in health.py, a
 :class:`~kvxferd.service.metrics.Snapshot` for ``/metrics``, and the ``/debug/state``
 dump (debug_state.py).
 
@@ -19,7 +21,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvxferd.config import ReceiverSettings, SenderSettings
-from kvxferd.service.debug_state import DEBUG_LIST_LIMIT, copy_values, receiver_state, sender_state
+from kvxferd.service.debug_state import DEBUG_LIST_LIMIT, receiver_state, sender_state
 from kvxferd.service.metrics import IN_FLIGHT_STATES, GatewayReading, Snapshot
 from kvxferd.transfer.session import Fence, RxState, SliceState, TxState
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from kvxferd.transfer.journal import Journal
     from kvxferd.transfer.receiver import Receiver
     from kvxferd.transfer.sender import Sender
+    from kvxferd.transfer.views import ReceiverView, SenderView
 
 
 def _discovery_problems(registrar: Any) -> list[str]:
@@ -83,123 +86,106 @@ class SenderProbe:
         self.worker_stall_s = max(svc.liveness_stall_ms, task_bound_ms) / 1000
 
     def liveness(self) -> tuple[bool, str]:
-        snd, now = self.sender, time.monotonic()
-        stopping = snd.draining
-        listener = snd._listener
+        view, now = self.sender.view(locked=False), time.monotonic()
+        stopping = view.draining
         stalls = _thread_stalls(
-            [("listener", snd.listener_progress, listener.is_alive())],
+            [("listener", view.listener_progress, view.listener_alive)],
             now,
             self.listener_stall_s,
             stopping,
         )
-        workers = snd._workers
         stalls += _thread_stalls(
-            (
-                (f"worker {i}", last, w.thread.is_alive())
-                for i, (w, last) in enumerate(zip(workers, snd.worker_progress(), strict=True))
-            ),
+            ((f"worker {i}", w.last_progress, w.alive) for i, w in enumerate(view.workers)),
             now,
             self.worker_stall_s,
             stopping,
         )
-        broken = _broken(snd, self.gateway)
+        broken = _broken(self.sender, self.gateway)
         if broken:
             stalls.append(broken)
         if stalls:
             return False, "; ".join(stalls)
-        oldest = max((now - t for t in snd.worker_progress()), default=0.0)
+        oldest = max((now - w.last_progress for w in view.workers), default=0.0)
         return True, (
-            f"listener {now - snd.listener_progress:.2f}s ago, "
-            f"{len(workers)} workers, slowest {oldest:.2f}s ago"
+            f"listener {now - view.listener_progress:.2f}s ago, "
+            f"{len(view.workers)} workers, slowest {oldest:.2f}s ago"
         )
 
     def readiness(self, now: float | None = None) -> tuple[bool, list[str]]:
         """Every reason new work should go elsewhere now (``now``: judge at that instant)."""
-        snd = self.sender
+        # The unlocked view: a probe must never wait on the registry lock.
+        view = self.sender.view(locked=False)
         now = time.monotonic() if now is None else now
         failing: list[str] = []
-        if snd.draining:
+        if view.draining:
             failing.append("draining")
-        if not snd._listener.is_alive():
+        if not view.listener_alive:
             failing.append("listener thread not alive")
         failing += [
-            f"worker {i} thread not alive"
-            for i, w in enumerate(snd._workers)
-            if not w.thread.is_alive()
+            f"worker {i} thread not alive" for i, w in enumerate(view.workers) if not w.alive
         ]
-        # len() of the dict without the registry lock: a probe must never wait on that lock.
         limit = self.settings.limits.max_live_sessions
-        if len(snd._sessions) >= limit:
+        if len(view.sessions) >= limit:
             failing.append(f"session table full (max_live_sessions={limit})")
-        if snd.aux_slots.free == 0:  # every publish with aux would be refused busy
+        if view.aux_free == 0:  # every publish with aux would be refused busy
             failing.append(
                 f"no free aux slot (0 free, aux_slots={self.settings.pool.aux_slots}:"
                 " a publish with aux is refused busy)"
             )
-        if _dataplane_closed(snd.dataplane):
+        if view.dataplane_closed:
             failing.append("data plane closed (pool not registered)")
-        count, oldest = self.pending_work()
+        count, oldest = _tx_pending(view)
         what = f"{count} slice{'' if count == 1 else 's'} queued or writing"
-        failing += _work_problems(snd.journal, self.settings, now, count, oldest, what)
+        failing += _work_problems(self.sender.journal, self.settings, now, count, oldest, what)
         failing += _discovery_problems(self.registrar)
         return not failing, failing
 
     def pending_work(self) -> tuple[int, float]:
         """(slices queued or writing, when the oldest was attached), read without any lock."""
-        count, oldest = 0, float("inf")
-        for session in copy_values(self.sender._sessions):
-            for sl in copy_values(session._slices):
-                if sl.state in (SliceState.QUEUED, SliceState.WRITING):
-                    count += 1
-                    oldest = min(oldest, sl.attached_at)
-        return count, oldest
+        return _tx_pending(self.sender.view(locked=False))
 
     def debug_state(self, limit: int = DEBUG_LIST_LIMIT) -> dict[str, Any]:
         """The sender's hang dump for ``/debug/state`` (its shape: debug_state.sender_state)."""
         return sender_state(self.sender, self.settings, limit)
 
     def snapshot(self) -> Snapshot:
-        snd, now = self.sender, time.monotonic()
-        with snd._lock:
-            sessions = list(snd._sessions.values())
-            peers = list(snd._peers.values())
-            parked = snd._pending_count
-        retiring = snd.agents.retiring()
+        snd = self.sender
+        view, now = snd.view(), time.monotonic()
         by_state = dict.fromkeys((s.value for s in TxState), 0)
         in_flight = dict.fromkeys(IN_FLIGHT_STATES["sender"], 0)
-        in_flight["parked"] = parked
+        in_flight["parked"] = view.parked_count
         oldest = 0.0
-        for s in sessions:
+        for s in view.sessions:
             by_state[s.state.value] += 1
             if not s.ended or s.writes_in_flight > 0:
                 oldest = max(oldest, now - s.created)
-            for sl in s.slices():
+            for sl in s.slices:
                 if sl.state is SliceState.QUEUED:
                     in_flight["queued"] += 1
                 elif sl.state is SliceState.WRITING:
                     in_flight["writing"] += 1
                 elif sl.state is SliceState.IN_DOUBT and sl.writes_in_flight > 0:
                     in_flight["in_doubt"] += 1
-        aux_total, aux_free = self.settings.pool.aux_slots, snd.aux_slots.free
+        retiring = {r.nixl_name for r in view.retiring}
+        aux_total = self.settings.pool.aux_slots
         return Snapshot(
             role="sender",
             stats=snd.stats.snapshot(),
             sessions_by_state=by_state,
-            queue_depths=snd.queue_depths(),
-            writes_in_flight=sum(s.writes_in_flight for s in sessions),
-            peers=len(peers),
+            queue_depths=[w.queue_depth for w in view.workers],
+            writes_in_flight=sum(s.writes_in_flight for s in view.sessions),
+            peers=len(view.peers),
             durations_s=snd.stats.take_samples("slice_seconds"),
             in_flight=in_flight,
             oldest_in_flight_s=oldest,
             peer_cache={
-                "peers": len(peers),
-                "nixl_agents": len({p.nixl_name for p in peers} | retiring),
+                "peers": len(view.peers),
+                "nixl_agents": len({p.nixl_name for p in view.peers} | retiring),
                 "retiring_agents": len(retiring),
-                # len() of dicts other threads own: a count, never an iteration
-                "shared_dealers": len(snd._shared._dealers),
-                "worker_dealers": sum(len(w._dealers) for w in snd._workers),
+                "shared_dealers": view.shared_dealers,
+                "worker_dealers": sum(w.dealers for w in view.workers),
             },
-            aux_slots={"free": aux_free, "in_use": aux_total - aux_free},
+            aux_slots={"free": view.aux_free, "in_use": aux_total - view.aux_free},
             histograms=snd.journal.histograms(),
             gateway=_gateway_reading(self.gateway),
         )
@@ -221,66 +207,60 @@ class ReceiverProbe:
 
     @property
     def draining(self) -> bool:
-        return self.receiver._draining.is_set()
+        return self.receiver.view(locked=False).draining
 
     def liveness(self) -> tuple[bool, str]:
-        rx, now = self.receiver, time.monotonic()
+        view, now = self.receiver.view(locked=False), time.monotonic()
         stalls = _thread_stalls(
-            [("io thread", rx.io_progress, rx._io.is_alive())], now, self.io_stall_s, self.draining
+            [("io thread", view.io_progress, view.io_alive)], now, self.io_stall_s, view.draining
         )
-        broken = _broken(rx, self.gateway)
+        broken = _broken(self.receiver, self.gateway)
         if broken:
             stalls.append(broken)
         if stalls:
             return False, "; ".join(stalls)
-        return True, f"io thread {now - rx.io_progress:.2f}s ago"
+        return True, f"io thread {now - view.io_progress:.2f}s ago"
 
     def readiness(self, now: float | None = None) -> tuple[bool, list[str]]:
         """Every reason new work should go elsewhere now (``now``: judge at that instant)."""
-        rx = self.receiver
+        view = self.receiver.view(locked=False)  # without the lock, like SenderProbe
         now = time.monotonic() if now is None else now
         failing: list[str] = []
-        if self.draining:
+        if view.draining:
             failing.append("draining")
-        if not rx._io.is_alive():
+        if not view.io_alive:
             failing.append("io thread not alive")
         limit = self.settings.limits.max_fetches_in_flight
-        if len(rx._fetches) >= limit:  # without the lock, like SenderProbe
+        if len(view.fetches) >= limit:
             failing.append(f"fetch table full (max_fetches_in_flight={limit})")
-        free, quarantined = rx.aux_slot_counts()
-        if free == 0:  # every fetch with aux would be refused busy
+        if view.aux_free == 0:  # every fetch with aux would be refused busy
             failing.append(
-                f"no free aux slot ({free} free, {quarantined} quarantined by outcomes in doubt,"
-                f" aux_slots={self.settings.pool.aux_slots})"
+                f"no free aux slot ({view.aux_free} free, {view.aux_quarantined} quarantined by"
+                f" outcomes in doubt, aux_slots={self.settings.pool.aux_slots})"
             )
-        if rx.agents.closed:
+        if view.dataplane_closed:
             failing.append("data plane closed (pool not registered)")
-        count, oldest = self.pending_work()
+        count, oldest = _rx_pending(view)
         what = f"{count} fetch{'' if count == 1 else 'es'} open"
-        failing += _work_problems(rx.journal, self.settings, now, count, oldest, what)
+        failing += _work_problems(self.receiver.journal, self.settings, now, count, oldest, what)
         failing += _discovery_problems(self.registrar)
         return not failing, failing
 
     def pending_work(self) -> tuple[int, float]:
         """(fetches asked for and not ended, when the oldest started), read without any lock."""
-        open_ = [f for f in copy_values(self.receiver._fetches) if not f.ended]
-        return len(open_), min((f.started for f in open_), default=float("inf"))
+        return _rx_pending(self.receiver.view(locked=False))
 
     def debug_state(self, limit: int = DEBUG_LIST_LIMIT) -> dict[str, Any]:
         """The receiver's hang dump for ``/debug/state`` (its shape: debug_state.receiver_state)."""
         return receiver_state(self.receiver, self.settings, limit)
 
     def snapshot(self) -> Snapshot:
-        rx, now = self.receiver, time.monotonic()
-        with rx._lock:
-            fetches = list(rx._fetches.values())
-            in_doubt = len(rx._in_doubt)
-            unresolved = rx._forgotten_in_doubt  # in doubt, asked about or not any more
-            queued = len(rx._commands)
+        rx = self.receiver
+        view, now = rx.view(), time.monotonic()
         by_state = dict.fromkeys((s.value for s in RxState), 0)
         requested = fenced = 0
         oldest = 0.0
-        for f in fetches:
+        for f in view.fetches:
             by_state[f.state.value] += 1
             if not f.ended:
                 requested += 1
@@ -289,23 +269,23 @@ class ReceiverProbe:
             else:
                 continue
             oldest = max(oldest, now - f.started)
-        links = copy_values(rx._links)
-        ready = sum(1 for link in links if link.ready)
-        down = sum(1 for link in links if link.down)
-        free, quarantined = rx.aux_slot_counts()
+        ready = sum(1 for link in view.links if link.ready)
+        down = sum(1 for link in view.links if link.down)
+        free, quarantined = view.aux_free, view.aux_quarantined
         total = self.settings.pool.aux_slots
         return Snapshot(
             role="receiver",
             stats=rx.stats.snapshot(),
             sessions_by_state=by_state,
-            queue_depths=[queued],
+            queue_depths=[view.commands_queued],
             # A fetch in our table, or one in doubt, may still receive a write into its blocks.
-            writes_in_flight=len(fetches) + in_doubt,
+            writes_in_flight=len(view.fetches) + len(view.in_doubt.tracked),
             peers=ready,
             durations_s=rx.stats.take_samples("fetch_seconds"),
-            in_flight={"requested": requested, "fenced": fenced, "in_doubt": unresolved},
+            # in doubt: asked about or not any more
+            in_flight={"requested": requested, "fenced": fenced, "in_doubt": view.in_doubt.count},
             oldest_in_flight_s=oldest,
-            peer_cache={"links": len(links), "ready_links": ready, "down_links": down},
+            peer_cache={"links": len(view.links), "ready_links": ready, "down_links": down},
             aux_slots={
                 "free": free,
                 "in_use": max(0, total - free - quarantined),
@@ -348,6 +328,18 @@ def _work_problems(
     return out
 
 
-def _dataplane_closed(dataplane: Any) -> bool:
-    # NixlDataPlane keeps ``_closed``; the test double ``closed``. Neither is in the protocol.
-    return bool(getattr(dataplane, "_closed", False) or getattr(dataplane, "closed", False))
+def _tx_pending(view: SenderView) -> tuple[int, float]:
+    """(slices queued or writing, when the oldest was attached)."""
+    count, oldest = 0, float("inf")
+    for session in view.sessions:
+        for sl in session.slices:
+            if sl.state in (SliceState.QUEUED, SliceState.WRITING):
+                count += 1
+                oldest = min(oldest, sl.attached_at)
+    return count, oldest
+
+
+def _rx_pending(view: ReceiverView) -> tuple[int, float]:
+    """(fetches asked for and not ended, when the oldest started)."""
+    open_ = [f for f in view.fetches if not f.ended]
+    return len(open_), min((f.started for f in open_), default=float("inf"))
