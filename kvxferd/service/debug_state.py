@@ -1,8 +1,9 @@
 """``/debug/state``: a sender's or receiver's hang dump, read without the services' locks.
 
-The dump is JSON, built from copies of the services' tables taken without their
-locks (a copy that races a change is retried), so it answers during a deadlock:
-the probe port (health.py) serves it from a worker thread with a deadline, to
+The dump is JSON, formatted from the service's unlocked view
+(``view(locked=False)``, kvxferd/transfer/views.py: copies of its tables taken
+without their locks, a copy that races a change retried), so it answers during a
+deadlock: the probe port (health.py) serves it from a worker thread with a deadline, to
 the clients ``health.debug_state`` allows. Its shape is in :func:`sender_state`
 and :func:`receiver_state`; each list holds the ``limit`` oldest entries.
 """
@@ -10,8 +11,7 @@ and :func:`receiver_state`; each list holds the ``limit`` oldest entries.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from kvxferd.transfer.journal import Journal
     from kvxferd.transfer.receiver import Receiver
     from kvxferd.transfer.sender import Sender
+    from kvxferd.transfer.views import RxFetchView, TxSessionView
 
 DEBUG_LIST_LIMIT = 100  # entries per list in /debug/state (the oldest first)
-_T = TypeVar("_T")
 
 
 def sender_state(
@@ -66,67 +66,58 @@ def sender_state(
                     peer_rates [{peer, failed, total, ratio}]}
         stats      {counter: value}
     """
-    snd, now = sender, time.monotonic()
-    sessions = sorted(copy_values(snd._sessions), key=lambda x: x.created)
+    snd, now = sender.view(locked=False), time.monotonic()
     by_state = dict.fromkeys((st.value for st in TxState), 0)
     oldest: dict[str, float] = {}
-    per_worker = [0] * len(snd._workers)
+    per_worker = [0] * len(snd.workers)
     inline_writes = 0
     listed: list[dict[str, Any]] = []
-    for session in sessions:
+    for session in snd.sessions:
         state = session.state.value
         by_state[state] += 1
         oldest.setdefault(state, _age(now, session.created))
-        slices = copy_values(session._slices)
-        for sl in slices:
-            if sl.writes_in_flight > 0:
-                worker = snd._lane_for(session, sl.peer_id)
-                if worker.inline:
-                    inline_writes += sl.writes_in_flight
-                else:
-                    per_worker[worker.index] += sl.writes_in_flight
+        for sl in session.slices:
+            if sl.lane is None:
+                continue
+            if sl.lane < 0:
+                inline_writes += sl.writes_in_flight
+            else:
+                per_worker[sl.lane] += sl.writes_in_flight
         if (not session.ended or session.writes_in_flight) and len(listed) < limit:
-            listed.append(_tx_session_view(session, slices, now))
-    seen: dict[bytes, float] = _copy(lambda: dict(snd._peer_seen), {})
-    peer_writes: dict[str, int] = _copy(snd.agents.writes_unlocked, {})
+            listed.append(_tx_session_view(session, now))
     peers = [
         {
             "receiver_id": p.receiver_id,
             "endpoint": p.result_endpoint,
             "nixl_name": p.nixl_name,
-            "idle_s": _age(now, seen[p.routing_id]) if p.routing_id in seen else None,
-            "writes_in_flight": peer_writes.get(p.nixl_name, 0),
+            "idle_s": None if p.last_heard is None else _age(now, p.last_heard),
+            "writes_in_flight": p.writes_in_flight,
             "prepped": p.prepped,
             "identity": p.identity,
-            "decode_rank": None if p.topology is None else p.topology.rank,
+            "decode_rank": p.decode_rank,
         }
-        for p in copy_values(snd._peers)
+        for p in snd.peers
     ]
-    usage: dict[str, Any] = _copy(snd.ownership.identities, {})
     identities = [
         {
-            "identity": who,
+            "identity": u.identity,
             "peers": u.peers,
             "fetches": u.fetches,
             "parked": u.parked,
-            "receiver_ids": len(u.receiver_ids),
+            "receiver_ids": u.receiver_ids,
         }
-        for who, u in sorted(usage.items())[:limit]
+        for u in snd.identities[:limit]
     ]
-    retiring: list[str] = _copy(snd.agents.retiring_unlocked, [])
-    parked: list[Any] = _copy(
-        lambda: [p for ps in list(snd._pending.values()) for p in list(ps)], []
-    )
-    parked.sort(key=lambda p: p.parked_at)
+    inline = snd.inline
     return {
         "role": "sender",
         "id": snd.sender_id,
         "endpoint": snd.endpoint,
         "version": __version__,
-        "uptime_s": _age(now, snd.journal.started),
+        "uptime_s": _age(now, sender.journal.started),
         "draining": snd.draining,
         "sessions": {
-            "total": len(sessions),
+            "total": len(snd.sessions),
             "by_state": by_state,
             "oldest_age_s": oldest,
             "open": listed,
@@ -135,43 +126,43 @@ def sender_state(
         "peers": peers,
         "identities": identities,
         "retiring_peers": [
-            {"nixl_name": n, "writes_in_flight": peer_writes.get(n, 0)} for n in retiring
+            {"nixl_name": r.nixl_name, "writes_in_flight": r.writes_in_flight} for r in snd.retiring
         ],
         "parked": {
-            "count": snd._pending_count,
+            "count": snd.parked_count,
             "oldest": [
                 {
-                    "request_id": p.msg.request_id,
-                    "receiver_id": p.peer.receiver_id,
-                    "fetch_id": p.msg.fetch_id,
+                    "request_id": p.request_id,
+                    "receiver_id": p.receiver_id,
+                    "fetch_id": p.fetch_id,
                     "age_s": _age(now, p.parked_at),
                     "expires_in_s": _age(p.deadline, now),
                 }
-                for p in parked[:limit]
+                for p in snd.parked[:limit]
             ],
         },
         "workers": [
             {
-                "index": i,
-                "alive": w.thread.is_alive(),
-                "queue_depth": w.queue.qsize(),
-                "lanes_busy": len(w._busy_lanes),
+                "index": w.index,
+                "alive": w.alive,
+                "queue_depth": w.queue_depth,
+                "lanes_busy": w.lanes_busy,
                 "writes_in_flight": per_worker[i],
                 "last_progress_age_s": _age(now, w.last_progress),
             }
-            for i, w in enumerate(snd._workers)
+            for i, w in enumerate(snd.workers)
         ],
         # The listener's own writes (requests up to inline_write_max_bytes), if it makes any.
         "inline": None
-        if snd._inline is None
+        if inline is None
         else {
-            "queue_depth": snd._inline.queue.qsize(),
-            "lanes_busy": len(snd._inline._busy_lanes),
+            "queue_depth": inline.queue_depth,
+            "lanes_busy": inline.lanes_busy,
             "writes_in_flight": inline_writes,
         },
-        "aux_slots": {"free": snd.aux_slots.free, "total": settings.pool.aux_slots},
-        "journal": _journal_view(snd.journal, now),
-        "stats": snd.stats.snapshot(),
+        "aux_slots": {"free": snd.aux_free, "total": settings.pool.aux_slots},
+        "journal": _journal_view(sender.journal, now),
+        "stats": sender.stats.snapshot(),
     }
 
 
@@ -201,39 +192,36 @@ def receiver_state(
         journal   {endings, idle_s, last_done_age_s, window_s, peer_rates [...]}
         stats     {counter: value}
     """
-    rx, now = receiver, time.monotonic()
-    fetches = sorted(copy_values(rx._fetches), key=lambda f: f.started)
-    doubtful = sorted(copy_values(rx._in_doubt), key=lambda f: f.started)
+    rx, now = receiver.view(locked=False), time.monotonic()
     by_state = dict.fromkeys((st.value for st in RxState), 0)
     oldest: dict[str, float] = {}
-    for f in fetches:
+    for f in rx.fetches:
         by_state[f.state.value] += 1
         oldest.setdefault(f.state.value, _age(now, f.started))
-    free, quarantined = rx.aux_slot_counts()
     return {
         "role": "receiver",
         "id": rx.receiver_id,
         "endpoint": rx.result_endpoint,
         "version": __version__,
-        "uptime_s": _age(now, rx.journal.started),
-        "draining": rx._draining.is_set(),
+        "uptime_s": _age(now, receiver.journal.started),
+        "draining": rx.draining,
         "fetches": {
-            "total": len(fetches),
+            "total": len(rx.fetches),
             "by_state": by_state,
             "oldest_age_s": oldest,
-            "oldest": [_rx_fetch_view(f, now) for f in fetches[:limit]],
+            "oldest": [_rx_fetch_view(f, now) for f in rx.fetches[:limit]],
         },
         "in_doubt": {
-            "count": rx._forgotten_in_doubt,
-            "tracked": len(doubtful),
+            "count": rx.in_doubt.count,
+            "tracked": len(rx.in_doubt.tracked),
             "oldest": [
                 {**_rx_fetch_view(f, now), "next_retry_in_s": _age(f.retry_at, now)}
-                for f in doubtful[:limit]
+                for f in rx.in_doubt.tracked[:limit]
             ],
         },
         "aux_slots": {
-            "free": free,
-            "quarantined": quarantined,
+            "free": rx.aux_free,
+            "quarantined": rx.aux_quarantined,
             "total": settings.pool.aux_slots,
         },
         "links": [
@@ -241,21 +229,21 @@ def receiver_state(
                 "endpoint": link.endpoint,
                 "ready": link.ready,
                 "sender_id": link.sender_id,
-                "waiting": len(link.waiting),
+                "waiting": link.waiting,
                 "ever_connected": link.ever_connected,
                 "disconnected": link.disconnected,
                 "down": link.down,
                 "register_deadline_in_s": None if link.ready else _age(link.register_deadline, now),
             }
-            for link in copy_values(rx._links)[:limit]
+            for link in rx.links[:limit]
         ],
-        "commands_queued": len(rx._commands),
+        "commands_queued": rx.commands_queued,
         "io_thread": {
-            "alive": rx._io.is_alive(),
+            "alive": rx.io_alive,
             "last_progress_age_s": _age(now, rx.io_progress),
         },
-        "journal": _journal_view(rx.journal, now),
-        "stats": rx.stats.snapshot(),
+        "journal": _journal_view(receiver.journal, now),
+        "stats": receiver.stats.snapshot(),
     }
 
 
@@ -272,7 +260,7 @@ def _journal_view(journal: Journal, now: float) -> dict[str, Any]:
     }
 
 
-def _tx_session_view(session: Any, slices: list[Any], now: float) -> dict[str, Any]:
+def _tx_session_view(session: TxSessionView, now: float) -> dict[str, Any]:
     outcome = session.outcome
     return {
         "request_id": session.request_id,
@@ -281,7 +269,7 @@ def _tx_session_view(session: Any, slices: list[Any], now: float) -> dict[str, A
         "age_s": _age(now, session.created),
         "writes_in_flight": session.writes_in_flight,
         "expected_fetches": session.expected_fetches,
-        "ttl_in_s": None if slices else _age(session.ttl_deadline, now),
+        "ttl_in_s": None if session.slices else _age(session.ttl_deadline, now),
         "aux_slot": session.aux_slot,
         "outcome": None
         if outcome is None
@@ -293,7 +281,7 @@ def _tx_session_view(session: Any, slices: list[Any], now: float) -> dict[str, A
         },
         "slices": [
             {
-                "receiver_id": sl.peer_id,
+                "receiver_id": sl.receiver_id,
                 "endpoint": sl.result_endpoint,
                 "fetch_id": sl.fetch_id,
                 "state": sl.state.value,
@@ -304,12 +292,12 @@ def _tx_session_view(session: Any, slices: list[Any], now: float) -> dict[str, A
                 "nbytes": sl.nbytes,
                 "reason": sl.reason,
             }
-            for sl in slices
+            for sl in session.slices
         ],
     }
 
 
-def _rx_fetch_view(f: Any, now: float) -> dict[str, Any]:
+def _rx_fetch_view(f: RxFetchView, now: float) -> dict[str, Any]:
     return {
         "fetch_id": f.fetch_id,
         "request_id": f.request_id,
@@ -322,24 +310,9 @@ def _rx_fetch_view(f: Any, now: float) -> dict[str, Any]:
         "deadline_in_s": _age(f.deadline, now),
         "fence_deadline_in_s": _age(f.fence_deadline, now) if f.fence_deadline else None,
         "aux_slot": f.aux_slot,
-        "blocks": int(f.dst_blocks.size),
-        "reason": f.outcome.reason if f.outcome is not None else None,
+        "blocks": f.blocks,
+        "reason": f.reason,
     }
-
-
-def _copy(make: Callable[[], _T], empty: _T) -> _T:
-    """A copy of a container another thread changes, taken without its lock (retried)."""
-    for _ in range(10):
-        try:
-            return make()
-        except RuntimeError:  # changed size while copying: try again
-            continue
-    return empty
-
-
-def copy_values(d: dict[Any, Any]) -> list[Any]:
-    """The values of a dict another thread owns (the receiver's io thread), without its lock."""
-    return _copy(lambda: list(d.values()), [])
 
 
 def _age(now: float, then: float) -> float:
