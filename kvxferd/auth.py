@@ -33,19 +33,23 @@ The parts, top-down:
 The auth thread is started before the first CURVE server socket binds: libzmq lets
 every CURVE client in when no ZAP handler is bound, so a server socket never exists
 without it (:func:`zap_handler`).
+
+The auth thread serves the process context of the control plane
+(``kvxferd.transfer.control.process_context``), which installs it here when imported
+(:func:`serve_context`): this module, like every shared top-level one, imports nothing
+of ``kvxferd.transfer`` (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations
 
 import errno
-import ipaddress
 import itertools
 import logging
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -55,6 +59,7 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from kvxferd.endpoints import is_local_endpoint as is_local_endpoint  # re-exported (its old home)
 from kvxferd.errors import ConfigError, Reason, RejectedError
 
 if TYPE_CHECKING:
@@ -106,21 +111,6 @@ def is_z85_key(text: str) -> bool:
         return len(z85.decode(text.encode("ascii"))) == 32
     except (ValueError, UnicodeEncodeError, KeyError):
         return False
-
-
-def is_local_endpoint(endpoint: str) -> bool:
-    """True for an ipc:// endpoint or a tcp:// one on a loopback address (or ``localhost``)."""
-    if endpoint.startswith("ipc://"):
-        return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost: it may resolve anywhere
 
 
 # -- keys ---------------------------------------------------------------------------------------
@@ -464,12 +454,23 @@ _handler_lock = threading.Lock()
 _handler: _AuthThread | None = None
 
 
+# The process's one zmq.Context (kvxferd.transfer.control.process_context), installed by the
+# control plane when it is imported: auth sits below the transfer core and imports none of it.
+_context_source: Callable[[], zmq.Context[zmq.Socket[bytes]]] | None = None
+
+
+def serve_context(source: Callable[[], zmq.Context[zmq.Socket[bytes]]]) -> None:
+    """The ZAP handler serves the context ``source()`` returns (control.py installs its own)."""
+    global _context_source
+    _context_source = source
+
+
 def zap_handler() -> _AuthThread:
     """The auth thread of the process context, started on first use."""
-    from kvxferd.transfer.control import process_context
-
     global _handler
-    ctx = process_context()
+    if _context_source is None:
+        raise RuntimeError("no process context: kvxferd.transfer.control installs it on import")
+    ctx = _context_source()
     with _handler_lock:
         if _handler is None or _handler.ctx is not ctx:
             _handler = _AuthThread(ctx)

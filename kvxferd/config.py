@@ -57,7 +57,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvxferd.endpoints import is_wildcard
+from kvxferd.endpoints import is_local_endpoint, is_wildcard
 from kvxferd.errors import ConfigError
 
 THREADS_ENV = "TRTLLM_KV_TRANSFER_NUM_THREADS"
@@ -429,8 +429,6 @@ class _RoleSettings(BaseSettings):
     @model_validator(mode="after")
     def _fail_closed(self) -> _RoleSettings:
         """Plaintext only where nothing leaves the host; a TCP engine socket only with CURVE."""
-        from kvxferd.auth import is_local_endpoint
-
         sec, svc = self.security, self.service
         if svc.engine_socket.startswith("tcp://") and sec.mode != "curve":
             raise ValueError(

@@ -263,6 +263,21 @@ class DialAllow:
         return verdict
 
 
+def is_local_endpoint(endpoint: str) -> bool:
+    """True for an ipc:// endpoint or a tcp:// one on a loopback address (or ``localhost``)."""
+    if endpoint.startswith("ipc://"):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: it may resolve anywhere
+
+
 def is_wildcard(host: str) -> bool:
     """True for an address that means "every address of this host" (never dialable)."""
     return host in _WILDCARDS or host == ""

@@ -78,7 +78,8 @@ def check(settings: SenderSettings | ReceiverSettings) -> None:
 
 
 def _security(settings: SenderSettings | ReceiverSettings, host: str | None) -> None:
-    from kvxferd.auth import check_curve_settings, is_local_endpoint, load_key_pair
+    from kvxferd.auth import check_curve_settings, load_key_pair
+    from kvxferd.endpoints import is_local_endpoint
 
     sec = settings.security
     if sec.mode == "curve":

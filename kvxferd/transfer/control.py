@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvxferd.auth import Curve, is_local_endpoint, watch_server
+from kvxferd.auth import Curve, serve_context, watch_server
 from kvxferd.config import Deadlines, Limits
+from kvxferd.endpoints import is_local_endpoint
 from kvxferd.errors import SendTimeout
 
 _context_lock = threading.Lock()
@@ -81,6 +82,9 @@ def process_context(max_sockets: int = 0) -> zmq.Context[zmq.Socket[bytes]]:
         if max_sockets > _context.get(zmq.MAX_SOCKETS):
             _context.set(zmq.MAX_SOCKETS, max_sockets)
         return _context
+
+
+serve_context(process_context)  # the auth thread (kvxferd/auth.py) serves this context
 
 
 def sockets_needed(num_threads: int, max_peers: int) -> int:
