@@ -31,7 +31,7 @@ DEBUG_LIST_LIMIT = 100  # entries per list in /debug/state (the oldest first)
 def sender_state(
     sender: Sender, settings: SenderSettings, limit: int = DEBUG_LIST_LIMIT
 ) -> dict[str, Any]:
-    """The sender's hang dump (``/debug/state``), from copies taken without its locks.
+    """The sender's hang dump (``/debug/state``), from its unlocked view (no lock waited on).
 
     Ages and times in seconds (ms precision); each list holds the ``limit`` oldest::
 
@@ -169,7 +169,7 @@ def sender_state(
 def receiver_state(
     receiver: Receiver, settings: ReceiverSettings, limit: int = DEBUG_LIST_LIMIT
 ) -> dict[str, Any]:
-    """The receiver's hang dump (``/debug/state``), from copies taken without its locks.
+    """The receiver's hang dump (``/debug/state``), from its unlocked view (no lock waited on).
 
     Ages and times in seconds (ms precision); each list holds the ``limit`` oldest::
 

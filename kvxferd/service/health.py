@@ -18,8 +18,9 @@ workers are wedged), so::
               a slow scrape never stalls the loop.
     /debug/state  JSON dump of sessions, slices, fetches, peers, links, parked fetches,
               workers and aux slots (the shape is in debug_state.py), built in a worker
-              thread with a deadline from copies taken without the services' locks, so
-              it answers during a deadlock.
+              thread with a deadline from the services' unlocked views (copies taken
+              without their locks, kvxferd/transfer/views.py), so it answers during a
+              deadlock.
               ``health.debug_state``: "off" (404), "loopback" (403 to any other
               client address), "any".
 

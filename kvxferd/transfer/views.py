@@ -14,11 +14,12 @@ guards what::
                                                         inside a session's). ``locked=False``:
                                                         the same copies without any lock
       published sessions      TxSessionView             (their slices: SliceView)
-      peers                   PeerView                  + the listener's last-heard time and the
-                                                        writes in flight (peer_agents.py)
+      peers                   PeerView                  + the listener's last-heard time (its
+                                                        own table: never locked) and the writes
+                                                        in flight (peer_agents.py's lock)
       identities              IdentityView              the ownership table (registry lock)
       retiring NIXL agents    RetiringView              peer_agents.py's own lock
-      parked fetches          ParkedView
+      parked fetches          ParkedView                registry lock
     Worker                    WorkerView                no lock: its tables are its thread's;
                                                         sizes read by len()
     Receiver                  ReceiverView              locked: ``_lock`` while it copies the
@@ -27,7 +28,7 @@ guards what::
       fetches                 RxFetchView               each fetch's fields, read one by one
       in-doubt table          InDoubtView               (count, and the fetches still asked about)
       links                   LinkView                  io thread only: always copied unlocked
-      link agents             ReceiverView.dataplane_closed
+      link agents             ReceiverView.dataplane_closed  (link_agents.py: the pool deregistered)
 
 ``locked=False`` is for the hang dump (``/debug/state``) and the probes that must
 answer while a stuck thread holds a lock (readiness, liveness): best effort, each
