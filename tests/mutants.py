@@ -961,8 +961,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/sender.py",
-                "                keep = [p for p in self._pending[rid] if p.peer.receiver_id != old.receiver_id]\n",
-                "                keep = list(self._pending[rid])\n",
+                "            self._parked.drop_receiver(old.receiver_id)\n",
+                "",
             ),
         ),
         (INCARNATIONS + "test_a_replaced_receivers_parked_fetch_is_dropped",),
@@ -1496,6 +1496,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_teardown.py::"
             "test_a_frozen_senders_late_write_never_lands_in_blocks_released_by_the_teardown",
         ),
+    ),
+    Mutant(
+        "issue24-parked-count-out-of-step",
+        "a fetch leaving the parked table keeps its identity's parked count (max_parked leaks)",
+        (
+            Edit(
+                "kvxferd/transfer/parked.py",
+                '            self._ownership.count(p.peer.receiver_id, "parked", -1)\n',
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_parked.py::test_every_transition_keeps_the_counts_in_step",),
     ),
 )
 

@@ -113,9 +113,9 @@ def test_sender_and_receiver_dump_a_transfer_in_progress(
     xfer = dp.wait_posted(1)
     parked = rx.fetch("req-not-yet", sx.endpoint, [7], want_aux=False)
     deadline = time.monotonic() + WAIT_S
-    while sx._pending_count < 1 and time.monotonic() < deadline:
+    while sx.view().parked_count < 1 and time.monotonic() < deadline:
         time.sleep(0.005)  # the listener parks it: no event announces that
-    assert sx._pending_count == 1
+    assert sx.view().parked_count == 1
 
     status, body = fetch_state(SenderProbe(sx, sx.settings))
     assert status == 200, body

@@ -78,9 +78,9 @@ def test_a_replaced_receivers_parked_fetch_is_dropped(h: Harness) -> None:
     sx, dp = h.sender(num_threads=1)
     old = h.peer(sx, "peer-old")
     old.fetch("req-late", 1)
-    h.until(lambda: sx._pending_count == 1, "fetch parked")
+    h.until(lambda: sx.view().parked_count == 1, "fetch parked")
     h.peer(sx, "peer-new", result_endpoint=old.result_endpoint)
-    assert sx._pending_count == 0 and not sx._parked_keys
+    assert sx.view().parked_count == 0 and not sx.view().parked
     hd = sx.publish("req-late", BLOCKS)
     assert hd.session.slices() == []
     assert old.more(QUIET_S) == [] and dp.xfers == []

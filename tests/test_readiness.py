@@ -364,7 +364,7 @@ def test_readyz_is_503_stuck_while_the_receiver_is_frozen_and_200_after_it_resum
             rx.wait_event("ready", STARTUP_S)
             _publish(sx, "st-0", blocks[0])  # one transfer first: the UCX connection is up
             rx.wait_event("fetched", 30, where=lambda e: e["id"] == "st-0" and e["verified"])
-            wait_until(lambda: sx._pending_count == 1, 30, "st-1 parked on the sender")
+            wait_until(lambda: sx.view().parked_count == 1, 30, "st-1 parked on the sender")
             rx.signal(signal.SIGSTOP)
             t_frozen = time.monotonic()
             _publish(sx, "st-1", blocks[1])

@@ -68,7 +68,7 @@ def test_revoking_the_receivers_key_ends_its_open_fetch_within_a_second(
     transfer_ok(pair, "warm-up")
     dst = np.arange(8, 12, dtype=np.int64)
     f = pair.rx.fetch("later", pair.tx.endpoint, dst, want_aux=False, timeout_ms=DEADLINE_MS)
-    wait_until(lambda: pair.tx._pending_count == 1, WAIT_S, "the fetch parked at the sender")
+    wait_until(lambda: pair.tx.view().parked_count == 1, WAIT_S, "the fetch parked at the sender")
     t0 = time.monotonic()
     revoke(keys, keys.rx.name)
     out = f.wait(WAIT_S)
@@ -79,7 +79,7 @@ def test_revoking_the_receivers_key_ends_its_open_fetch_within_a_second(
     assert f.close(WAIT_S), "the blocks were not released (no CancelAck)"
     assert pair.rx.in_doubt() == 0
     assert pair.tx.stats.get("peers_told_revoked") == 1
-    assert pair.tx._pending_count == 0, "the parked fetch is still waiting at the sender"
+    assert pair.tx.view().parked_count == 0, "the parked fetch is still waiting at the sender"
 
 
 def test_a_fetch_sent_after_revocation_ends_at_once(pair: Pair, keys: Keyring) -> None:
@@ -155,7 +155,7 @@ def test_a_parked_fetch_of_a_revoked_key_is_told_and_never_attaches(
     peer = CurvePeer(world, sx, eve, "eve-1").register()
     try:
         peer.fetch("later", 5)
-        wait_until(lambda: sx._pending_count == 1, WAIT_S, "the fetch parked")
+        wait_until(lambda: sx.view().parked_count == 1, WAIT_S, "the fetch parked")
         sx.transport.allow = AllowList(None)  # the key removed: a new list, as a reload makes
         told = peer.next_message()
         assert isinstance(told, wire.Reject) and told.reason is Reason.NOT_AUTHORIZED, told

@@ -18,6 +18,7 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     session.py    TxSession / RxSession state machines (no I/O): admission, drain, fence
     sender.py     the sender: published requests, peers (replaced, evicted), the ROUTER listener thread
     peer_agents.py  the receivers' NIXL agents on a sender: writes in flight, deferred removals
+    parked.py     fetches parked on a sender before their publish: park, take, cancel, drop, expire
     worker.py     a sender worker (a thread, or the listener's inline one): lanes per receiver,
                   coalesced writes in flight, one notification or Result per slice
     receiver.py   the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table

@@ -38,7 +38,7 @@ riding on that WRITE, and the engine's outcome (the session's completion -> the 
 reply, flushed at the end of the turn). No other thread is woken.
 
 ``_lock`` (the registry lock) guards ``_live``, ``_sessions``, ``_fetches``,
-``_pending``, ``_peers``, ``_last_at`` and ``_ttl_heap``. Session state has its own lock
+``_parked`` (parked.py), ``_peers``, ``_last_at`` and ``_ttl_heap``. Session state has its own lock
 (see session.py); the registry lock is never taken while a session lock is held.
 ``agents`` (peer_agents.py, its own lock) counts the writes in flight per NIXL peer and
 keeps the peers waiting to be removed and the incarnations gone: a peer that is
@@ -93,7 +93,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -120,6 +120,7 @@ from kvxferd.transfer.iohooks import IoHooks
 from kvxferd.transfer.journal import Ending, Journal
 from kvxferd.transfer.layout import check_blocks, check_layers
 from kvxferd.transfer.ownership import IdentityLimits, Ownership, nixl_agent_name
+from kvxferd.transfer.parked import Parked, ParkedFetches
 from kvxferd.transfer.peer_agents import PeerAgents
 from kvxferd.transfer.poller import Poller, tight_timers
 from kvxferd.transfer.pool import IdAllocator, KvPool
@@ -149,19 +150,6 @@ class _Grant:
 
     token: bytes | None  # the fetch token issued at publish, or None
     allowed: frozenset[str]  # identities or receiver ids; empty: any registered receiver
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A REQUEST_DATA that arrived before its request was published."""
-
-    peer: Peer
-    msg: wire.RequestData
-    dst: np.ndarray  # msg.dst_blocks, already converted and checked
-    deadline: float  # parked until then
-    fetch_deadline: float  # no write starts after it (see Sender._fetch_deadline)
-    layers: tuple[int, int]  # the layers to write, checked (absolute ids for a mapped peer)
-    parked_at: float = field(default_factory=time.monotonic)  # for /debug/state
 
 
 class TxHandle:
@@ -248,9 +236,6 @@ class Sender:
         self._live: dict[str, TxSession] = {}  # request id -> open session (at most one)
         self._sessions: dict[int, TxSession] = {}  # session id -> every session not yet removed
         self._fetches: dict[tuple[str, int], TxSession] = {}  # (peer, fetch id) -> session
-        self._pending: dict[str, list[_Pending]] = {}
-        self._pending_count = 0
-        self._parked_keys: set[tuple[str, int]] = set()  # keys of parked fetches (duplicates)
         self._peers: dict[bytes, Peer] = {}  # routing id -> peer
         self._peer_seen: dict[bytes, float] = {}  # routing id -> last message (listener only)
         # result endpoint -> the last incarnation registered there (registry lock), kept when
@@ -258,6 +243,7 @@ class Sender:
         self._last_at: dict[str, Peer] = {}
         # Who owns which receiver id / NIXL agent, and what each identity holds (registry lock).
         self.ownership = Ownership(IdentityLimits.of(settings.limits))
+        self._parked = ParkedFetches(self.ownership)  # fetches before their publish (parked.py)
         self._grants: dict[int, _Grant] = {}  # session id -> who may fetch it (registry lock)
         self._reap_at = 0.0  # listener only: next orphan reclaim
         self._allowed_keys: frozenset[str] = frozenset()  # listener only: the list last seen
@@ -335,9 +321,9 @@ class Sender:
         copied; ``locked=False``: copied without any lock (the hang dump, best effort)."""
 
         def tables() -> tuple[
-            list[TxSession], list[Peer], list[_Pending], int, dict[str, tuple[int, int, int, int]]
+            list[TxSession], list[Peer], list[Parked], int, dict[str, tuple[int, int, int, int]]
         ]:
-            parked = [p for ps in list(self._pending.values()) for p in list(ps)]
+            parked = list(self._parked)
             who = {
                 i: (u.peers, u.fetches, u.parked, len(u.receiver_ids))
                 for i, u in self.ownership.identities().items()
@@ -346,7 +332,7 @@ class Sender:
                 list(self._sessions.values()),
                 list(self._peers.values()),
                 parked,
-                self._pending_count,
+                len(self._parked),
                 who,
             )
 
@@ -466,10 +452,7 @@ class Sender:
                 heapq.heappush(self._ttl_heap, (session.ttl_deadline, session.session_id))
                 if len(self._ttl_heap) > 2 * len(self._sessions) + 1024:
                     self._compact_ttl_heap_locked()
-                parked = self._pending.pop(request_id, [])
-                self._pending_count -= len(parked)
-                for p in parked:
-                    self.ownership.count(p.peer.receiver_id, "parked", -1)
+                parked = self._parked.take(request_id)
                 # Attach under the same lock: a CANCEL must find each fetch parked or attached.
                 attached = [
                     self._attach_locked(session, p.peer, p.msg, p.dst, p.fetch_deadline, p.layers)
@@ -946,8 +929,7 @@ class Sender:
                 or sl.writes_in_flight > 0
             ):
                 busy.add(key[0])
-        for parked in self._pending.values():
-            busy.update(p.peer.receiver_id for p in parked)
+        busy.update(self._parked.receivers())
         idle = [
             rid
             for rid, peer in self._peers.items()
@@ -972,17 +954,7 @@ class Sender:
         ``registered``: False for an incarnation invalidated earlier (already retired).
         """
         with self._lock:
-            for rid in list(self._pending):
-                keep = [p for p in self._pending[rid] if p.peer.receiver_id != old.receiver_id]
-                dropped = len(self._pending[rid]) - len(keep)
-                self.ownership.count(old.receiver_id, "parked", -dropped)
-                if dropped:
-                    self._pending_count -= dropped
-                    if keep:
-                        self._pending[rid] = keep
-                    else:
-                        del self._pending[rid]
-            self._parked_keys = {k for k in self._parked_keys if k[0] != old.receiver_id}
+            self._parked.drop_receiver(old.receiver_id)
             open_fetches = [(k, s) for k, s in self._fetches.items() if k[0] == old.receiver_id]
         if registered:
             self._retire_peer(old, gone=True)
@@ -1108,26 +1080,24 @@ class Sender:
         outcome: WriteTask | wire.Result | None = None
         with self._lock:
             key = (peer.receiver_id, msg.fetch_id)
-            if key in self._fetches or key in self._parked_keys:
+            if key in self._fetches or self._parked.holds(key):
                 refusal: tuple[Reason, str] | None = (Reason.DUPLICATE, "fetch id in use")
             elif (session := self._live.get(msg.request_id)) is not None:
                 refusal = None  # while draining too: the drain waits for published requests
                 outcome = self._attach_locked(session, peer, msg, dst, fetch_deadline, layers)
             elif self._draining.is_set():  # nothing can be published here any more
                 refusal = (Reason.DRAINING, "sender is draining: request not published here")
-            elif self._pending_count >= self.settings.limits.max_pending_fetches:
+            elif len(self._parked) >= self.settings.limits.max_pending_fetches:
                 refusal = (Reason.BUSY, "max_pending_fetches reached")
             elif (why := self.ownership.may_add(peer.receiver_id, "parked")) is not None:
                 refusal = (Reason.BUSY, why)
             else:
                 refusal = None
                 ttl = self.settings.deadlines.pending_fetch_ttl_ms / 1000
-                self._pending.setdefault(msg.request_id, []).append(
-                    _Pending(peer, msg, dst, min(now + ttl, fetch_deadline), fetch_deadline, layers)
+                self._parked.park(
+                    msg.request_id,
+                    Parked(peer, msg, dst, min(now + ttl, fetch_deadline), fetch_deadline, layers),
                 )
-                self._parked_keys.add(key)
-                self._pending_count += 1
-                self.ownership.count(peer.receiver_id, "parked", +1)
         if refusal is not None:
             return self._refuse_fetch(routing_id, peer, msg, *refusal)
         if outcome is None:
@@ -1193,7 +1163,6 @@ class Sender:
             deadline,
             notify=msg.notify,
         )
-        self._parked_keys.discard(sl.key)
         try:
             self._check_grant_locked(session, peer, msg)
             if (why := self.ownership.may_add(peer.receiver_id, "fetches")) is not None:
@@ -1292,16 +1261,7 @@ class Sender:
                 session = None
             else:
                 session = self._fetches.get((peer.receiver_id, msg.fetch_id))
-                parked = self._pending.get(msg.request_id, [])
-                for p in parked:
-                    if p.peer is peer and p.msg.fetch_id == msg.fetch_id:
-                        parked.remove(p)
-                        self._pending_count -= 1
-                        self._parked_keys.discard((peer.receiver_id, msg.fetch_id))
-                        self.ownership.count(peer.receiver_id, "parked", -1)
-                        break
-                else:
-                    p = None  # type: ignore[assignment]
+                p = self._parked.cancel(msg.request_id, peer, msg.fetch_id)
         if stolen is not None:
             self.stats.add("messages_refused_identity")
             self.stats.add(f"rejected_{Reason.NOT_AUTHORIZED}")
@@ -1345,19 +1305,8 @@ class Sender:
         if allow is not None and allow.keys is not self._allowed_keys:
             self._allowed_keys = allow.keys  # replaced whole by each reload
             self._tell_revoked()
-        expired: list[_Pending] = []
         with self._lock:
-            for rid in list(self._pending):
-                keep = [p for p in self._pending[rid] if p.deadline > now]
-                expired.extend(p for p in self._pending[rid] if p.deadline <= now)
-                if keep:
-                    self._pending[rid] = keep
-                else:
-                    del self._pending[rid]
-            self._pending_count -= len(expired)
-            for p in expired:
-                self._parked_keys.discard((p.peer.receiver_id, p.msg.fetch_id))
-                self.ownership.count(p.peer.receiver_id, "parked", -1)
+            expired = self._parked.expire(now)
             # A receiver that reconnected since its fetch parked answers on its new route
             # (a receiver id is bound to one key: ownership.py).
             routes = {q.receiver_id: rid for rid, q in self._peers.items()} if expired else {}
@@ -1502,12 +1451,7 @@ class Sender:
         drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline - join_reserve)
         with self._lock:  # publish and parking check the flag under this lock: none slips past
             self._draining.set()
-            parked = [p for ps in self._pending.values() for p in ps]
-            for p in parked:
-                self.ownership.count(p.peer.receiver_id, "parked", -1)
-            self._pending.clear()
-            self._parked_keys.clear()
-            self._pending_count = 0
+            parked = self._parked.clear()
         # 1. fetches parked for a request never published: nothing can publish it any more
         for p in parked:
             if time.monotonic() >= deadline - join_reserve:

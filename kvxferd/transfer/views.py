@@ -201,7 +201,7 @@ class ParkedView:
     deadline: float  # parked until then
 
     @classmethod
-    def of(cls, p: Any) -> ParkedView:  # p: sender._Pending
+    def of(cls, p: Any) -> ParkedView:  # p: parked.Parked
         return cls(p.msg.request_id, p.peer.receiver_id, p.msg.fetch_id, p.parked_at, p.deadline)
 
 
