@@ -523,7 +523,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/engine/gateway.py",
-                "found = self._share(rid, self._key(msg))",
+                "found = self._share(rid, self.adapter.key(msg))",
                 "found = None",
             ),
         ),

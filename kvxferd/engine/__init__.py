@@ -6,6 +6,7 @@ shell or an integration (tests/test_layering.py checks it)::
     engine_protocol.py  the engine API's messages (b"KE" + version + msgpack)
     channel.py          how frames travel: a unix stream (ipc://) or ZMQ with CURVE (tcp://)
     gateway.py          the engine gateway inside a daemon, served by the service's io thread
+    roles.py            what the gateway does differently for a sender and a receiver (an adapter each)
     client.py           what engines import: Client, AsyncClient, attach_pool
     workload.py         the demo workload (daemons, engines, verified content, summary)
 """

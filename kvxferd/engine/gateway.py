@@ -99,6 +99,7 @@ import zmq
 from kvxferd.auth import Transport, watch_server
 from kvxferd.engine import engine_protocol as ep
 from kvxferd.engine.channel import ChannelClosed, StreamChannel, StreamListener
+from kvxferd.engine.roles import Key, Role, role_for
 from kvxferd.errors import ProtocolError, RejectedError
 from kvxferd.stats import Stats
 from kvxferd.transfer.control import process_context
@@ -108,7 +109,6 @@ from kvxferd.transfer.poller import Poller
 from kvxferd.transfer.pool import KvPool
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.sender import Sender, TxHandle
-from kvxferd.transfer.session import Fence, RxOutcome, TxOutcome
 
 log = logging.getLogger("kvxferd.gateway")
 
@@ -122,7 +122,7 @@ TICK_S = 1.0  # last_progress while nothing happens
 READ_BATCH = 256  # ROUTER frames read per turn before the io thread's other sockets get a turn
 MAX_OWNERS = 16  # connections that may use one handle (its creator, then those that found it)
 
-_Key = tuple[str, str, str, int, int]  # (kind, request id, sender endpoint, layer begin, end)
+_Key = Key
 _conn_ids = itertools.count(1)
 
 
@@ -211,9 +211,8 @@ class Gateway:
         if max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
         self.service = service
-        self.role: Literal["sender", "receiver"] = (
-            "sender" if isinstance(service, Sender) else "receiver"
-        )
+        self.adapter: Role = role_for(service)  # what differs by role (roles.py)
+        self.role: Literal["sender", "receiver"] = self.adapter.name
         self.requested_endpoint = endpoint
         self.endpoint: str | None = None  # the bound address, once started
         self.max_inflight = max_inflight
@@ -255,7 +254,7 @@ class Gateway:
         """Bind the engine socket and hand the gateway to the service's io thread; the endpoint."""
         if self._started:
             raise RuntimeError("gateway already started")
-        self._pool_info = _pool_info(self.service)
+        self._pool_info = _pool_info(self.service, self.adapter)
         endpoint = self.requested_endpoint
         if endpoint.startswith("ipc://"):
             self._listen_ipc(endpoint)
@@ -789,7 +788,7 @@ class Gateway:
         """The transfer of ``call`` ended: its outcome, closed if asked (None: the close waits)."""
         if not call.close:
             return self._outcome_of(call)
-        if _closes_at_once(call.entry.handle) or time.monotonic() >= call.until:
+        if self.adapter.closes_at_once(call.entry.handle) or time.monotonic() >= call.until:
             return self._close_now(call)
         if not call.closing:  # the outcome is known; its writes in flight are not over yet
             call.closing = True
@@ -802,7 +801,7 @@ class Gateway:
     def _close_poll(self, call: _Call) -> None:
         if call.done:
             return
-        if _closes_at_once(call.entry.handle) or time.monotonic() >= call.until:
+        if self.adapter.closes_at_once(call.entry.handle) or time.monotonic() >= call.until:
             self._answer(call, self._close_now(call))
         else:
             self._timer(
@@ -812,7 +811,7 @@ class Gateway:
     def _begin_close(self, call: _Call) -> ep._Msg | None:
         """A Close: cancel if open; answered at once when safe, else once its writes ended."""
         handle = call.entry.handle
-        if _closes_at_once(handle):
+        if self.adapter.closes_at_once(handle):
             return self._close_now(call)
         safe = _before(call.deadline_ms, lambda: handle.close(0))  # cancels an open transfer
         if safe or time.monotonic() >= call.until:
@@ -846,14 +845,13 @@ class Gateway:
         if value is None:  # pragma: no cover - only asked once ended
             return self._open_outcome(call)
         hid = call.handle_id if call.kind == "start" else 0
-        return _outcome(call.call_id, handle, value, hid)
+        return self.adapter.outcome(call.call_id, handle, value, hid)
 
     def _open_outcome(self, call: _Call) -> ep.Outcome:
         """A waiting Publish/Fetch not ended within its wait: its open state and handle."""
-        state: Literal["published", "requested"] = (
-            "published" if isinstance(call.entry.handle, TxHandle) else "requested"
+        return ep.Outcome(
+            call_id=call.call_id, state=self.adapter.open_state, handle_id=call.handle_id
         )
-        return ep.Outcome(call_id=call.call_id, state=state, handle_id=call.handle_id)
 
     def _answer(self, call: _Call, reply: ep._Msg) -> None:
         if call.done:
@@ -873,8 +871,7 @@ class Gateway:
     def _start(self, rid: bytes, msg: ep.Publish | ep.Fetch) -> ep._Msg | None:
         """Publish or Fetch: the handle of the open call with this key, or a new one; with
         ``wait_ms``, waited on in the same call."""
-        want = "sender" if isinstance(msg, ep.Publish) else "receiver"
-        if want != self.role:
+        if not self.adapter.serves(msg):
             return self._refuse(
                 msg.call_id, ep.EngineReason.WRONG_ROLE, f"this daemon is a {self.role}"
             )
@@ -884,7 +881,7 @@ class Gateway:
                 ep.EngineReason.MALFORMED,
                 "a waiting publish cannot ask for a token: pass fetch_token",
             )
-        key, digest = self._key(msg), _digest(msg)
+        key, digest = self.adapter.key(msg), _digest(msg)
         if (work := self._work.get(key)) is not None and work.handle_id in self._handles:
             if work.digest != digest:
                 what = "published" if isinstance(msg, ep.Publish) else "fetched"
@@ -917,7 +914,7 @@ class Gateway:
                 )
             # 128 random bits, URL-safe: it travels in the engine's transfer parameters.
             token = msg.fetch_token or (secrets.token_urlsafe(16) if msg.token else "")
-        handle = _before(msg.deadline_unix_ms, self._service_call(msg, token))
+        handle = _before(msg.deadline_unix_ms, self.adapter.start(msg, token))
         hid = next(self._handle_ids)
         self._handles[hid] = _Entry([rid], handle, key, token)
         self._work[key] = _Work(digest, hid)
@@ -927,7 +924,7 @@ class Gateway:
         """The Handle; for a waiting call, its Outcome (now or later)."""
         entry = self._handles[hid]
         if not msg.wait_ms:
-            return self._handle_reply(msg, hid, entry.token)
+            return self.adapter.handle_reply(msg, hid, entry.token)
         return self._wait(
             _Call(
                 rid,
@@ -939,26 +936,6 @@ class Gateway:
                 msg.deadline_unix_ms,
                 "start",
             )
-        )
-
-    def _handle_reply(self, msg: ep.Publish | ep.Fetch, hid: int, token: str) -> ep.Handle:
-        """A Handle; a Publish that restricted its fetchers also gets the sender's description.
-
-        (Only then: an engine that never asks keeps reading the Handle it always got.)
-        """
-        if not (
-            isinstance(msg, ep.Publish)
-            and isinstance(self.service, Sender)
-            and (msg.token or msg.fetch_token or msg.allowed_receivers)
-        ):
-            return ep.Handle(call_id=msg.call_id, handle_id=hid)
-        return ep.Handle(
-            call_id=msg.call_id,
-            handle_id=hid,
-            sender_endpoint=self.service.endpoint,
-            # The sender's CURVE public key once security is configured ("" while off).
-            sender_key=getattr(self.service, "public_key", "") or "",
-            token=token,
         )
 
     def _describe(self, msg: ep.Describe) -> ep._Msg:
@@ -975,17 +952,16 @@ class Gateway:
 
     def _lookup(self, rid: bytes, msg: ep.Lookup) -> ep._Msg:
         """The open call with this key, shared with this connection."""
-        if self.role == "receiver" and msg.sender_endpoint is None:
-            return self._refuse(
-                msg.call_id, ep.EngineReason.MALFORMED, "lookup on a receiver needs sender_endpoint"
-            )
-        found = self._share(rid, self._key(msg))
+        problem = self.adapter.lookup_problem(msg)
+        if problem is not None:
+            return self._refuse(msg.call_id, ep.EngineReason.MALFORMED, problem)
+        found = self._share(rid, self.adapter.key(msg))
         if found is not None:
             return ep.Handle(call_id=msg.call_id, handle_id=found)
         return self._refuse(
             msg.call_id,
             ep.EngineReason.UNKNOWN_HANDLE,
-            f"no open {'publish' if self.role == 'sender' else 'fetch'} of request {msg.request_id}",
+            f"no open {self.adapter.opens} of request {msg.request_id}",
         )
 
     def _share(self, rid: bytes, key: _Key) -> int | None:
@@ -999,46 +975,6 @@ class Gateway:
             entry.owners.append(rid)
             del entry.owners[:-MAX_OWNERS]
         return work.handle_id
-
-    def _key(self, msg: ep.Publish | ep.Fetch | ep.Lookup) -> _Key:
-        if self.role == "sender":
-            return ("publish", msg.request_id, "", 0, 0)
-        assert not isinstance(msg, ep.Publish)
-        end = msg.layer_end or self.service.pool.layout.num_layers
-        return ("fetch", msg.request_id, msg.sender_endpoint or "", msg.layer_begin, end)
-
-    def _service_call(
-        self, msg: ep.Publish | ep.Fetch, token: str = ""
-    ) -> Callable[[], TxHandle | RxHandle]:
-        if isinstance(msg, ep.Publish):
-            sender = self.service
-            assert isinstance(sender, Sender)
-            return lambda: sender.publish(
-                msg.request_id,
-                msg.block_ids,
-                aux=msg.aux,
-                expected_fetches=msg.expected_fetches,
-                token=token or None,
-                allowed_receivers=msg.allowed_receivers,
-            )
-        receiver = self.service
-        assert isinstance(receiver, Receiver)
-        layers = None
-        if msg.layer_begin or msg.layer_end:
-            layers = (msg.layer_begin, msg.layer_end or receiver.pool.layout.num_layers)
-        return lambda: receiver.fetch(
-            msg.request_id,
-            msg.sender_endpoint,
-            msg.block_ids,
-            layers=layers,
-            want_aux=msg.want_aux,
-            timeout_ms=msg.timeout_ms or None,
-            token=msg.token,
-            sender_key=msg.sender_key,
-            sender_endpoints=msg.sender_endpoints,
-            tokens=msg.tokens,
-            sender_keys=msg.sender_keys,
-        )
 
     def _refuse(self, call_id: int, reason: ep.EngineReason, detail: str) -> ep.Error:
         self.stats.add(f"rejected_{reason}")
@@ -1063,7 +999,7 @@ class Gateway:
         value = completion.value() if completion.done() else None
         if value is None:
             return ep.Pending(call_id=msg.call_id)
-        return _outcome(msg.call_id, entry.handle, value)
+        return self.adapter.outcome(msg.call_id, entry.handle, value)
 
     def _call_error(self, msg: ep.ToGateway, e: Exception) -> ep.Error:
         """The Error reply for a call that raised ``e`` (counted; a bug is logged as one)."""
@@ -1121,45 +1057,6 @@ def _close(handle: TxHandle | RxHandle, deadline_ms: int) -> bool:
     return handle.close(0)
 
 
-def _closes_at_once(handle: TxHandle | RxHandle) -> bool:
-    """True when ``close`` needs no wait: the transfer ended and its memory is settled."""
-    if isinstance(handle, TxHandle):
-        return handle.session.drained_event.is_set()
-    rx = handle.session
-    return rx.ended and rx.fence_done.is_set()
-
-
-def _outcome(
-    call_id: int, handle: TxHandle | RxHandle, value: TxOutcome | RxOutcome, handle_id: int = 0
-) -> ep.Outcome:
-    if isinstance(handle, TxHandle):
-        assert isinstance(value, TxOutcome)
-        tx = handle.session
-        return ep.Outcome(
-            call_id=call_id,
-            state=value.state.value,  # type: ignore[arg-type]
-            reason=ep.engine_reason(value.reason),
-            detail=value.detail[:1024],
-            nbytes=sum(sl.nbytes for sl in tx.slices()),
-            in_doubt=value.in_doubt,
-            reusable=tx.drained,
-            handle_id=handle_id,
-        )
-    assert isinstance(value, RxOutcome)
-    rx = handle.session
-    return ep.Outcome(
-        call_id=call_id,
-        state=value.state.value,  # type: ignore[arg-type]
-        reason=ep.engine_reason(value.reason),
-        detail=value.detail[:1024],
-        nbytes=value.nbytes,
-        aux=value.aux,
-        in_doubt=rx.fence is Fence.IN_DOUBT,
-        reusable=rx.blocks_reusable,
-        handle_id=handle_id,
-    )
-
-
 def _dir_mode(socket_mode: int) -> int:
     """Mode of a socket directory we create: the owner always; group/other only if the socket lets them."""
     mode = 0o700
@@ -1170,7 +1067,7 @@ def _dir_mode(socket_mode: int) -> int:
     return mode
 
 
-def _pool_info(service: Sender | Receiver) -> ep.PoolInfo:
+def _pool_info(service: Sender | Receiver, adapter: Role) -> ep.PoolInfo:
     pool: KvPool = service.pool
     s = pool.settings
     kv_bytes = s.kv_bytes
@@ -1186,14 +1083,10 @@ def _pool_info(service: Sender | Receiver) -> ep.PoolInfo:
         kv_offset=0,
         aux_offset=kv_bytes if on_cpu else 0,
     )
-    if isinstance(service, Sender):
-        role: Literal["sender", "receiver"] = "sender"
-        endpoint, daemon_id = service.endpoint, service.sender_id
-    else:
-        role, endpoint, daemon_id = "receiver", service.result_endpoint, service.receiver_id
+    endpoint, daemon_id = adapter.identity()
     return ep.PoolInfo(
         call_id=0,
-        role=role,
+        role=adapter.name,
         shm_name=pool.shm_name,
         shm_bytes=aux_bytes + (kv_bytes if on_cpu else 0),
         layout=layout,

@@ -1,0 +1,199 @@
+"""What the engine gateway does differently for a sender and a receiver: one adapter per role.
+
+The gateway (gateway.py) serves both roles through the same handle table, calls and
+timers; everything that depends on the role sits here, so the gateway never asks which
+service it serves:
+
+=====================  ==================================  ==================================
+                       SenderRole (Sender)                 ReceiverRole (Receiver)
+=====================  ==================================  ==================================
+opens a transfer       Publish -> ``Sender.publish``       Fetch -> ``Receiver.fetch``
+key of an open call    ("publish", request id)             ("fetch", request id, sender
+                                                           endpoint, layer range)
+Lookup                 by request id                       needs ``sender_endpoint`` too
+open state             ``published``                       ``requested``
+Handle reply           sender endpoint, key and token      the handle id
+                       when the publish restricts fetchers
+close needs no wait    the session drained                 the fetch ended, its fence settled
+Outcome                bytes of every slice; reusable      bytes and aux; in doubt while the
+                       once drained                        fence is; reusable once released
+PoolInfo identity      listen endpoint, ``sender_id``      result endpoint, ``receiver_id``
+=====================  ==================================  ==================================
+
+:func:`role_for` is the one place that looks at the service's type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from kvxferd.engine import engine_protocol as ep
+from kvxferd.transfer.receiver import Receiver, RxHandle
+from kvxferd.transfer.sender import Sender, TxHandle
+from kvxferd.transfer.session import Fence, RxOutcome, TxOutcome
+
+Key = tuple[str, str, str, int, int]  # (kind, request id, sender endpoint, layer begin, end)
+
+
+class SenderRole:
+    """The gateway of a sender: engines publish."""
+
+    name: Literal["sender"] = "sender"
+    opens = "publish"
+    open_state: Literal["published"] = "published"
+
+    def __init__(self, sender: Sender) -> None:
+        self.service = sender
+
+    def serves(self, msg: ep.Publish | ep.Fetch) -> bool:
+        return isinstance(msg, ep.Publish)
+
+    def key(self, msg: ep.Publish | ep.Fetch | ep.Lookup) -> Key:
+        return ("publish", msg.request_id, "", 0, 0)
+
+    def lookup_problem(self, msg: ep.Lookup) -> str | None:
+        return None
+
+    def start(self, msg: ep.Publish | ep.Fetch, token: str) -> Callable[[], TxHandle | RxHandle]:
+        assert isinstance(msg, ep.Publish)
+        sender = self.service
+        return lambda: sender.publish(
+            msg.request_id,
+            msg.block_ids,
+            aux=msg.aux,
+            expected_fetches=msg.expected_fetches,
+            token=token or None,
+            allowed_receivers=msg.allowed_receivers,
+        )
+
+    def handle_reply(self, msg: ep.Publish | ep.Fetch, hid: int, token: str) -> ep.Handle:
+        """A Handle; a Publish that restricted its fetchers also gets the sender's description.
+
+        (Only then: an engine that never asks keeps reading the Handle it always got.)
+        """
+        if not (
+            isinstance(msg, ep.Publish) and (msg.token or msg.fetch_token or msg.allowed_receivers)
+        ):
+            return ep.Handle(call_id=msg.call_id, handle_id=hid)
+        return ep.Handle(
+            call_id=msg.call_id,
+            handle_id=hid,
+            sender_endpoint=self.service.endpoint,
+            # The sender's CURVE public key once security is configured ("" while off).
+            sender_key=getattr(self.service, "public_key", "") or "",
+            token=token,
+        )
+
+    def closes_at_once(self, handle: TxHandle | RxHandle) -> bool:
+        """True when ``close`` needs no wait: every write of the request has drained."""
+        assert isinstance(handle, TxHandle)
+        return handle.session.drained_event.is_set()
+
+    def outcome(
+        self,
+        call_id: int,
+        handle: TxHandle | RxHandle,
+        value: TxOutcome | RxOutcome,
+        handle_id: int = 0,
+    ) -> ep.Outcome:
+        assert isinstance(handle, TxHandle) and isinstance(value, TxOutcome)
+        tx = handle.session
+        return ep.Outcome(
+            call_id=call_id,
+            state=value.state.value,  # type: ignore[arg-type]
+            reason=ep.engine_reason(value.reason),
+            detail=value.detail[:1024],
+            nbytes=sum(sl.nbytes for sl in tx.slices()),
+            in_doubt=value.in_doubt,
+            reusable=tx.drained,
+            handle_id=handle_id,
+        )
+
+    def identity(self) -> tuple[str, str]:
+        """(endpoint, daemon id) for PoolInfo: where receivers reach this sender."""
+        return self.service.endpoint, self.service.sender_id
+
+
+class ReceiverRole:
+    """The gateway of a receiver: engines fetch."""
+
+    name: Literal["receiver"] = "receiver"
+    opens = "fetch"
+    open_state: Literal["requested"] = "requested"
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.service = receiver
+
+    def serves(self, msg: ep.Publish | ep.Fetch) -> bool:
+        return isinstance(msg, ep.Fetch)
+
+    def key(self, msg: ep.Publish | ep.Fetch | ep.Lookup) -> Key:
+        assert not isinstance(msg, ep.Publish)
+        end = msg.layer_end or self.service.pool.layout.num_layers
+        return ("fetch", msg.request_id, msg.sender_endpoint or "", msg.layer_begin, end)
+
+    def lookup_problem(self, msg: ep.Lookup) -> str | None:
+        return "lookup on a receiver needs sender_endpoint" if msg.sender_endpoint is None else None
+
+    def start(self, msg: ep.Publish | ep.Fetch, token: str) -> Callable[[], TxHandle | RxHandle]:
+        assert isinstance(msg, ep.Fetch)
+        receiver = self.service
+        layers = None
+        if msg.layer_begin or msg.layer_end:
+            layers = (msg.layer_begin, msg.layer_end or receiver.pool.layout.num_layers)
+        return lambda: receiver.fetch(
+            msg.request_id,
+            msg.sender_endpoint,
+            msg.block_ids,
+            layers=layers,
+            want_aux=msg.want_aux,
+            timeout_ms=msg.timeout_ms or None,
+            token=msg.token,
+            sender_key=msg.sender_key,
+            sender_endpoints=msg.sender_endpoints,
+            tokens=msg.tokens,
+            sender_keys=msg.sender_keys,
+        )
+
+    def handle_reply(self, msg: ep.Publish | ep.Fetch, hid: int, token: str) -> ep.Handle:
+        return ep.Handle(call_id=msg.call_id, handle_id=hid)
+
+    def closes_at_once(self, handle: TxHandle | RxHandle) -> bool:
+        """True when ``close`` needs no wait: the fetch ended and its fence is settled."""
+        assert isinstance(handle, RxHandle)
+        rx = handle.session
+        return rx.ended and rx.fence_done.is_set()
+
+    def outcome(
+        self,
+        call_id: int,
+        handle: TxHandle | RxHandle,
+        value: TxOutcome | RxOutcome,
+        handle_id: int = 0,
+    ) -> ep.Outcome:
+        assert isinstance(handle, RxHandle) and isinstance(value, RxOutcome)
+        rx = handle.session
+        return ep.Outcome(
+            call_id=call_id,
+            state=value.state.value,  # type: ignore[arg-type]
+            reason=ep.engine_reason(value.reason),
+            detail=value.detail[:1024],
+            nbytes=value.nbytes,
+            aux=value.aux,
+            in_doubt=rx.fence is Fence.IN_DOUBT,
+            reusable=rx.blocks_reusable,
+            handle_id=handle_id,
+        )
+
+    def identity(self) -> tuple[str, str]:
+        """(endpoint, daemon id) for PoolInfo: where senders send this receiver's Results."""
+        return self.service.result_endpoint, self.service.receiver_id
+
+
+Role = SenderRole | ReceiverRole
+
+
+def role_for(service: Sender | Receiver) -> Role:
+    """The adapter of ``service``'s role."""
+    return SenderRole(service) if isinstance(service, Sender) else ReceiverRole(service)
