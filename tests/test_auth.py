@@ -429,7 +429,9 @@ class TestRefusedAndCounted:
         src, dst = np.arange(4, dtype=np.int64), np.arange(8, 12, dtype=np.int64)
         fill_request(pair.tx.pool, "late", src)
         h = pair.rx.fetch("late", pair.tx.endpoint, dst, want_aux=False, timeout_ms=3000)
-        wait_until(lambda: pair.tx.view().parked_count == 1, WAIT_S, "the fetch parked at the sender")
+        wait_until(
+            lambda: pair.tx.view().parked_count == 1, WAIT_S, "the fetch parked at the sender"
+        )
         (keys.allowed("rx", keys.tx) / f"{keys.tx.name}.key").unlink()
         assert pair.rx.transport.allow is not None
         pair.rx.transport.allow.reload()

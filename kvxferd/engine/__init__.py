@@ -7,6 +7,8 @@ shell or an integration (tests/test_layering.py checks it)::
     channel.py          how frames travel: a unix stream (ipc://) or ZMQ with CURVE (tcp://)
     gateway.py          the engine gateway inside a daemon, served by the service's io thread
     roles.py            what the gateway does differently for a sender and a receiver (an adapter each)
-    client.py           what engines import: Client, AsyncClient, attach_pool
+    client.py           what engines import: Client, AsyncClient, attach_pool (re-exported)
+    errors.py           what an engine call raises: EngineError, EngineRejected, EngineUnavailable
+    mapping.py          the daemon's pool mapped here: shared memory, or CUDA IPC on a GPU
     workload.py         the demo workload (daemons, engines, verified content, summary)
 """
