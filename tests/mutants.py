@@ -460,7 +460,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-shutdown-asks-in-doubt",
         "the receiver's shutdown does not ask again about fetches in doubt before giving up on them",
-        (Edit("kvxferd/transfer/receiver.py", 'self._command(("retry", None))', "pass"),),
+        (Edit("kvxferd/transfer/receiver.py", "self._command(cmd.RetryInDoubt())", "pass"),),
         (RXWIRE + "test_shutdown_resends_cancel_and_is_safe_once_the_sender_answers",),
     ),
     Mutant(

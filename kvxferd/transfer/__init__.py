@@ -22,6 +22,7 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     worker.py     a sender worker (a thread, or the listener's inline one): lanes per receiver,
                   coalesced writes in flight, one notification or Result per slice
     receiver.py   the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table
+    commands.py   what other threads hand the receiver's io thread: one typed command each
     link_agents.py  the receiver's NIXL agent per sender link: spares made ahead, torn down when a
                   link goes down (the proof that ends its doubts, with revocable transports)
     waiters.py    completion delivery to threads and to every asyncio loop

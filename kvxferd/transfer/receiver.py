@@ -97,6 +97,7 @@ from kvxferd.config import ReceiverSettings
 from kvxferd.endpoints import DialAllow, advertise_host, advertised
 from kvxferd.errors import ProtocolError, Reason, RejectedError, SendTimeout
 from kvxferd.stats import Stats
+from kvxferd.transfer import commands as cmd
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer import views
 from kvxferd.transfer.control import (
@@ -197,7 +198,7 @@ class RxHandle:
 
     def cancel(self) -> None:
         """Tell the sender to stop; the blocks stay fenced until it acknowledges."""
-        self._receiver._command(("cancel", self.session))
+        self._receiver._command(cmd.Cancel(self.session))
 
     def close(self, timeout: float | None = None) -> bool:
         """Cancel if open; True once the destination blocks are safe to reuse.
@@ -251,7 +252,7 @@ class Receiver:
         # which ends its doubts), or one agent shared by every link. ``dataplane`` is that
         # shared agent's data plane (None with agents per link).
         self._lock = threading.Lock()
-        self._commands: deque[tuple[str, Any]] = deque()  # (kind, RxSession | PeerEvent | None)
+        self._commands: deque[cmd.Command] = deque()  # from other threads (commands.py)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.agents: LinkAgents | SharedAgent
         self.dataplane: DataPlane | None = dataplane
@@ -268,8 +269,8 @@ class Receiver:
                 settings.dataplane,
                 self.pool,
                 self.stats,
-                on_spare=lambda: self._command(("agent_ready", None)),
-                on_torn=lambda gen: self._command(("agent_torn", gen)),
+                on_spare=lambda: self._command(cmd.AgentReady()),
+                on_torn=lambda gen: self._command(cmd.AgentTorn(gen)),
             )
         else:
             self.dataplane = dataplane or NixlDataPlane(
@@ -529,7 +530,7 @@ class Receiver:
                 refusal = RejectedError(Reason.BUSY, "max_fetches_in_flight reached")
             else:
                 self._fetches[rx.fetch_id] = rx
-                self._commands.append(("fetch", rx))
+                self._commands.append(cmd.StartFetch(rx))
                 if not self.io.on_io_thread():  # the io thread itself runs it this turn
                     os.eventfd_write(self._wake, 1)
                 return RxHandle(self, rx)
@@ -598,7 +599,7 @@ class Receiver:
                 refusal = RejectedError(Reason.BUSY, "max_fetches_in_flight reached")
             else:
                 self._unplanned[group.fetch_id] = group
-                self._commands.append(("group", group))
+                self._commands.append(cmd.StartGroup(group))
                 if not self.io.on_io_thread():
                     os.eventfd_write(self._wake, 1)
                 self.stats.add("instance_fetches")
@@ -610,7 +611,7 @@ class Receiver:
     def _cancel_pieces(self, pieces: list[RxSession]) -> None:
         """A piece of a group ended without its bytes: the others are cancelled (io thread)."""
         for p in pieces:
-            self._command(("cancel_piece", p))
+            self._command(cmd.CancelPiece(p))
 
     def _journal_fetch(self, rx: RxSession) -> None:
         """Record how a fetch ended (its one log line; see journal.py)."""
@@ -635,13 +636,13 @@ class Receiver:
 
     def on_peer_event(self, event: Any) -> None:
         """Discovery saw a sender come, change or go (its watcher thread): handled by the io thread."""
-        self._command(("peer", event))
+        self._command(cmd.PeerEvent(event))
 
-    def _command(self, cmd: tuple[str, Any]) -> None:
+    def _command(self, command: cmd.Command) -> None:
         with self._lock:
             if self._stopping.is_set():
                 return  # the io thread is gone; shutdown ends every open fetch itself
-            self._commands.append(cmd)
+            self._commands.append(command)
             if not self.io.on_io_thread():  # the io thread itself runs it later this turn
                 os.eventfd_write(self._wake, 1)
 
@@ -773,36 +774,41 @@ class Receiver:
             with self._lock:
                 if not self._commands:
                     return
-                kind, rx = self._commands.popleft()
-            if kind == "agent_ready":  # a spare NIXL agent: links waiting for one register
-                for link in list(self._links.values()):
-                    if link.agent is None and not link.ready and not link.disconnected:
-                        self._register(link, waited=True)
-            elif kind == "agent_torn":
-                self._agent_torn(rx)
-            elif kind == "retry":  # shutdown: ask about every fetch in doubt now
-                with self._lock:
-                    doubtful = list(self._in_doubt.values())
-                for d in doubtful:
-                    d.retry_at = 0.0
-            elif kind == "peer":
-                self._on_peer_event(rx)
-            elif rx is None:
-                continue
-            elif kind == "fetch":
-                self._start_fetch(rx)
-            elif kind == "group":
-                self._start_group(rx)
-            elif kind == "cancel_piece":
-                self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "another piece ended first")
-            elif isinstance(rx, RxGroup):  # the engine cancels (or the drain ends) a group
-                self._end_group(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
-            elif kind == "drain":  # shutdown: the drain deadline passed
-                self._drain_end(rx, "still open at the drain deadline (drain_timeout_ms)")
-            elif self._draining.is_set():  # an engine lets go because it is stopping too
-                self._drain_end(rx, "cancelled by the engine during the drain")
-            else:
-                self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
+                command = self._commands.popleft()
+            match command:
+                case cmd.StartFetch(rx):
+                    self._start_fetch(rx)
+                case cmd.StartGroup(group):
+                    self._start_group(group)
+                case cmd.CancelPiece(rx):
+                    self._cancel(
+                        rx, RxState.CANCELLED, Reason.CANCELLED, "another piece ended first"
+                    )
+                case cmd.Cancel(RxGroup() as group) | cmd.DrainEnd(RxGroup() as group):
+                    # the engine cancels (or the drain ends) a group
+                    self._end_group(
+                        group, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine"
+                    )
+                case cmd.DrainEnd(RxSession() as rx):  # shutdown: the drain deadline passed
+                    self._drain_end(rx, "still open at the drain deadline (drain_timeout_ms)")
+                case cmd.Cancel(RxSession() as rx) if self._draining.is_set():
+                    # an engine lets go because it is stopping too
+                    self._drain_end(rx, "cancelled by the engine during the drain")
+                case cmd.Cancel(RxSession() as rx):
+                    self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
+                case cmd.RetryInDoubt():  # shutdown: ask about every fetch in doubt now
+                    with self._lock:
+                        doubtful = list(self._in_doubt.values())
+                    for d in doubtful:
+                        d.retry_at = 0.0
+                case cmd.PeerEvent(event):
+                    self._on_peer_event(event)
+                case cmd.AgentReady():  # a spare NIXL agent: links waiting for one register
+                    for link in list(self._links.values()):
+                        if link.agent is None and not link.ready and not link.disconnected:
+                            self._register(link, waited=True)
+                case cmd.AgentTorn(gen):
+                    self._agent_torn(gen)
 
     def _on_peer_event(self, event: Any) -> None:
         """Discovery (io thread): dial a sender before its first fetch; re-register on a restart.
@@ -1716,8 +1722,8 @@ class Receiver:
         self.drain_complete = all(rx.ended for rx in open_fetches)
         for rx in open_fetches:
             if not rx.ended:
-                self._command(("drain", rx))
-        self._command(("retry", None))
+                self._command(cmd.DrainEnd(rx))
+        self._command(cmd.RetryInDoubt())
         for rx in open_fetches:
             if self._started:
                 rx.fence_done.wait(max(0.0, settle_deadline - time.monotonic()))
