@@ -1,10 +1,10 @@
-# The two commands a newcomer runs: `make run` and `make test`.
+# The two commands a newcomer runs: `make run` and `make test`; `make check` is the inner loop.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint types unit setup clean mutants mutants-after-unit faults faults-quick nft test-vllm vllm-if-present zero-copy-check
+.PHONY: run test check lint types unit setup clean mutants mutants-after-unit faults faults-quick nft test-vllm vllm-if-present zero-copy-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ types: $(STAMP)
 
 unit: $(STAMP) etcd
 	$(PY) -m pytest -q
+
+# The inner loop, under 3 minutes on 2 cores: lint, types and the tests not marked
+# `integration` (those start daemons, CLI processes, etcd or real NIXL pairs: `make test`).
+check: lint types
+	$(PY) -m pytest -q -m "not integration"
 
 # mutants are part of every check: a guarded fix whose revert no test catches fails the build.
 # (In `make test` pytest has just passed every test the mutants name: no baseline run.)

@@ -25,6 +25,8 @@ from kvxferd.service import preflight
 from tests.conftest import SuiteKeys
 from tests.test_daemon import DaemonProcess, Engines, http_get
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, BLOCKS, BLOCK_BYTES = 2, 64, 16 << 10
 

@@ -40,7 +40,7 @@ from tests.conditions import wait_until
 from tests.peers import check_request, fill_request
 from tests.test_daemon import DaemonProcess, daemon_env
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 WAIT_S = 10.0
 POOL = dict(num_layers=2, num_blocks=64, block_elems=4096, dtype="uint8")

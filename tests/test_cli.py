@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvxferd import __version__
 from kvxferd.cli import _parser
+
+pytestmark = pytest.mark.integration
 
 
 def _env() -> dict[str, str]:

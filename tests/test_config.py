@@ -13,6 +13,8 @@ from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.errors import ConfigError
 from tests.conftest import SuiteKeys
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,8 @@ import pytest
 from kvxferd.config import load_sender_settings
 from kvxferd.errors import ConfigError
 
+pytestmark = pytest.mark.integration
+
 THREADS = "TRTLLM_KV_TRANSFER_NUM_THREADS"
 
 

@@ -46,6 +46,8 @@ from kvxferd.endpoints import advertise_host, advertised
 from tests.child import ChildProcess
 from tests.conditions import wait_until
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMD = ROOT / "deploy" / "systemd"
 K8S = ROOT / "deploy" / "k8s"

@@ -30,7 +30,7 @@ from kvxferd.discovery.record import encode_record
 from tests.conditions import wait_until
 from tests.etcd_server import ETCD, SKIP_REASON, EtcdServer
 
-pytestmark = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)]
 
 TTL_S = 2
 TIMEOUT_S = 0.5

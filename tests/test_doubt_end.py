@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
+
 from kvxferd.config import load_receiver_settings
 from kvxferd.errors import Reason
 from kvxferd.transfer.pool import IdAllocator
@@ -18,6 +20,8 @@ from tests.test_dead_peer import FROZEN_DEADLINES
 from tests.test_receiver_restart import BLOCKS, STARTUP_S, Spawn, pool, receivers, spawn
 
 __all__ = ["receivers", "spawn"]  # fixtures shared with test_receiver_restart.py
+
+pytestmark = pytest.mark.integration
 
 # Re-asks back off: 5 s after the doubt, 10 s after, then 20 s. Those due while the sender
 # is frozen find the link down and send nothing; after a freeze of FROZEN_S the next one is

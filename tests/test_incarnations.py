@@ -29,6 +29,8 @@ from tests.test_races import BLOCKS, QUIET_S, WAIT_S, Harness, h
 
 __all__ = ["h"]  # the fixture, shared with tests/test_races.py
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

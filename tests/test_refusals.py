@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 EXIT_CONFIG = 2
 

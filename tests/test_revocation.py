@@ -47,7 +47,7 @@ from tests.test_races import BLOCKS, Harness, h
 
 __all__ = ["h", "keys", "pair", "world"]
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 DEADLINE_MS = 8000  # the fetch deadline: the revoked fetch must end far sooner
 ENDS_WITHIN_S = 1.0

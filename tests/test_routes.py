@@ -33,7 +33,7 @@ from tests.test_auth import DEADLINES, POOL, Keyring, keys
 
 __all__ = ["keys"]
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 FETCH_MS = 2500  # a victim fetch must be served well within this (a lost route costs >= 3 s)
 WAIT_S = 10.0
