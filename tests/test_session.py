@@ -392,7 +392,15 @@ class TxSessionMachine(RuleBasedStateMachine):
     def expire(self, late: bool) -> None:
         now = self.s.ttl_deadline + (1.0 if late else -0.5)
         if self.s.expire(now):
-            assert late and not self.slices
+            # No reader came, or (the readers' lease) only some of the expected ones came and
+            # none of them is still queued or writing.
+            assert late
+            assert not self.slices or (
+                len(self.slices) < self.s.expected_fetches
+                and not any(
+                    sl.state in (SliceState.QUEUED, SliceState.WRITING) for sl in self.slices
+                )
+            )
 
     @precondition(lambda self: self.slices)
     @rule(i=st.integers(0, 10))
