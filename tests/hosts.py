@@ -137,6 +137,15 @@ def _unlink_segments(workdir: Path) -> None:
             Path(f"/dev/shm/{name}").unlink(missing_ok=True)
 
 
+def report(name: str, figures: dict[str, object]) -> None:
+    """Print a run's figures; with ``KVXFERD_HOSTS_FIGURES=FILE`` also append them as a JSON line."""
+    print(f"\n{name}: {json.dumps(figures, sort_keys=True)}")
+    path = os.environ.get("KVXFERD_HOSTS_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, **figures}, sort_keys=True) + "\n")
+
+
 @dataclass
 class Host:
     """One namespace host: its name, namespace, address and veth."""

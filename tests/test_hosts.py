@@ -11,7 +11,6 @@ printed (``pytest -s``) and, with ``KVXFERD_HOSTS_FIGURES=FILE``, written as JSO
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import pytest
 
 from kvxferd.faults.harness import CALL_TIMEOUT_S, FAULT_DEADLINES, Engine, p99
 from tests.conditions import wait_until
-from tests.hosts import FETCH_BOUND_S, HostNet, PairTraffic, why_no_hosts
+from tests.hosts import FETCH_BOUND_S, HostNet, PairTraffic, report, why_no_hosts
 
 pytestmark = pytest.mark.integration
 
@@ -95,14 +94,6 @@ def xpyd() -> Iterator[Xpyd]:
             [net.engine(x, seed=20 + k) for k, x in enumerate(d)],
         )
     assert not net.leftovers(), "namespaces left behind"
-
-
-def report(name: str, figures: dict[str, object]) -> None:
-    print(f"\n{name}: {json.dumps(figures, sort_keys=True)}")
-    path = os.environ.get("KVXFERD_HOSTS_FIGURES")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": name, **figures}, sort_keys=True) + "\n")
 
 
 @pytest.mark.timeout(120)

@@ -28,7 +28,6 @@ minutes. ``make faults`` runs it (``KVXFERD_PARTITIONS=1``); ``make test`` skips
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -40,7 +39,7 @@ import pytest
 from kvxferd.config import Deadlines
 from kvxferd.faults.harness import EXIT_BOUND_S, FAULT_DEADLINES, Daemon, Engine
 from tests.conditions import wait_until
-from tests.hosts import FETCH_BOUND_S, HostNet, PairTraffic, why_no_hosts
+from tests.hosts import FETCH_BOUND_S, HostNet, PairTraffic, report, why_no_hosts
 
 pytestmark = pytest.mark.integration
 
@@ -150,14 +149,6 @@ def world() -> Iterator[World]:
             {"p0": p[0], "p1": p[1], "d0": d[0], "d1": d[1]},
         )
     assert not net.leftovers(), "namespaces left behind"
-
-
-def report(name: str, figures: dict[str, object]) -> None:
-    print(f"\n{name}: {json.dumps(figures, sort_keys=True)}")
-    path = os.environ.get("KVXFERD_HOSTS_FIGURES")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": name, **figures}, sort_keys=True) + "\n")
 
 
 def partition(world: World, cut_s: float, tag: str) -> None:

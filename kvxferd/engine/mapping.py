@@ -13,14 +13,7 @@ import torch
 from kvxferd.engine import engine_protocol as ep
 from kvxferd.engine.engine_protocol import EngineReason, PoolInfo
 from kvxferd.engine.errors import EngineError
-
-_TORCH_DTYPES = {
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
+from kvxferd.transfer.pool import TORCH_DTYPES
 
 
 class _AttachedShm(shared_memory.SharedMemory):
@@ -114,7 +107,7 @@ def _open_cuda_kv(info: PoolInfo) -> torch.Tensor:  # pragma: no cover - needs a
         h.event_handle,
         h.event_sync_required,
     )
-    dtype = _TORCH_DTYPES[info.layout.dtype]
+    dtype = TORCH_DTYPES[info.layout.dtype]
     t = torch.empty((0,), dtype=dtype, device=torch.device("cuda", h.device))
     t.set_(
         torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True),

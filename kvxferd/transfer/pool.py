@@ -31,7 +31,7 @@ from kvxferd.config import PoolSettings
 from kvxferd.errors import Reason, RejectedError
 from kvxferd.transfer.layout import Layout
 
-_TORCH_DTYPES = {
+TORCH_DTYPES = {
     "uint8": torch.uint8,
     "int8": torch.int8,
     "float16": torch.float16,
@@ -137,12 +137,12 @@ class KvPool:
         host = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=host_bytes)
         shape = (settings.num_layers, settings.num_blocks, settings.block_elems)
         if settings.device == "cpu":
-            self.kv = host[:kv_bytes].view(_TORCH_DTYPES[settings.dtype]).view(shape)
+            self.kv = host[:kv_bytes].view(TORCH_DTYPES[settings.dtype]).view(shape)
             self.mem_type = "DRAM"
             self.device_id = 0
         else:  # pragma: no cover - needs a GPU; see docs/gpu.md
             dev = torch.device("cuda", settings.cuda_device)
-            self.kv = torch.zeros(shape, dtype=_TORCH_DTYPES[settings.dtype], device=dev)
+            self.kv = torch.zeros(shape, dtype=TORCH_DTYPES[settings.dtype], device=dev)
             self.mem_type = "VRAM"
             self.device_id = settings.cuda_device
         self.aux = host[host_bytes - aux_bytes :].view(settings.aux_slots, settings.aux_slot_bytes)
