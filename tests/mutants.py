@@ -481,7 +481,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the gateway closes a handle for a Wait(close) whose engine had given up (its deadline)",
         (
             Edit(
-                "kvxferd/engine/gateway.py",
+                "kvxferd/engine/waits.py",
                 "if left is not None and left <= 0:  # the engine gave up",
                 "if False:  # the engine gave up",
             ),
@@ -493,8 +493,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the gateway serves a call that arrived after its deadline",
         (
             Edit(
-                "kvxferd/engine/gateway.py",
-                "if deadline and _now_ms() >= deadline:",
+                "kvxferd/engine/calls.py",
+                "if deadline and now_ms() >= deadline:",
                 "if False:",
             ),
         ),
@@ -505,9 +505,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a retried Publish/Fetch with the same key runs again instead of returning the same handle",
         (
             Edit(
-                "kvxferd/engine/gateway.py",
-                "if (work := self._work.get(key)) is not None and work.handle_id in self._handles:",
-                "if False:",
+                "kvxferd/engine/handles.py",
+                "return work if work is not None and work.handle_id in self._handles else None",
+                "return None",
             ),
         ),
         (
@@ -522,8 +522,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "Lookup does not find an open Publish/Fetch by its key",
         (
             Edit(
-                "kvxferd/engine/gateway.py",
-                "found = self._share(rid, self.adapter.key(msg))",
+                "kvxferd/engine/calls.py",
+                "found = self.handles.share(rid, self.adapter.key(msg))",
                 "found = None",
             ),
         ),

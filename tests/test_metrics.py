@@ -48,6 +48,9 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/receiver.py": ("receiver",),
     "transfer/link_agents.py": ("receiver",),
     "engine/gateway.py": ("gateway",),
+    "engine/calls.py": ("gateway",),
+    "engine/waits.py": ("gateway",),
+    "engine/handles.py": ("gateway",),
     "transfer/guard.py": ("sender", "receiver", "gateway"),
     "auth.py": ("sender", "receiver", "gateway"),
 }

@@ -5,7 +5,11 @@ shell or an integration (tests/test_layering.py checks it)::
 
     engine_protocol.py  the engine API's messages (b"KE" + version + msgpack)
     channel.py          how frames travel: a unix stream (ipc://) or ZMQ with CURVE (tcp://)
-    gateway.py          the engine gateway inside a daemon, served by the service's io thread
+    gateway.py          the engine gateway inside a daemon: its socket and connections, served by
+                        the service's io thread
+    calls.py            one engine call from its frame to its reply (deadlines, max_inflight)
+    waits.py            the engine calls that wait, with their timers
+    handles.py          the gateway's handle table: handles by id, the open Publish/Fetch of each key
     roles.py            what the gateway does differently for a sender and a receiver (an adapter each)
     client.py           what engines import: Client, AsyncClient, attach_pool (re-exported)
     errors.py           what an engine call raises: EngineError, EngineRejected, EngineUnavailable

@@ -10,6 +10,13 @@ service it serves:
 opens a transfer       Publish -> ``Sender.publish``       Fetch -> ``Receiver.fetch``
 key of an open call    ("publish", request id)             ("fetch", request id, sender
                                                            endpoint, layer range)
+what a retry repeats   blocks, aux, expected fetches;      blocks, want_aux; token and key,
+(``digest``)           token, fetch token, allowed         the other senders' endpoints,
+                       receivers when given                tokens and keys when given
+refused at once        a waiting publish asking for a      -
+                       token; a fetch token too short
+fetch token            the engine's, or minted (128 bits)  -
+                       when it asks for one
 Lookup                 by request id                       needs ``sender_endpoint`` too
 open state             ``published``                       ``requested``
 Handle reply           sender endpoint, key and token      the handle id
@@ -25,8 +32,12 @@ PoolInfo identity      listen endpoint, ``sender_id``      result endpoint, ``re
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from collections.abc import Callable
 from typing import Literal
+
+import msgspec
 
 from kvxferd.engine import engine_protocol as ep
 from kvxferd.transfer.receiver import Receiver, RxHandle
@@ -41,6 +52,7 @@ class SenderRole:
 
     name: Literal["sender"] = "sender"
     opens = "publish"
+    opened = "published"
     open_state: Literal["published"] = "published"
 
     def __init__(self, sender: Sender) -> None:
@@ -51,6 +63,34 @@ class SenderRole:
 
     def key(self, msg: ep.Publish | ep.Fetch | ep.Lookup) -> Key:
         return ("publish", msg.request_id, "", 0, 0)
+
+    def digest(self, msg: ep.Publish | ep.Fetch) -> bytes:
+        """What a retry must repeat to get the same handle: blocks and aux."""
+        assert isinstance(msg, ep.Publish)
+        params: list[object] = [msg.block_ids, msg.aux, msg.expected_fetches]
+        if msg.token or msg.fetch_token or msg.allowed_receivers:
+            params += [msg.token, msg.fetch_token, sorted(msg.allowed_receivers)]
+        return _digest(params)
+
+    def malformed(self, msg: ep.Publish | ep.Fetch) -> str | None:
+        """Why the call is refused whatever its key (None: it is not); checked first."""
+        assert isinstance(msg, ep.Publish)
+        if msg.wait_ms and msg.token:
+            return "a waiting publish cannot ask for a token: pass fetch_token"
+        return None
+
+    def token_problem(self, msg: ep.Publish | ep.Fetch) -> str | None:
+        """Why a new publish is refused for its fetch token (None: it is not)."""
+        assert isinstance(msg, ep.Publish)
+        if msg.fetch_token and len(msg.fetch_token) < ep.MIN_TOKEN_CHARS:
+            return f"fetch_token shorter than {ep.MIN_TOKEN_CHARS} characters"
+        return None
+
+    def new_token(self, msg: ep.Publish | ep.Fetch) -> str:
+        """The fetch token of a new publish: the engine's, a new one if it asks, else ""."""
+        assert isinstance(msg, ep.Publish)
+        # 128 random bits, URL-safe: it travels in the engine's transfer parameters.
+        return msg.fetch_token or (secrets.token_urlsafe(16) if msg.token else "")
 
     def lookup_problem(self, msg: ep.Lookup) -> str | None:
         return None
@@ -120,6 +160,7 @@ class ReceiverRole:
 
     name: Literal["receiver"] = "receiver"
     opens = "fetch"
+    opened = "fetched"
     open_state: Literal["requested"] = "requested"
 
     def __init__(self, receiver: Receiver) -> None:
@@ -132,6 +173,25 @@ class ReceiverRole:
         assert not isinstance(msg, ep.Publish)
         end = msg.layer_end or self.service.pool.layout.num_layers
         return ("fetch", msg.request_id, msg.sender_endpoint or "", msg.layer_begin, end)
+
+    def digest(self, msg: ep.Publish | ep.Fetch) -> bytes:
+        """What a retry must repeat to get the same handle: blocks and aux wanted."""
+        assert isinstance(msg, ep.Fetch)
+        params: list[object] = [msg.block_ids, msg.want_aux]
+        if msg.token or msg.sender_key:
+            params += [msg.token, msg.sender_key]
+        if msg.sender_endpoints:
+            params += [msg.sender_endpoints, msg.tokens, msg.sender_keys]
+        return _digest(params)
+
+    def malformed(self, msg: ep.Publish | ep.Fetch) -> str | None:
+        return None
+
+    def token_problem(self, msg: ep.Publish | ep.Fetch) -> str | None:
+        return None
+
+    def new_token(self, msg: ep.Publish | ep.Fetch) -> str:
+        return ""
 
     def lookup_problem(self, msg: ep.Lookup) -> str | None:
         return "lookup on a receiver needs sender_endpoint" if msg.sender_endpoint is None else None
@@ -192,6 +252,10 @@ class ReceiverRole:
 
 
 Role = SenderRole | ReceiverRole
+
+
+def _digest(params: list[object]) -> bytes:
+    return hashlib.blake2b(msgspec.msgpack.encode(params), digest_size=16).digest()
 
 
 def role_for(service: Sender | Receiver) -> Role:
