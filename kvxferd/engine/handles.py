@@ -51,6 +51,8 @@ MAX_OWNERS = 16  # connections that may use one handle (its creator, then those 
 
 @dataclass(slots=True)
 class Entry:
+    """One open handle: what its Publish/Fetch opened, its key, the connections it serves."""
+
     owners: list[bytes]  # connections that may use the handle, oldest first
     handle: TxHandle | RxHandle
     key: Key
@@ -71,9 +73,8 @@ class HandleTable:
     def __init__(self, stats: Stats, max_handles: int = MAX_HANDLES) -> None:
         self.stats = stats
         self.max_handles = max_handles
-        self._handle_ids = itertools.count(
-            ((time.time_ns() // 1_000_000) << 20) + 1
-        )  # never an earlier daemon's
+        start_ms = time.time_ns() // 1_000_000
+        self._handle_ids = itertools.count((start_ms << 20) + 1)  # never an earlier daemon's
         self._handles: dict[int, Entry] = {}
         self._work: dict[Key, _Work] = {}
 

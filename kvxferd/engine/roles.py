@@ -1,8 +1,8 @@
 """What the engine gateway does differently for a sender and a receiver: one adapter per role.
 
-The gateway (gateway.py) serves both roles through the same handle table, calls and
-timers; everything that depends on the role sits here, so the gateway never asks which
-service it serves:
+The gateway serves both roles through the same calls (calls.py), handle table
+(handles.py) and waiting calls (waits.py); everything that depends on the role sits
+here, so none of them asks which service it serves:
 
 =====================  ==================================  ==================================
                        SenderRole (Sender)                 ReceiverRole (Receiver)
