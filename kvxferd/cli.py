@@ -66,7 +66,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"kvxferd: {where}{message}; see `{self.prog} --help`\n")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(tool: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``tool`` ("bench", "faults") adds that tool's options."""
     p = _Parser(prog="kvxferd", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"kvxferd {__version__}")
     sub = p.add_subparsers(
@@ -119,20 +120,23 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=1)
     d.add_argument("--json", dest="json_path", help="also write the summary as JSON here")
 
-    from kvxferd.bench import add_arguments as add_bench_arguments
-
+    # The tools' options are added only when the command line names the tool: their modules
+    # import torch and NIXL (seconds), which a daemon's refusal or `keygen` must not wait for.
     bench = sub.add_parser(
         "bench", help="kvxferd vs raw NIXL vs a plain ZMQ copy on KV-shaped workloads"
     )
-    add_bench_arguments(bench)
-    from kvxferd.faults import add_arguments as add_faults_arguments
-
-    add_faults_arguments(
-        sub.add_parser(
-            "faults",
-            help="real daemons through kills, stops, a partition, SIGTERM and a soak; figures",
-        )
+    faults = sub.add_parser(
+        "faults",
+        help="real daemons through kills, stops, a partition, SIGTERM and a soak; figures",
     )
+    if tool == "bench":
+        from kvxferd.bench import add_arguments as add_bench_arguments
+
+        add_bench_arguments(bench)
+    elif tool == "faults":
+        from kvxferd.faults import add_arguments as add_faults_arguments
+
+        add_faults_arguments(faults)
     for hidden_bench in ("_bench-tx", "_bench-rx"):
         sub.add_parser(hidden_bench).add_argument("spec")
 
@@ -191,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    tool = next((w for w in words if not w.startswith("-")), None)
+    args = _parser(tool if tool in ("bench", "faults") else None).parse_args(argv)
     try:
         if args.cmd == "sender":
             return _serve(

@@ -45,6 +45,29 @@ def test_private_bench_commands_hidden_from_help() -> None:
     assert _parser().parse_args(["_bench-tx", "spec"]).cmd == "_bench-tx"
 
 
+def test_a_refusal_and_keygen_import_neither_torch_nor_nixl() -> None:
+    """A configuration refusal (and `keygen`) answers without importing torch or NIXL: the
+    tools' options are built only when the command line names the tool."""
+    probe = (
+        "import sys\n"
+        "from kvxferd.cli import main\n"
+        "code = main(['sender', '--num-threads', '0'])\n"
+        "heavy = sorted(m for m in ('torch', 'nixl', 'kvxferd.bench', 'kvxferd.faults')"
+        " if m in sys.modules)\n"
+        "print(code, heavy)\n"
+        "from kvxferd.cli import _parser\n"
+        "print(_parser('bench').parse_args(['bench', '--reps', '2']).reps == 2,"
+        " 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = out.stdout.splitlines()
+    assert first == "2 []", (first, out.stderr[-500:])
+    assert second == "True True", "naming the tool adds its options"
+
+
 def test_print_config_into_closed_pipe_has_no_traceback() -> None:
     """print-config writing into a pipe whose reader is gone ends quietly, without a traceback."""
     read_end, write_end = os.pipe()
