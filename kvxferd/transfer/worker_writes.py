@@ -7,17 +7,25 @@ A :class:`~kvxferd.transfer.worker_tasks.WriteTask` is admitted through its sess
 (or refused) and posted (``post``, or ``post_many`` for slices coalesced into one
 WRITE); a write that could not be posted gives its admission back before the
 worker queues its Result. Every turn the worker polls each write once (``take``,
-then ``poll`` each); ``poll`` keeps the write unless NIXL released it and says
-what changed. KV first, then AUX, one after the other (the worker posts the AUX
-write when the KV one ends). One write's states::
+then ``poll`` each); ``poll`` keeps the write unless NIXL released it and returns
+what changed (a :class:`Change`), which the worker settles. KV first, then AUX,
+one after the other (the worker posts the AUX write when the KV one ends). One
+write's states::
 
-    POSTED (holds its lane) --DONE/ERR + released--> ENDED (the worker settles it:
-       |                                                     next write or Result)
-       |  past its stall deadline (STALLED), a status check that raised with its
-       |  release refused, or its release refused (DOUBTED)
-       v
-    IN DOUBT (the worker reports its slices in_doubt, frees its lane: ``free_lane``)
-    IN DOUBT --DONE/ERR + released--> ENDED (the worker sends CancelAck in_doubt=false)
+    POSTED (holds its lane)
+       |--released after DONE/ERR (DONE | FAILED)--> ENDED: the worker posts its AUX
+       |                                              write, or queues its Result
+       |--past xfer_stall_timeout_ms (STALLED)-----+
+       |--NIXL answered or raised, release         +--> IN DOUBT: the worker reports its
+       |  refused (DOUBTED)------------------------+    slices in_doubt, then ``free_lane``
+    IN DOUBT --released after DONE/ERR (DONE | FAILED)--> ENDED: the worker sends the
+                                                          receiver CancelAck(in_doubt=false)
+
+A stalled write whose release is refused later is DOUBTED too (counted; its
+slices were reported already). If settling a write raises, ``keep_after_error``
+keeps it while NIXL may hold it. The table counts the post's refusals and
+failures and ``writes_in_doubt``; the worker counts what it reports
+(``writes_stalled``, the slices' outcomes).
 
 * **Lanes held.** A posted write holds its receiver's lane and counts toward its
   sessions' busy count until it ends or falls in doubt; at most
