@@ -226,8 +226,7 @@ class Worker:
     def _guarded(self, task: WriteTask | AckTask | list[WriteTask]) -> None:
         try:
             if isinstance(task, list):
-                for refused in self.writes.post_many(task):
-                    self._slice_over(refused)
+                self._post_many(task)
             elif isinstance(task, WriteTask):
                 self._begin_slice(task)
             else:
@@ -239,6 +238,20 @@ class Worker:
                     t.session.fail_slice(t.slice, Reason.TRANSFER_ERROR, "internal error")
                     t.session.fail(Reason.TRANSFER_ERROR, "internal error")
                     self._report(t)
+
+    def _post_many(self, tasks: list[WriteTask]) -> None:
+        """Admit plain slices of one receiver and post them as one KV WRITE (worker_lanes.py's
+        ``_coalesce``); a refused one, or all when the post fails, get their Result."""
+        peer = tasks[0].peer
+        admitted: list[WriteTask] = []
+        for task in tasks:
+            if self.writes.admit(task, peer):
+                admitted.append(task)
+            else:
+                self._slice_over(task)
+        if admitted and not self.writes.post_coalesced(admitted, peer):
+            for task in admitted:  # nothing was posted: every admission was given back first
+                self._slice_over(task)
 
     def _begin_slice(self, task: WriteTask) -> None:
         if not self.writes.post(task, "kv"):

@@ -4,9 +4,9 @@ Owned by one worker's thread (``kvxferd-worker-i``, or the listener for the inli
 worker); no lock. Probes read only ``lanes_held()`` (a len).
 
 A :class:`~kvxferd.transfer.worker_tasks.WriteTask` is admitted through its session
-(or refused) and posted (``post``, or ``post_many`` for slices coalesced into one
-WRITE); a write that could not be posted gives its admission back before the
-worker queues its Result. Every turn the worker polls each write once (``take``,
+and counted toward its peer, or refused (``admit``), then posted (``post`` admits and
+posts one slice; ``post_coalesced`` posts slices admitted for one WRITE); a write that
+could not be posted gives its admission back before the worker queues its Result. Every turn the worker polls each write once (``take``,
 then ``poll`` each); ``poll`` keeps the write unless NIXL released it and returns
 what changed (a :class:`Change`), which the worker settles. KV first, then AUX,
 one after the other (the worker posts the AUX write when the KV one ends). One
@@ -53,7 +53,7 @@ from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.dataplane import PathStalled, Xfer
 from kvxferd.transfer.layout import aux_descriptors, write_descriptors
 from kvxferd.transfer.reshard import piece_descriptors
-from kvxferd.transfer.worker_tasks import WorkerHost, WriteTask
+from kvxferd.transfer.worker_tasks import Peer, WorkerHost, WriteTask
 
 
 class Change(Enum):
@@ -110,9 +110,10 @@ class WritesInFlight:
         return any(w.lane_held for w in self._writes)
 
     # -- posting -------------------------------------------------------------------------
-    def post(self, task: WriteTask, kind: str) -> bool:
-        """Admit and post one WRITE; True when it is in flight (the slice goes on later)."""
-        host, s, sl, peer = self.host, task.session, task.slice, task.peer
+    def admit(self, task: WriteTask, peer: Peer) -> bool:
+        """Admit ``task``'s write through its session and count it toward ``peer``; False
+        when refused (its session or slice ended, or a newer incarnation replaced ``peer``)."""
+        host, s, sl = self.host, task.session, task.slice
         if s.admit_write(sl) is not None:
             host.stats.add("writes_refused")
             return False
@@ -121,6 +122,13 @@ class WritesInFlight:
         if not host.peer_write_started(peer):
             s.release_admission(sl, f"receiver {peer.receiver_id} restarted", Reason.PEER_RESTARTED)
             host.stats.add("writes_refused_peer_gone")
+            return False
+        return True
+
+    def post(self, task: WriteTask, kind: str) -> bool:
+        """Admit and post one WRITE; True when it is in flight (the slice goes on later)."""
+        host, s, sl, peer = self.host, task.session, task.slice, task.peer
+        if not self.admit(task, peer):
             return False
         nixl = False  # the exception (if any) came from NIXL, not from our descriptors
         try:
@@ -176,27 +184,10 @@ class WritesInFlight:
         self._busy_sessions[s.session_id] = self._busy_sessions.get(s.session_id, 0) + 1
         return True
 
-    def post_many(self, tasks: list[WriteTask]) -> list[WriteTask]:
-        """Admit plain slices of one receiver and post them as one KV WRITE (worker_lanes.py's
-        ``_coalesce``); the tasks whose slice is over (refused, or not posted), in order."""
-        host, peer = self.host, tasks[0].peer
-        admitted: list[WriteTask] = []
-        over: list[WriteTask] = []
-        for task in tasks:
-            s, sl = task.session, task.slice
-            if s.admit_write(sl) is not None:
-                host.stats.add("writes_refused")
-                over.append(task)
-            elif not host.peer_write_started(peer):
-                s.release_admission(
-                    sl, f"receiver {peer.receiver_id} restarted", Reason.PEER_RESTARTED
-                )
-                host.stats.add("writes_refused_peer_gone")
-                over.append(task)
-            else:
-                admitted.append(task)
-        if not admitted:
-            return over
+    def post_coalesced(self, admitted: list[WriteTask], peer: Peer) -> bool:
+        """Post admitted plain slices of ``peer`` as one KV WRITE (worker_lanes.py's
+        ``_coalesce``); True when it is in flight, False when not (admissions given back)."""
+        host = self.host
         lb, le = admitted[0].slice.layer_begin, admitted[0].slice.layer_end
         src = np.concatenate([t.session.block_ids for t in admitted])
         dst = np.concatenate([t.slice.dst_blocks for t in admitted])
@@ -220,7 +211,7 @@ class WritesInFlight:
             )
             if not stalled:
                 host.peer_failed(peer, f"kv write not posted: {e}")
-            return [*over, *admitted]
+            return False
         host.stats.add("writes_coalesced", len(admitted) - 1)
         now = time.monotonic()
         for task in admitted:
@@ -231,7 +222,7 @@ class WritesInFlight:
         stall_at = now + host.settings.deadlines.xfer_stall_timeout_ms / 1000
         self._writes.append(Write(parts, "kv", xfer, state, stall_at))
         self._busy_lanes.add(peer.receiver_id)
-        return over
+        return True
 
     def _build(self, task: WriteTask, kind: str) -> tuple[np.ndarray, np.ndarray, str, str, int]:
         host, s, sl, peer = self.host, task.session, task.slice, task.peer
