@@ -92,7 +92,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "workers send Results on the shared DEALER pool instead of their own DEALERs",
         (
             Edit(
-                "kvxferd/transfer/worker.py",
+                "kvxferd/transfer/worker_outbox.py",
                 "send_bounded(sock, out.frame)",
                 "self.host._shared.send(endpoint, out.frame)  # type: ignore[attr-defined]",
             ),
@@ -372,10 +372,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "a NIXL status check that raises counts as a finished (failed) write",
         (
             Edit(
-                "kvxferd/transfer/worker.py",
+                "kvxferd/transfer/worker_writes.py",
                 'return self._try_release(w, "NIXL status check raised" + w.error)',
-                "w.xfer.release()\n                self._ended(w, ok=False)\n"
-                "                return True",
+                "w.xfer.release()\n                w.over = True\n"
+                "                return Change.FAILED",
             ),
         ),
         (TXRACES + "test_a_status_check_that_raises_keeps_the_write_in_flight_until_nixl_answers",),
@@ -385,9 +385,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a write whose release() said False counts as finished",
         (
             Edit(
-                "kvxferd/transfer/worker.py",
-                "        if released:\n            self._ended(",
-                "        if True:\n            self._ended(",
+                "kvxferd/transfer/worker_writes.py",
+                "        if released:\n            w.over = True",
+                "        if True:\n            w.over = True",
             ),
         ),
         (TXRACES + "test_a_refused_release_keeps_the_write_in_flight_until_released",),
@@ -593,9 +593,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a worker starts no task while any write is in progress (not just its own peer's)",
         (
             Edit(
-                "kvxferd/transfer/worker.py",
-                "while lane and rid not in self._busy_lanes:",
-                "while lane and not self._busy_lanes:",
+                "kvxferd/transfer/worker_lanes.py",
+                "while lane and not writes.lane_busy(rid):",
+                "while lane and not writes.lanes_held():",
             ),
         ),
         (TXRACES + "test_a_write_held_toward_one_peer_never_holds_another_peers_write",),
@@ -605,7 +605,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "workers send Results blocking (up to worker_send_timeout) instead of through the outbox",
         (
             Edit(
-                "kvxferd/transfer/worker.py",
+                "kvxferd/transfer/worker_outbox.py",
                 "sock = connect_dealer(endpoint, self.host.socket_limits, 0, server_key=key)",
                 "sock = connect_dealer(\n"
                 "                endpoint,\n"
@@ -615,7 +615,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            )",
             ),
             Edit(
-                "kvxferd/transfer/worker.py",
+                "kvxferd/transfer/worker_outbox.py",
                 "if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:",
                 "if False:",
             ),
@@ -1230,7 +1230,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the sender dials a result endpoint expecting some other key than the Register's",
         (
             Edit(
-                "kvxferd/transfer/worker.py",
+                "kvxferd/transfer/worker_outbox.py",
                 "        self._server_keys[endpoint] = peer.identity  # its result ROUTER presents",
                 "        self._server_keys[endpoint] = 'x' * 40  # its result ROUTER presents",
             ),

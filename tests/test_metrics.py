@@ -43,6 +43,8 @@ WAIT_S = 10.0
 COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/sender.py": ("sender",),
     "transfer/worker.py": ("sender",),
+    "transfer/worker_writes.py": ("sender",),
+    "transfer/worker_outbox.py": ("sender",),
     "transfer/dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
     "transfer/peer_agents.py": ("sender",),
     "transfer/receiver.py": ("receiver",),

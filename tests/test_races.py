@@ -53,7 +53,7 @@ from kvxferd.transfer import control
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer import sender as sender_mod
 from kvxferd.transfer import session as session_mod
-from kvxferd.transfer import worker as worker_mod
+from kvxferd.transfer import worker_outbox as worker_mod
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.session import RxState, SliceState, TxSession, TxState

@@ -19,8 +19,13 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     sender.py     the sender: published requests, peers (replaced, evicted), the ROUTER listener thread
     peer_agents.py  the receivers' NIXL agents on a sender: writes in flight, deferred removals
     parked.py     fetches parked on a sender before their publish: park, take, cancel, drop, expire
-    worker.py     a sender worker (a thread, or the listener's inline one): lanes per receiver,
-                  coalesced writes in flight, one notification or Result per slice
+    worker.py     a sender worker (a thread, or the listener's inline one): its turn, settling
+                  each write that changed, one notification or Result per slice
+    worker_tasks.py  what a worker is handed (write, cancel ack, reply, forget, STOP), the peer,
+                  what it needs from its sender (WorkerHost)
+    worker_lanes.py  a worker's FIFO lane per receiver and which task starts next (coalescing)
+    worker_writes.py  a worker's writes in flight: posting, polling, stall deadline, doubt, release
+    worker_outbox.py  a worker's DEALER and FIFO box per result endpoint, each message's deadline
     receiver.py   the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table
     commands.py   what other threads hand the receiver's io thread: one typed command each
     link_agents.py  the receiver's NIXL agent per sender link: spares made ahead, torn down when a
