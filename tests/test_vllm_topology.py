@@ -144,7 +144,7 @@ class Instance:
             kv = _kv(HEADS // tp, seed=100 * (side == "p") + r)
             w.register(kv, VLLM_BLOCKS, REQ_BLOCKS)
             self.ranks.append(Rank(w, kv, shard))
-        self.endpoints = [r.worker._daemon.info.endpoint for r in self.ranks]  # type: ignore[union-attr]
+        self.endpoints = [r.worker.attachment.daemon.info.endpoint for r in self.ranks]  # type: ignore[union-attr]
 
     def close(self) -> None:
         for r in self.ranks:

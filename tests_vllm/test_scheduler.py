@@ -200,16 +200,16 @@ def test_zero_copy_reports_held_requests_once_and_keeps_no_other_ids() -> None:
         consumer=False,
     )
     try:
-        w._daemon = object()  # type: ignore[assignment]  # results() only checks it is there
-        w._holding.add("held")  # what save() records for a published request
+        w.attachment.daemon = object()  # type: ignore[assignment]  # results() only checks it is there
+        w.reports.hold("held")  # what save() records for a published request
         w._done.put(_Sent("held"))  # its publish ended and was closed
         assert w.results({"other-1", "other-2"}) == (set(), set(), set())  # not finished yet
-        assert w._finished == set()  # ids of requests nobody holds are not kept
+        assert w.reports.finished == set()  # ids of requests nobody holds are not kept
         assert w.results({"held"})[0] == {"held"}
         assert w.results(set())[0] == set()  # reported once
-        assert not (w._holding or w._sent or w._finished)
+        assert not (w.reports.holding or w.reports.sent or w.reports.finished)
     finally:
-        w._client.close_client()
+        w.io.client.close_client()
 
 
 def test_a_step_that_schedules_nothing_is_idle() -> None:

@@ -8,6 +8,12 @@ vLLM loads it with ``kv_connector="KvxferdConnector"`` and
     geometry.py   vLLM's KV tensors (read from their strides) <-> the daemon's pool; pool-config
     scheduler.py  the scheduler side: which requests save or load, and their params
     worker.py     the worker side: copies, publishes, fetches, completions (an io thread)
+    attachment.py the worker's daemon: its pool checked against vLLM's KV and mapped; restarts
+    io_thread.py  the worker's io thread: its loop and client, cancels, waits, closes
+    publishes.py  the worker's send side: saves copied (or held) and published
+    loads.py      the worker's receive side: loads waiting, in flight, ended; releases
+    reports.py    the request ids the worker owes vLLM (finished / failed)
+    counters.py   the worker's counters (KvxferdConnector.stats())
     connector.py  KvxferdConnector: vLLM's KVConnectorBase_V1 over the two sides
     proxy.py      an example P/D proxy that forwards kv_transfer_params
     __main__.py   python -m kvxferd.integrations.vllm pool-config ...

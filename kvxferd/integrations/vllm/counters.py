@@ -1,0 +1,40 @@
+"""Stats: what the worker side did, counted by both of its threads (``KvxferdConnector.stats()``).
+
+Each side counts its own outcomes: Publishes the saves, Loads the loads and releases.
+The counters only grow; :meth:`Stats.snapshot` reads them all under the one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Stats:
+    """What the connector did, for tests and logs (``KvxferdConnector.stats()``)."""
+
+    saves: int = 0
+    save_failures: int = 0  # no pool room or the publish failed: the decode side will fail to load
+    loads: int = 0  # loads that put the remote KV into vLLM's blocks
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_failures: int = 0
+    loads_cancelled: int = 0
+    releases: int = 0  # remote KV freed without loading it (abort, local hit)
+    # Where a successful load's time went, summed over ``loads`` (microseconds): the fetch
+    # call to the receiver daemon, the transfer until the outcome came back (wait), and
+    # the hand-off until vLLM's engine thread took the result (the next step's results()).
+    load_fetch_call_us: int = 0
+    load_transfer_us: int = 0
+    load_handoff_us: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return {k: getattr(self, k) for k in self.__slots__ if k != "lock"}  # type: ignore[attr-defined]

@@ -1,0 +1,162 @@
+"""Publishes: the send side of the worker - a prefill's finished prompt published to its decode readers.
+
+One save, from wait_for_save to the blocks' return::
+
+    save()              engine  copy: take pool blocks and copy vLLM's into them (no room:
+                                save_failures, not published); zero copy: the request's
+                                own blocks, held (Reports.hold)
+    _publish_all()      loop    the daemon restarted since: not published (save_failures)
+    _publish()          loop    publish for ``readers`` fetches and wait for its end
+                                (fetched, expired, or cancelled by an unpublish)
+    close / close_key   loop    until no read can touch the blocks; then they go back
+    _Sent               loop -> engine, zero copy: exactly once per save handed to the
+                                loop, after its blocks went back (Reports.publish_ended)
+
+A save's pool blocks go back once, to the incarnation they were taken from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvxferd.engine.client import EngineError, EngineRejected
+from kvxferd.engine.engine_protocol import Outcome
+from kvxferd.integrations.vllm.attachment import Attachment, _Daemon
+from kvxferd.integrations.vllm.counters import Stats
+from kvxferd.integrations.vllm.io_thread import FETCH_WAIT_S, IoThread
+from kvxferd.integrations.vllm.metadata import Save, StepPlan
+from kvxferd.integrations.vllm.reports import Reports
+
+log = logging.getLogger("kvxferd.integrations.vllm")
+
+
+@dataclass(slots=True)
+class _Sent:
+    """Zero copy: a prefill request whose publish ended and whose blocks no read can touch."""
+
+    req_id: str
+
+
+class Publishes:
+    """The producer's saves: copied (or held) on the engine thread, published on the loop."""
+
+    def __init__(
+        self,
+        *,
+        attachment: Attachment,
+        io: IoThread,
+        reports: Reports,
+        stats: Stats,
+        post: Callable[[_Sent], None],
+    ) -> None:
+        self.zero_copy = attachment.zero_copy
+        self._at = attachment
+        self._io = io
+        self._reports = reports
+        self.stats = stats
+        self._post = post  # loop -> engine: a held request's publish ended
+
+    # -- engine thread -----------------------------------------------------------------------
+    def save(self, plan: StepPlan) -> None:
+        """wait_for_save: copy each completed prompt's blocks into the pool and publish them."""
+        d, geo = self._at.daemon, self._at.geometry
+        assert d is not None and geo is not None
+        batch: list[tuple[Save, list[int]]] = []
+        for s in plan.saves:
+            if self.zero_copy:  # the daemon reads vLLM's blocks themselves
+                batch.append((s, list(s.block_ids)))
+                self._reports.hold(s.req_id)
+                continue
+            ids = d.blocks.take(len(s.block_ids))
+            if ids is None:
+                self.stats.add(save_failures=1)
+                log.error(
+                    "request %s: no room in the sender's pool for %d blocks (%d of %d free); its "
+                    "decode will fail to load: raise [pool] num_blocks",
+                    s.req_id,
+                    len(s.block_ids),
+                    d.blocks.free(),
+                    d.blocks.num_blocks,
+                )
+                continue
+            geo.save(d.pool, list(s.block_ids), ids)
+            batch.append((s, ids))
+        if batch:
+            self._io.submit(self._publish_all(d, batch))
+
+    def unpublish(self, transfer_id: str) -> None:
+        """vLLM aborted the request: end its publish (a fetch in progress is cut short)."""
+        self._io.cancel_soon(transfer_id)
+
+    # -- io thread -----------------------------------------------------------------------------
+    async def _publish_all(self, d: _Daemon, batch: list[tuple[Save, list[int]]]) -> None:
+        if not await self._at.same_daemon(d):
+            for s, ids in batch:
+                self.stats.add(save_failures=1)
+                log.error("request %s: not published: the sender daemon restarted", s.req_id)
+                d.blocks.give(ids)
+                self._sent_one(s)
+            return
+        for s, ids in batch:
+            self._io.loop.create_task(self._publish(s, d, ids))
+
+    def _sent_one(self, s: Save) -> None:
+        """Zero copy: ``s``'s blocks are vLLM's to free (engine thread reports them)."""
+        if self.zero_copy:
+            self._post(_Sent(s.req_id))
+
+    async def _publish(self, s: Save, d: _Daemon, ids: list[int]) -> None:
+        try:
+            await self._publish_until_closed(s, d, ids)
+        finally:
+            self._sent_one(s)
+
+    async def _publish_until_closed(self, s: Save, d: _Daemon, ids: list[int]) -> None:
+        cancel = self._io.cancel_event(s.transfer_id)
+        first: Outcome | None = None
+        try:
+            try:
+                if s.token:
+                    h = (
+                        await self._io.client.publish_for(
+                            s.transfer_id, ids, token=s.token, expected_fetches=self._at.readers
+                        )
+                    ).handle_id
+                else:  # one call, answered at the outcome (issue 22)
+                    first = await self._io.first_outcome(
+                        self._io.client.publish_wait(
+                            s.transfer_id,
+                            ids,
+                            FETCH_WAIT_S,
+                            close=True,
+                            expected_fetches=self._at.readers,
+                        ),
+                        cancel,
+                    )
+                    h = first.handle_id
+            except EngineRejected as e:
+                self.stats.add(save_failures=1)
+                log.error("request %s: publish refused: %s", s.req_id, e)
+                d.blocks.give(ids)
+                return
+            except EngineError as e:  # no answer: it may have run; find it by key and close it
+                if cancel.is_set():  # unpublished (vLLM aborted it) while the call ran
+                    log.info("request %s: publish cancelled while it ran", s.req_id)
+                else:
+                    self.stats.add(save_failures=1)
+                    log.error("request %s: publish not answered: %s", s.req_id, e)
+                await self._io.close_key(s.transfer_id, None, d, ids)
+                return
+            self.stats.add(saves=1)
+            if first is not None and first.state != "published":  # ended within the call
+                out: Outcome | None = first
+            else:
+                out = await self._io.until_end(h, cancel, None)
+            if out is not None and out.closed:  # the wait closed it: no read can touch ids
+                d.blocks.give(ids)
+            else:
+                await self._io.close(h, d, ids)
+        finally:
+            self._io.forget(s.transfer_id)
