@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvxferd.integrations.vllm")
 
+STOP_TASKS_S = 2.0  # at shutdown: how long the cancelled tasks get to end
 RETRY_S = 0.5  # a close or wait the daemon did not answer is asked again this often
 FETCH_WAIT_S = 60.0  # a publish_wait / fetch_wait: how long one call waits for the outcome
 MAX_EARLY_CANCELS = 4096  # cancels kept for tasks not started yet
@@ -66,9 +67,7 @@ class IoThread:
         self._early_cancels: dict[str, None] = {}
         self.loop = asyncio.new_event_loop()
         self.client = AsyncClient(engine_socket, timeout_s=settings.call_timeout_s)
-        self._io = threading.Thread(
-            target=self.loop.run_forever, name="kvxferd-vllm-io", daemon=True
-        )
+        self._io = threading.Thread(target=self._run, name="kvxferd-vllm-io", daemon=True)
 
     # -- any thread ----------------------------------------------------------------------
     def start(self) -> None:
@@ -86,6 +85,21 @@ class IoThread:
             self.client.close_client()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._io.join(5.0)
+
+    def _run(self) -> None:
+        """The loop until :meth:`shutdown` stops it; then its tasks still pending are
+        cancelled and given ``STOP_TASKS_S`` to end, and the loop is closed (no task is left
+        to be destroyed pending by the garbage collector)."""
+        try:
+            self.loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.loop.run_until_complete(asyncio.wait(pending, timeout=STOP_TASKS_S))
+            if not any(not t.done() for t in pending):
+                self.loop.close()
 
     # -- loop only: the cancel table -------------------------------------------------------
     def _cancel(self, key: str) -> None:
