@@ -372,6 +372,13 @@ class NixlDataPlane:
         self._broken_at: dict[_Key, float] = {}  # when each was marked (monotonic)
         self._moving: set[str] = set()  # peers a connect thread is moving to a fresh path
         self._opening = 0  # paths being opened by connect threads (counted toward max_paths)
+        # Peers whose remote agent a thread is loading or removing on a path agent, with
+        # _lock released; another load, removal or post toward one waits on _changed.
+        self._changing: set[str] = set()
+        self._changed = threading.Condition(self._lock)
+        self._probes: list[Any] = []  # idle probe agents (``_probe``), made on first use
+        self._probes_lock = threading.Lock()  # guards _probes only
+        self._probe_seq = itertools.count(1)
         self._ids = iter(range(1 << 62))
         self.reconnects = 0  # failed transports reconnected so far
         self.fresh_paths = 0  # peers moved to a fresh connection after a stall
@@ -383,6 +390,18 @@ class NixlDataPlane:
     def _open_path(self, index: int) -> _Path:
         """A NIXL agent (``name`` for path 0, ``name.pN`` after: N counts the agents opened,
         the path's index is set where it is added) with the pool registered."""
+        agent = self._new_agent(
+            self.name if index == 0 else f"{self.name}.p{next(self._agent_seq)}"
+        )
+        pool = self._pool
+        regs = [
+            agent.register_memory([pool.kv], mem_type=pool.mem_type),
+            agent.register_memory([pool.aux], mem_type="DRAM"),
+        ]
+        return _Path(index, agent, regs)
+
+    def _new_agent(self, name: str) -> Any:
+        """A NIXL agent with this data plane's backend and settings, no memory registered."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         settings = self.settings
@@ -393,7 +412,7 @@ class NixlDataPlane:
             "default": nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT,
         }[settings.sync_mode]
         agent = nixl_agent(
-            self.name if index == 0 else f"{self.name}.p{next(self._agent_seq)}",
+            name,
             nixl_agent_config(
                 enable_prog_thread=settings.progress_thread, backends=[], sync_mode=sync
             ),
@@ -405,12 +424,7 @@ class NixlDataPlane:
                 "num_workers": str(settings.ucx_num_workers),
             },
         )
-        pool = self._pool
-        regs = [
-            agent.register_memory([pool.kv], mem_type=pool.mem_type),
-            agent.register_memory([pool.aux], mem_type="DRAM"),
-        ]
-        return _Path(index, agent, regs)
+        return agent
 
     def _prep(
         self, path: _Path, agent: str, layout: Layout, kv_base: int, device_id: int
@@ -462,15 +476,26 @@ class NixlDataPlane:
             return None
         return _Lists(remote, args.num_blocks, local, piece)
 
-    def _prep_local_locked(self, path: _Path) -> bool:
-        """The path's list of the local pool, prepared once; False turns prepping off."""
-        if path.local is None and self._want_prepped and not self._closed:
-            pool = self._pool
-            path.local = self._prep(
-                path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id
-            )
-            if path.local is None and path.index == 0:
-                self._want_prepped = False
+    def _prep_local(self, path: _Path) -> bool:
+        """The path's list of the local pool, prepared once; False turns prepping off.
+
+        Prepared without ``_lock`` (a large pool takes 60-155 ms); of two threads preparing
+        it at once, the first to install wins and the other releases its own.
+        """
+        with self._lock:
+            if path.local is not None or not self._want_prepped or self._closed:
+                return path.local is not None
+        pool = self._pool
+        local = self._prep(path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id)
+        with self._lock:
+            if local is None:
+                if path.index == 0:
+                    self._want_prepped = False
+                return path.local is not None
+            if path.local is None and not self._closed:
+                path.local = local
+                return True
+        self._release_lists([(path.agent, local)])
         return path.local is not None
 
     @property
@@ -482,16 +507,67 @@ class NixlDataPlane:
         return self._agent.get_agent_metadata()  # type: ignore[no-any-return]
 
     def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata on path 0 (every REGISTER); raises when NIXL cannot.
+
+        A probe agent connects first (``_probe``: it may block for the whole TCP connect
+        toward an unreachable peer, and only the caller waits); path 0 loads the peer once
+        the probe connected, which then takes milliseconds.
+        """
+        peer = self._probe(metadata)
         with self._lock:
-            name = self._agent.add_remote_agent(metadata)
-            peer = name.decode() if isinstance(name, bytes) else str(name)
-            self._peers.add(peer)
-            self._meta[peer] = metadata
-            self._at[peer] = 0
-            self._loaded.add((peer, 0))
-            self._broken.discard((peer, 0))
-            self._broken_at.pop((peer, 0), None)
-            return peer
+            self._claim_locked(peer)
+        loaded = False
+        try:
+            self._agent.add_remote_agent(metadata)
+            loaded = True
+        finally:
+            with self._lock:
+                self._unclaim_locked(peer)
+                if loaded:
+                    self._peers.add(peer)
+                    self._meta[peer] = metadata
+                    self._at[peer] = 0
+                    self._loaded.add((peer, 0))
+                    self._broken.discard((peer, 0))
+                    self._broken_at.pop((peer, 0), None)
+        return peer
+
+    def _probe(self, metadata: bytes) -> str:
+        """Connect to a peer from a probe agent (no pool, no write), disconnect; its name.
+
+        Raises as ``add_remote_agent`` does. Holds no lock of the data plane: toward a peer
+        whose packets vanish, ``add_remote_agent`` blocks for the whole TCP connect (UCX
+        connects blocking; SYN retries: 127 s with the kernel's defaults), and NIXL's own
+        agent lock (sync modes strict and rw) would hold every call on that agent meanwhile,
+        writes to other peers included. Each caller takes its own probe agent.
+        """
+        with self._probes_lock:
+            agent = self._probes.pop() if self._probes else None
+        if agent is None:
+            agent = self._new_agent(f"{self.name}.probe{next(self._probe_seq)}")
+        try:
+            name = agent.add_remote_agent(metadata)
+            try:
+                agent.remove_remote_agent(name)
+            except Exception:
+                log.warning("a probe agent kept the remote agent %s", name, exc_info=True)
+        finally:
+            with self._probes_lock:
+                self._probes.append(agent)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def _claim_locked(self, peer: str) -> None:
+        """Wait until no other thread loads or removes ``peer``'s remote agent, then claim it
+        (``_lock`` held; released while waiting). A load or removal claims the peer only
+        after its probe reached it, so those waits last milliseconds; a reload in place
+        (``_reload``) holds it through its probe, as the lock was held through it before."""
+        while peer in self._changing:
+            self._changed.wait()
+        self._changing.add(peer)
+
+    def _unclaim_locked(self, peer: str) -> None:
+        self._changing.discard(peer)
+        self._changed.notify_all()
 
     def _usable(self, layout: Layout, mem_type: str) -> bool:
         mine = self._layout
@@ -505,11 +581,11 @@ class NixlDataPlane:
     def prepare_peer(
         self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
     ) -> bool:
-        with self._lock:  # the local list once per path; a failure on path 0 turns prepping off
+        with self._lock:
             path = self._paths[self._at.get(peer, 0)]
-            if self._usable(layout, mem_type):
-                self._prep_local_locked(path)
-        usable = path.local is not None and self._usable(layout, mem_type)
+        # The local list once per path; a failure on path 0 turns prepping off.
+        usable = self._usable(layout, mem_type) and self._prep_local(path)
+        usable = usable and self._usable(layout, mem_type)
         args = _Whole(layout, kv_base, device_id)
         lists = self._prep_lists(path, peer, args) if usable else None
         return self._install(peer, path, args if usable else None, lists)
@@ -611,13 +687,13 @@ class NixlDataPlane:
             key = (peer, path.index)
             lists = self._remote.get(key)
             local = None if lists is None else path.local if lists.local is None else lists.local
-            if lists is None or local is None:
-                self._release_lists(free)
-                raise RuntimeError(f"no prepared descriptor list for peer {peer}")
-            self._uses[id(lists)] = self._uses.get(id(lists), 0) + 1
-            wid = self._posted_locked(key)
-            self.posts["blocks" if lists.piece is None else "piece"] += 1
+            if lists is not None and local is not None:
+                self._uses[id(lists)] = self._uses.get(id(lists), 0) + 1
+                wid = self._posted_locked(key)
+                self.posts["blocks" if lists.piece is None else "piece"] += 1
         self._release_lists(free)
+        if lists is None or local is None:
+            raise RuntimeError(f"no prepared descriptor list for peer {peer}")
 
         def released() -> None:
             self._used_by_one_less(lists)
@@ -693,8 +769,12 @@ class NixlDataPlane:
         connection on a spare path once the peer has been heard from since (the module
         docstring); until it has moved, a post behind a stalled write is refused
         (:class:`PathStalled`, nothing posted) and one toward a failed transport goes to it
-        (and fails fast). With ``max_paths`` 1 a failed transport is reloaded in place, here.
+        (and fails fast). With ``max_paths`` 1 a failed transport is reloaded in place, here,
+        with ``_lock`` released meanwhile (``_reload``). A post toward a peer whose remote
+        agent another thread is loading or removing waits for it (milliseconds).
         """
+        while peer in self._changing:
+            self._changed.wait()
         if self._closed:
             raise RuntimeError("the data plane is closed")
         path = self._paths[self._at.get(peer, 0)]
@@ -710,7 +790,9 @@ class NixlDataPlane:
             return path
         if self.settings.max_paths < 2:
             if broken:
-                self._reload_locked(path, peer, free)
+                self._reload(path, peer, free)
+                if self._closed:
+                    raise RuntimeError("the data plane is closed")
                 self._broken.discard(key)
                 self._broken_at.pop(key, None)
                 self._count_reconnect(peer, path, "reconnected in place", fresh=False)
@@ -860,15 +942,50 @@ class NixlDataPlane:
             self._stats.add("transport_fresh_paths" if fresh else "transport_reconnects")
         log.warning("transport to %s %s (path %d)", peer, what, path.index)
 
-    def _reload_locked(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> None:
-        """``max_paths`` 1: load a failed ``peer`` again on its one path, under ``_lock``."""
+    def _reload(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> None:
+        """``max_paths`` 1: load a failed ``peer`` again on its one path.
+
+        Called with ``_lock`` held; releases it around NIXL (a probe first, as for
+        ``add_peer``: the peer may be unreachable) and holds it again on return. The peer is
+        claimed meanwhile: other posts toward it wait, posts toward other peers do not.
+        """
         meta = self._meta.get(peer)
         if meta is None:
             return
         key = (peer, path.index)
+        args = self._prep_args.get(peer)
         old = self._remote.pop(key, None)
         if old is not None:
             self._retire_locked(path, old, free)
+        self._changing.add(peer)  # the caller checked that nobody had claimed it
+        lists: _Lists | None = None
+        self._lock.release()
+        try:
+            lists = self._reload_unlocked(path, peer, meta, args)
+        finally:
+            self._lock.acquire()
+            self._unclaim_locked(peer)
+        if lists is None:
+            return
+        if (
+            peer in self._peers
+            and not self._closed
+            and self._prep_args.get(peer) is args
+            and key not in self._remote
+        ):
+            self._remote[key] = lists
+        else:  # removed, closed or prepared again meanwhile: nobody will post with these
+            free.extend(lists.handles(path.agent))
+
+    def _reload_unlocked(
+        self, path: _Path, peer: str, meta: bytes, args: _Args | None
+    ) -> _Lists | None:
+        """``_reload``'s NIXL calls (``_lock`` not held, ``peer`` claimed): its lists, or None."""
+        try:
+            self._probe(meta)
+        except Exception:
+            log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
+            return None
         try:
             path.agent.remove_remote_agent(peer)
         except Exception:
@@ -877,19 +994,26 @@ class NixlDataPlane:
             path.agent.add_remote_agent(meta)
         except Exception:
             log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
-            return
-        args = self._prep_args.get(peer)
+            return None
         if args is None or not self._want_prepped:
-            return
-        if isinstance(args, _PieceArgs) or self._prep_local_locked(path):
-            lists = self._prep_lists(path, peer, args)
-            if lists is not None:
-                self._remote[key] = lists
+            return None
+        if isinstance(args, _PieceArgs) or self._prep_local(path):
+            return self._prep_lists(path, peer, args)
+        return None
 
     def remove_peer(self, peer: str) -> None:
-        """Forget ``peer``; the caller guarantees no write toward it is in flight."""
+        """Forget ``peer``; the caller guarantees no write toward it is in flight.
+
+        The tables change under ``_lock``; NIXL's ``remove_remote_agent`` runs after, with
+        the peer claimed (a load of the same name waits for it, and it for a load).
+        """
         free: list[tuple[Any, object]] = []
+        agents: list[Any] = []
+        claimed = False
         with self._lock:
+            if peer in self._peers:
+                self._claim_locked(peer)
+                claimed = True
             if peer in self._peers:
                 self._peers.discard(peer)
                 self._meta.pop(peer, None)
@@ -905,8 +1029,26 @@ class NixlDataPlane:
                         self._retire_locked(path, old, free)
                     if key in self._loaded:
                         self._loaded.discard(key)
-                        path.agent.remove_remote_agent(peer)
-        self._release_lists(free)
+                        agents.append(path.agent)
+        try:
+            self._remove_remote(peer, agents)
+        finally:
+            if claimed:
+                with self._lock:
+                    self._unclaim_locked(peer)
+            self._release_lists(free)
+
+    @staticmethod
+    def _remove_remote(peer: str, agents: list[Any]) -> None:
+        """``remove_remote_agent`` on each agent; the first error is raised after the rest ran."""
+        error: Exception | None = None
+        for agent in agents:
+            try:
+                agent.remove_remote_agent(peer)
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
