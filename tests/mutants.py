@@ -1509,6 +1509,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_parked.py::test_every_transition_keeps_the_counts_in_step",),
     ),
+    Mutant(
+        "issue24-register-load-under-the-lock",
+        "the data plane connects to a registering peer with its lock held (every write waits)",
+        (
+            Edit(
+                "kvxferd/transfer/dataplane.py",
+                "        peer = self._probe(metadata)\n        with self._lock:\n",
+                "        with self._lock:\n            peer = self._probe(metadata)\n",
+            ),
+        ),
+        (
+            "tests/test_dataplane_lock.py::"
+            "test_an_unreachable_register_never_delays_another_receivers_writes",
+        ),
+    ),
 )
 
 
