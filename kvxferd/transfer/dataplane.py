@@ -58,6 +58,37 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   and until the move completes writes keep to the old path (failing fast, or waiting
   behind the stall, as before). With ``max_paths`` 1 a broken peer is reloaded in place
   at its next post with none of its writes in flight (``transport_reconnects``).
+* **Loading a peer can block for minutes; nothing else must wait for it.** Over UCX TCP,
+  ``add_remote_agent`` connects blocking (UCX's ``TCP_CONN_NB`` is off by default): toward an
+  address whose packets vanish it returns only when the kernel gives up the connect, 127 s
+  of SYN retries with ``tcp_syn_retries`` 6 (measured 133.5 s; 7.1 s with 2), then raises
+  ``NIXL_ERR_BACKEND``. Toward a live but SIGSTOPped process it takes 15 ms (the kernel
+  accepts the connect). ``remove_remote_agent``, ``prep_xfer_dlist``, posting a WRITE and
+  ``check_xfer_state`` toward a silent peer each returned in under 1 ms (measured in network
+  namespaces with an nftables drop, docs/hosts.md). And NIXL's own agent lock (sync modes
+  strict and rw) holds every call on the agent while ``add_remote_agent`` waits: a WRITE to a
+  healthy peer on the same agent waited the full 7.1 s, even with no lock of ours held.
+
+**Locking rule.** ``_lock`` guards the tables and ``_closed``; no NIXL call that talks to a
+peer or prepares a list runs under it. What can block runs with no lock of ours held:
+
+* ``add_peer`` (every REGISTER) connects first from a *probe agent* (``_probe``: no memory
+  registered, no write; one per concurrent caller), then loads the peer on path 0. Only the
+  caller waits out an unreachable peer (the sender's listener); once the probe connected,
+  path 0's own connect takes milliseconds (a peer cut off in between still blocks it).
+* ``remove_peer`` changes the tables under ``_lock``, then calls ``remove_remote_agent``.
+* A reload in place (``max_paths`` 1, ``_reload``) releases ``_lock`` around its probe, its
+  ``remove_remote_agent``/``add_remote_agent`` and its lists, and holds it again to install
+  them; a connect thread (``_connect``) works on a path reserved for it, as before.
+* Prepared lists (the local pool's, a peer's) are made outside ``_lock`` and installed
+  under it; the list that loses a race (two threads preparing, the peer removed or prepared
+  again meanwhile, ``close()`` meanwhile) is released by the thread that made it.
+
+Loads and removals of one peer name are serialised by a *claim* (``_changing``, waited on
+through ``_changed``, a condition on ``_lock``): a second ``add_peer`` of the same agent, a
+removal, or a post toward that peer waits for the claim; posts toward other peers never do.
+A reload whose peer was removed or prepared again meanwhile (or the plane closed) installs
+nothing.
 """
 
 from __future__ import annotations
