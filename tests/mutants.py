@@ -1524,6 +1524,22 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_an_unreachable_register_never_delays_another_receivers_writes",
         ),
     ),
+    Mutant(
+        "issue24-register-connect-on-the-writers-agent",
+        "the data plane connects to a registering peer from path 0's agent, whose NIXL lock"
+        " every write needs, instead of a probe agent",
+        (
+            Edit(
+                "kvxferd/transfer/dataplane.py",
+                "            agent = self._probes.pop() if self._probes else None\n",
+                "            agent = self._agent\n",
+            ),
+        ),
+        (
+            "tests/test_dataplane_lock.py::"
+            "test_an_unreachable_register_never_delays_another_receivers_writes",
+        ),
+    ),
 )
 
 
