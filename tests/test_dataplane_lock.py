@@ -1,29 +1,38 @@
-"""A REGISTER whose NIXL metadata points at an unreachable address never delays another receiver's writes.
+"""A REGISTER whose NIXL metadata points at a silent peer never delays another receiver's writes.
 
-Toward an address whose packets vanish, NIXL's ``add_remote_agent`` blocks for the whole TCP
-connect (UCX over TCP connects blocking: SYN retries, 127 s with the kernel's defaults,
-about 7 s with ``tcp_syn_retries`` 2). The data plane must make that call with no lock a
-write needs, its own or NIXL's agent lock (docs/hosts.md, the data plane's docstring).
+Toward a peer whose packets go unanswered, NIXL's ``add_remote_agent`` blocks for the whole TCP
+connect (UCX over TCP connects blocking: SYN retries, 127 s with the kernel's defaults, about
+7 s with ``UCX_TCP_SYN_CNT`` 2). The data plane must make that call with no lock a write needs,
+its own or NIXL's agent lock (docs/hosts.md, the locking rule in kvxferd/transfer/peer_loads.py).
 
-Set-up, as root, in two network namespaces this module creates (nothing in the machine's
-own): namespace A runs a sender and a healthy receiver (children, ``tests.peers``) over
-UCX TCP on its loopback; namespace B holds a veth peer 10.79.7.2, where a NIXL agent is
-made only to take its metadata (its one address is B's veth). In A an nftables rule drops
-every packet toward 10.79.7.2, and ``tcp_syn_retries`` is 2. A third child in A then sends
-the sender a REGISTER carrying B's metadata: the sender's listener loads it and waits in
-NIXL until the connect times out. The listener reads nothing meanwhile, so the healthy
-receiver's fetches that keep flowing are those it asked for ahead (``WINDOW``): the sender
-parked them, and its publisher hands each to a worker as it publishes the request.
+A silent peer without root, on loopback: a child makes a NIXL agent over UCX TCP (``lo`` only),
+writes its metadata and stops itself (SIGSTOP). The test fills the accept queue of each of its
+listening sockets with plain connects (the kernel completes them for the stopped process,
+until the queue holds its backlog + 1); Linux then drops every further SYN toward it, so a
+connect there waits out its SYN retries. Everything stays on this host's loopback.
+
+The sender (a child running :class:`kvxferd.transfer.sender.Sender` and the test publisher,
+``tests.peers``) publishes nothing at first; a healthy receiver (``tests.peers``) asks for
+``FETCHES`` requests, which the sender parks. Once the sender reports them parked, a third
+child sends a REGISTER with the silent peer's metadata: the sender's listener loads it and
+waits in NIXL. The sender sees its own connect toward the silent port in SYN_SENT, and only
+then publishes the requests; each write of a parked fetch reports whether that connect was
+still in SYN_SENT when its request ended. Every one must have been: a write that waited for
+the load (the data plane's lock or the writers' NIXL agent held) ends only once it failed.
+No retries: each step waits for a condition with a deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
-import shutil
-import subprocess
+import resource
+import select
+import signal
+import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,30 +40,22 @@ from typing import Any
 import pytest
 
 from tests.child import ChildProcess
+from tests.conditions import wait_until
 from tests.peers import PeerProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 STARTUP_S = 60.0
-CMD_TIMEOUT_S = 10.0
-SUBNET = "10.79.7"  # exists only inside this module's namespaces (tests/hosts.py uses 10.79.0)
-SYN_RETRIES = 2  # connects give up after about 7 s in namespace A (1 + 2 + 4 s)
-BLOCKED_MIN_S = 3.0  # the REGISTER's load must have blocked at least this long to prove anything
-BLOCK = 64 << 10
-LAYERS = 8
-BLOCKS = 4  # x 64 KiB: 256 KiB per layer; written by the workers (not inline)
-# The receiver reads one layer of each request: it mostly verifies faster than the sender fills
-# and writes, so the fetches it asked ahead wait at the sender, not in the receiver.
-READ_LAYERS = "0:1"
-CAPACITY = 1  # requests the sender publishes at once: it, not the receiver, sets the pace
-WINDOW = 48
-# Healthy fetches that must end while the bad REGISTER's load blocks: the sender holds up to
-# WINDOW of them (those the receiver asked ahead); with writes waiting for the load, only the
-# CAPACITY already under way could end. When the receiver happened to be behind (few asked
-# ahead), the attempt measured little: another REGISTER is sent, at most ATTEMPTS in all.
-MIN_DURING = 8
-ATTEMPTS = 3
+SYN_CNT = 2  # the sender's connects give up after about 7 s (1 + 2 + 4 s of SYN retries)
+BLOCK = 16 << 10
+LAYERS = 2
+BLOCKS = 2  # x 16 KiB per layer; written by the workers (not inline)
+SOMAXCONN = "/proc/sys/net/core/somaxconn"
+SYN_ANSWER_S = 0.5
+FETCHES = 8  # parked at the sender before the REGISTER; all must end while it blocks
 MODULE = "tests.test_dataplane_lock"  # what the children run (``__name__`` is __main__ there)
+# Every child speaks UCX over TCP on loopback only.
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 DEADLINES = dict(
     kv_transfer_timeout_ms=60_000,
     register_timeout_ms=int(STARTUP_S * 1000),
@@ -66,99 +67,164 @@ def _pool(blocks: int) -> dict[str, Any]:
     return dict(num_layers=LAYERS, num_blocks=blocks, block_elems=BLOCK, dtype="uint8")
 
 
-def why_no_netns() -> str | None:
-    """Why the namespaces cannot be built here (a skip message), or None."""
-    how = "run the tests as root (sudo make test) on Linux with iproute2 and nftables"
-    if os.geteuid() != 0:
-        return f"network namespaces and nftables need root: {how}"
-    for tool in ("ip", "nft"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed: {how}"
-    return None
+# -- the silent peer --------------------------------------------------------------------------
 
 
-def _run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, timeout=CMD_TIMEOUT_S, capture_output=True)
+def _socket_inodes(pid: int | str) -> set[str]:
+    """The inodes of the sockets process ``pid`` holds open."""
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd_dir / fd)
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    return inodes
 
 
-class _Namespaces:
-    """Namespaces A and B joined by a veth pair; in A, packets toward B's address vanish.
+def _tcp_sockets(pid: int | str) -> list[dict[str, Any]]:
+    """Process ``pid``'s IPv4 TCP sockets from /proc: state, ports and the queues' lengths."""
+    mine = _socket_inodes(pid)
+    found = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[9] not in mine:
+            continue
+        rx_queue = int(f[4].split(":")[1], 16)
+        found.append(
+            dict(
+                state=int(f[3], 16),  # 10: LISTEN, 2: SYN_SENT
+                local_port=int(f[1].split(":")[1], 16),
+                remote_port=int(f[2].split(":")[1], 16),
+                queued=rx_queue,  # for a listening socket: connections waiting to be accepted
+            )
+        )
+    return found
 
-    Named ``kvxl{pid}-a|b``; those a SIGKILLed run left (their pid is gone) are deleted first.
-    """
 
-    def __init__(self) -> None:
-        _sweep()
-        tag = f"kvxl{os.getpid()}"
-        self.a, self.b = f"{tag}-a", f"{tag}-b"
+TCP_LISTEN, TCP_SYN_SENT = 10, 2
+
+
+def syn_sent_to(port: int) -> bool:
+    """True while this process has a connect toward ``port`` (on loopback) in SYN_SENT."""
+    return any(
+        s["state"] == TCP_SYN_SENT and s["remote_port"] == port for s in _tcp_sockets("self")
+    )
+
+
+class _Silent(ChildProcess):
+    """This module's ``silent`` child: a NIXL agent over UCX TCP on ``lo``, stopped."""
+
+    def __init__(self, out: Path, log_dir: Path) -> None:
+        super().__init__(
+            MODULE, ["silent", str(out)], log_dir / "silent.stderr", "silent", env=UCX_ENV
+        )
+        self.ready = False
+        self._start_reader()
+
+    def _take(self, line: str) -> None:
+        self.ready = self.ready or line.strip() == "ready"
+
+
+class SilentPeer:
+    """A stopped NIXL agent whose listening sockets' accept queues are full (SYNs dropped)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.meta_path = log_dir / "silent.meta"
+        self.fillers: list[socket.socket] = []
+        self.child = _Silent(self.meta_path, log_dir)
         try:
-            for ns in (self.a, self.b):
-                _run("ip", "netns", "add", ns)
-                _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run(
-                "ip",
-                "-n",
-                self.a,
-                "link",
-                "add",
-                "va",
-                "type",
-                "veth",
-                "peer",
-                "vb",
-                "netns",
-                self.b,
-            )
-            _run("ip", "-n", self.a, "addr", "add", f"{SUBNET}.1/24", "dev", "va")
-            _run("ip", "-n", self.b, "addr", "add", f"{SUBNET}.2/24", "dev", "vb")
-            _run("ip", "-n", self.a, "link", "set", "va", "up")
-            _run("ip", "-n", self.b, "link", "set", "vb", "up")
-            ns_a = ("ip", "netns", "exec", self.a)
-            _run(*ns_a, "sysctl", "-qw", f"net.ipv4.tcp_syn_retries={SYN_RETRIES}")
-            _run(*ns_a, "nft", "add", "table", "ip", "kvxl")
-            _run(*ns_a, "nft", "add chain ip kvxl out { type filter hook output priority 0 ; }")
-            _run(
-                *ns_a,
-                "nft",
-                "add",
-                "rule",
-                "ip",
-                "kvxl",
-                "out",
-                "ip",
-                "daddr",
-                f"{SUBNET}.2",
-                "drop",
-            )
+            self._silence()
         except BaseException:
             self.close()
             raise
 
-    def close(self) -> None:
-        """Delete both namespaces (their veth, sysctl and nftables go with them)."""
-        for ns in (self.a, self.b):
-            subprocess.run(["ip", "netns", "del", ns], timeout=CMD_TIMEOUT_S, capture_output=True)
-
-
-def _sweep() -> None:
-    listed = subprocess.run(
-        ["ip", "netns", "list"], timeout=CMD_TIMEOUT_S, capture_output=True, text=True
-    )
-    for line in listed.stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
-        m = re.fullmatch(r"kvxl(\d+)-[ab]", name)
-        if m and not Path(f"/proc/{m.group(1)}").exists():
-            subprocess.run(["ip", "netns", "del", name], timeout=CMD_TIMEOUT_S, capture_output=True)
-
-
-class _InNs(PeerProcess):
-    """A child run inside a namespace: ``python -m tests.test_dataplane_lock NS ROLE ARGS``,
-    which execs ``ROLE`` there (a ``tests.peers`` role, or this module's ``register``)."""
-
-    def __init__(self, ns: str, role: str, args: list[str], log_dir: Path, name: str) -> None:
-        ChildProcess.__init__(
-            self, MODULE, [ns, role, *args], log_dir / f"{name}.stderr", name, env={}
+    def _silence(self) -> None:
+        pid = self.child.pid
+        with self.child._cond:
+            if not self.child._cond.wait_for(
+                lambda: self.child.ready or self.child._eof, STARTUP_S
+            ):
+                raise AssertionError(f"the silent peer never got ready\n{self.child.describe()}")
+        assert self.child.ready, self.child.describe()
+        wait_until(
+            lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+            10,
+            "the silent peer stopped itself",
         )
+        listening = [s for s in _tcp_sockets(pid) if s["state"] == TCP_LISTEN]
+        assert listening, "the silent peer's agent listens on no IPv4 TCP socket"
+        self.ports = [s["local_port"] for s in listening]
+        # A listener's backlog is at most net.core.somaxconn; its queue is full at backlog + 1.
+        need = len(listening) * (int(Path(SOMAXCONN).read_text()) + 2) + 256
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < need:
+            if hard != resource.RLIM_INFINITY and hard < need:
+                pytest.skip(
+                    f"filling the accept queues takes {need} descriptors (hard limit {hard})"
+                )
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        for port in self.ports:
+            self._fill(port)
+
+    def _fill(self, port: int) -> None:
+        """Connect into ``port`` one at a time until a connect is not answered: the kernel
+        completes each for the stopped process while its accept queue has room, and drops
+        the SYN once it is full. Checked in /proc: the queue holds every completed connect (and
+        sometimes the last, unanswered in time, too)."""
+        poller = select.poll()
+        while True:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", port))
+            poller.register(s, select.POLLOUT)
+            # Loopback answers a SYN in microseconds; a dropped one is retried after 1 s.
+            answered = poller.poll(int(SYN_ANSWER_S * 1000))
+            poller.unregister(s)
+            if not answered:
+                s.close()
+                break
+            err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            assert err == 0, f"a connect into port {port} failed: {os.strerror(err)}"
+            self.fillers.append(s)
+        [listener] = [
+            x
+            for x in _tcp_sockets(self.child.pid)
+            if x["local_port"] == port and x["state"] == TCP_LISTEN
+        ]
+        assert listener["queued"] >= len(self.fillers) > 0, (listener, len(self.fillers))
+
+    def metadata(self) -> bytes:
+        return self.meta_path.read_bytes()
+
+    def close(self) -> None:
+        """Close the fillers, let the child run on to its clean exit; kill it if it does not."""
+        for s in self.fillers:
+            s.close()
+        self.fillers.clear()
+        if self.child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child.pid, signal.SIGCONT)
+            with contextlib.suppress(Exception):
+                self.child.proc.wait(timeout=20)
+        self.child.kill()
+
+
+@pytest.fixture
+def silent_peer(tmp_path: Path) -> Iterator[SilentPeer]:
+    peer = SilentPeer(tmp_path)
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
+class _Child(PeerProcess):
+    """This module's own roles (``python -m tests.test_dataplane_lock ROLE ARGS``)."""
+
+    def __init__(self, role: str, args: list[str], log_dir: Path, name: str, env: dict[str, str]):
+        ChildProcess.__init__(self, MODULE, [role, *args], log_dir / f"{name}.stderr", name, env)
         self.role = role
         self.noise = []
         self._events = []
@@ -166,75 +232,50 @@ class _InNs(PeerProcess):
 
 
 @pytest.fixture
-def namespaces() -> Iterator[_Namespaces]:
-    why = why_no_netns()
-    if why:
-        pytest.skip(why)
-    ns = _Namespaces()
-    try:
-        yield ns
-    finally:
-        ns.close()
-
-
-@pytest.fixture
 def spawn(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    spawned: list[_InNs] = []
+    spawned: list[PeerProcess] = []
     request.addfinalizer(lambda: [p.kill() for p in spawned])
 
-    def start(ns: str, role: str, name: str, *args: str) -> _InNs:
-        p = _InNs(ns, role, list(args), tmp_path, name)
+    def start(role: str, name: str, *args: str, env: dict[str, str] | None = None) -> PeerProcess:
+        p: PeerProcess
+        if role == "receiver":
+            p = PeerProcess(role, list(args), tmp_path, name)
+        else:
+            p = _Child(role, list(args), tmp_path, name, env or {})
         spawned.append(p)
         return p
 
     return start
 
 
-def _metadata_of_b(ns: _Namespaces, out: Path) -> None:
-    """NIXL metadata of an agent in B whose only address is B's veth (written to ``out``)."""
-    env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "vb"}
-    cmd = ["ip", "netns", "exec", ns.b, sys.executable, "-m", MODULE, "-", "agent", str(out)]
-    done = subprocess.run(cmd, env=env, timeout=STARTUP_S, capture_output=True, text=True)
-    assert done.returncode == 0 and out.exists(), done.stderr[-2000:]
-
-
 def test_an_unreachable_register_never_delays_another_receivers_writes(
-    namespaces: _Namespaces, spawn: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    silent_peer: SilentPeer, spawn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While the sender's NIXL load of a REGISTER toward a silent address blocks (about 7 s), the
-    healthy receiver's fetches the sender already holds keep being written: 8 or more end
-    (at most 3 attempts)."""
-    monkeypatch.setenv("UCX_TLS", "tcp")  # every child inherits it
-    meta = tmp_path / "unreachable.meta"
-    _metadata_of_b(namespaces, meta)
-    a = namespaces.a
+    """While the sender's NIXL load of a REGISTER toward a silent peer blocks (about 7 s), each
+    of the healthy receiver's parked fetches is written: all ``FETCHES`` requests end while the
+    sender's connect toward the silent peer is still in SYN_SENT."""
+    for k, v in UCX_ENV.items():
+        monkeypatch.setenv(k, v)  # every child inherits them
+    [port] = silent_peer.ports  # one IPv4 address on lo: one listening socket
     tx_settings = dict(
         num_threads=2,
         inline_write_max_bytes=0,
-        pool=_pool(CAPACITY * BLOCKS),
+        pool=_pool(FETCHES * BLOCKS),
         deadlines=DEADLINES,
         dataplane=dict(ucx_tls="tcp"),
     )
     tx = spawn(
-        a,
         "sender",
         "tx",
-        "--settings",
         json.dumps(tx_settings),
-        "--prefix",
-        "ok",
-        "--count",
-        "1000000",
-        "--blocks",
-        str(BLOCKS),
+        str(port),
+        env={"UCX_TCP_SYN_CNT": str(SYN_CNT)},
     )
     ready = tx.wait_event("ready", STARTUP_S)
-    assert ready["pid"] == tx.pid, "the child did not exec in place"
     rx_settings = dict(
-        pool=_pool(WINDOW * BLOCKS), deadlines=DEADLINES, dataplane=dict(ucx_tls="tcp")
+        pool=_pool(FETCHES * BLOCKS), deadlines=DEADLINES, dataplane=dict(ucx_tls="tcp")
     )
     rx = spawn(
-        a,
         "receiver",
         "rx",
         "--settings",
@@ -244,117 +285,120 @@ def test_an_unreachable_register_never_delays_another_receivers_writes(
         "--prefix",
         "ok",
         "--ids",
-        "0:1000000",
+        f"0:{FETCHES}",
         "--blocks",
         str(BLOCKS),
-        "--layers",
-        READ_LAYERS,
         "--window",
-        str(WINDOW),
+        str(FETCHES),
     )
-    rx.wait_events("fetched", 3 * WINDOW, STARTUP_S, where=lambda e: e["verified"])
-
-    seen: list[int] = []
-    for attempt in range(ATTEMPTS):
-        bad = spawn(a, "register", f"bad{attempt}", ready["endpoint"], str(meta))
-        assert bad.wait_event("connected", STARTUP_S)["ok"], "the first REGISTER was not refused"
-        sent = bad.wait_event("sent", STARTUP_S)["t"]
-        reply = bad.wait_event("reply", STARTUP_S)
-        blocked_s = reply["t"] - sent
-        # Counted at the sender (its publisher reports each request it closed): the
-        # receiver's own reports trail what landed.
-        during = [
-            e["t"] - sent
-            for e in tx.events("ended")
-            if sent < e["t"] < reply["t"] and e["state"] == "complete"
-        ]
-        seen.append(len(during))
-        print(
-            f"attempt {attempt}: the load blocked {blocked_s:.2f} s ({reply['detail']}); the"
-            f" sender ended {len(during)} healthy fetches meanwhile, the last at"
-            f" {max(during, default=0):.3f} s"
-        )
-        assert not reply["ok"] and reply["reason"] == "incompatible", reply
-        assert blocked_s >= BLOCKED_MIN_S, f"the load blocked only {blocked_s:.2f} s"
-        if len(during) >= MIN_DURING:
-            break
-        # Too few fetches waited at the sender when the load began (the receiver was
-        # behind): measure again once the stream flows again.
-        rx.wait_events("fetched", len(rx.events("fetched")) + 2 * WINDOW, STARTUP_S)
-    else:
-        pytest.fail(
-            f"healthy fetches ended during the blocked load, per attempt: {seen}; with writes"
-            f" free of the load, {MIN_DURING} or more of the {WINDOW} asked ahead would"
-        )
-    rx.wait_events("fetched", len(rx.events("fetched")) + 1, STARTUP_S)  # it goes on after
-    assert all(e["verified"] for e in rx.events("fetched")), "a healthy fetch failed"
+    tx.wait_event("parked", STARTUP_S)
+    bad = spawn("register", "bad", ready["endpoint"], str(silent_peer.meta_path))
+    blocked = tx.wait_event("blocked", STARTUP_S)
+    reply = bad.wait_event("reply", STARTUP_S)
+    assert not reply["ok"] and reply["reason"] == "incompatible", reply
+    ended = tx.wait_events("ended", FETCHES, STARTUP_S)
+    late = [e for e in ended if not e["connecting"] or e["state"] != "complete"]
+    print(
+        f"the load blocked {reply['at'] - blocked['at']:.2f} s after the sender saw its connect"
+        f" ({reply['detail']}); requests ended meanwhile at"
+        f" {[round(e['at'] - blocked['at'], 3) for e in ended]} s"
+    )
+    assert not late, (
+        f"{len(late)} of {FETCHES} parked fetches were written only after the load toward the"
+        f" silent peer gave up: {late}"
+    )
+    fetched = rx.wait_events("fetched", FETCHES, STARTUP_S)
+    assert all(e["verified"] for e in fetched), "a healthy fetch failed"
 
 
 # -- the children ------------------------------------------------------------------------
 
 
 def _emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    print(json.dumps({"event": event, "at": time.monotonic(), **fields}, default=str), flush=True)
 
 
-def _agent(out: str) -> int:
-    """Make a NIXL agent here and write its metadata to ``out``; then exit."""
+def _silent(out: str) -> int:
+    """Make a NIXL agent, write its metadata to ``out``, stop; once continued, close and exit."""
     from kvxferd.config import DataPlaneSettings, PoolSettings
     from kvxferd.transfer.dataplane import NixlDataPlane
     from kvxferd.transfer.pool import KvPool
 
-    pool = KvPool(PoolSettings(**_pool(BLOCKS)), owner="lock-agent")
+    pool = KvPool(PoolSettings(**_pool(BLOCKS)), owner=f"lock-silent-{os.getpid()}")
     try:
-        dp = NixlDataPlane(f"kvxl-unreachable-{os.getpid()}", DataPlaneSettings(), pool)
+        dp = NixlDataPlane(f"kvxl-silent-{os.getpid()}", DataPlaneSettings(ucx_tls="tcp"), pool)
         Path(out).write_bytes(dp.metadata())
+        print("ready", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
         dp.close()
     finally:
         pool.close()
     return 0
 
 
+def _sender(settings: str, silent_port: str) -> int:
+    """A sender whose publisher waits: until ``FETCHES`` fetches are parked (reported), then
+    until this process connects toward ``silent_port`` (reported); then it publishes them.
+    Each ``ended`` request says whether that connect was still in SYN_SENT."""
+    from kvxferd.config import load_sender_settings
+    from kvxferd.transfer.sender import Sender
+    from tests.peers import Publisher
+
+    port = int(silent_port)
+    overrides = {"listen": "tcp://127.0.0.1:0", **json.loads(settings)}
+    sender = Sender(load_sender_settings(**overrides)).start()
+    _emit("ready", endpoint=sender.endpoint, pid=os.getpid())
+
+    def emit(event: str, **fields: Any) -> None:
+        if event == "ended":
+            fields["connecting"] = syn_sent_to(port)
+        _emit(event, **fields)
+
+    pub = Publisher(sender, prefix="ok", count=FETCHES, blocks=BLOCKS, emit=emit)
+    pub.paused.set()
+    wait_until(lambda: sender.view().parked_count >= FETCHES, STARTUP_S, "fetches parked")
+    _emit("parked")
+    wait_until(lambda: syn_sent_to(port), STARTUP_S, "a connect toward the silent peer", 0.001)
+    _emit("blocked")
+    pub.paused.clear()
+    pub.start()
+    wait_until(lambda: pub.finished, STARTUP_S, "every request ended")
+    pub.stop()
+    sender.shutdown()
+    return 0
+
+
 def _register(endpoint: str, meta_path: str) -> int:
-    """Send a REGISTER with the metadata in ``meta_path``; report ``sent`` and its ``reply``."""
+    """Send a REGISTER with the metadata in ``meta_path``; report its ``reply``."""
     import zmq
-    from msgspec.structs import replace
 
     from kvxferd.config import PoolSettings
     from kvxferd.transfer import protocol as wire
     from kvxferd.transfer.pool import KvPool
 
-    pool = KvPool(PoolSettings(**_pool(BLOCKS)), owner="lock-register")  # a layout like A's
+    pool = KvPool(PoolSettings(**_pool(BLOCKS)), owner=f"lock-register-{os.getpid()}")
     ctx = zmq.Context()
     results = ctx.socket(zmq.ROUTER)
     port = results.bind_to_random_port("tcp://127.0.0.1")
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
-    reg = wire.Register(
-        receiver_id=f"unreachable-{os.getpid()}",
-        result_endpoint=f"tcp://127.0.0.1:{port}",
-        agent_metadata=Path(meta_path).read_bytes(),
-        layout=wire.WireLayout.of(pool.layout),
-        kv_base=pool.kv_base,
-        aux_base=pool.aux_base,
+    dealer.send(
+        wire.encode(
+            wire.Register(
+                receiver_id=f"unreachable-{os.getpid()}",
+                result_endpoint=f"tcp://127.0.0.1:{port}",
+                agent_metadata=Path(meta_path).read_bytes(),
+                layout=wire.WireLayout.of(pool.layout),
+                kv_base=pool.kv_base,
+                aux_base=pool.aux_base,
+            )
+        )
     )
-
-    def ask(reg: wire.Register) -> wire.RegisterReply | None:
-        dealer.send(wire.encode(reg))
-        if not dealer.poll(int(STARTUP_S * 1000)):
-            return None
-        msg = wire.decode_to_receiver(dealer.recv_multipart(), 1 << 20)
-        assert isinstance(msg, wire.RegisterReply), msg
-        return msg
-
-    # First a REGISTER the sender refuses before NIXL sees it (another pool shape): once it
-    # is answered, the connection is up and "sent" below is when the listener reads ours.
-    other = replace(reg.layout, num_layers=reg.layout.num_layers + 1)
-    first = ask(replace(reg, layout=other))
-    _emit("connected", ok=first is not None and not first.ok)
-    _emit("sent")
-    msg = ask(reg)
-    if msg is None:
+    if not dealer.poll(int(STARTUP_S * 1000)):
         _emit("no_reply")
         return 1
+    msg = wire.decode_to_receiver(dealer.recv_multipart(), 1 << 20)
+    assert isinstance(msg, wire.RegisterReply), msg
     _emit("reply", ok=msg.ok, reason=str(msg.reason), detail=msg.detail)
     dealer.close(linger=0)
     results.close(linger=0)
@@ -364,15 +408,11 @@ def _register(endpoint: str, meta_path: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``NS ROLE ARGS``: run ROLE inside namespace NS (``-``: where we are)."""
-    ns, role, *args = argv
-    if ns != "-":
-        cmd = [sys.executable, "-m", MODULE, "-", role, *args]
-        if role in ("sender", "receiver"):
-            cmd = [sys.executable, "-m", "tests.peers", role, *args]
-        os.execvp("ip", ["ip", "netns", "exec", ns, *cmd])  # the same pid, inside NS
-    if role == "agent":
-        return _agent(*args)
+    role, *args = argv
+    if role == "silent":
+        return _silent(*args)
+    if role == "sender":
+        return _sender(*args)
     if role == "register":
         return _register(*args)
     raise SystemExit(f"unknown role {role}")
