@@ -1515,8 +1515,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/dataplane.py",
-                "        peer = self._probe(metadata)\n        with self._lock:\n",
-                "        with self._lock:\n            peer = self._probe(metadata)\n",
+                "        peer = self._connects.probe(metadata)\n        with self._lock:\n",
+                "        with self._lock:\n            peer = self._connects.probe(metadata)\n",
             ),
         ),
         (
@@ -1531,13 +1531,29 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/dataplane.py",
-                "            agent = self._probes.pop() if self._probes else None\n",
-                "            agent = self._agent\n",
+                "        self._connects = PeerConnects(name, self._new_agent)",
+                "        self._connects = PeerConnects(name, lambda _name: self._agent)",
             ),
         ),
         (
             "tests/test_dataplane_lock.py::"
             "test_an_unreachable_register_never_delays_another_receivers_writes",
+        ),
+    ),
+    Mutant(
+        "issue24-connect-on-the-callers-thread",
+        "add_peer_async runs the connect on the caller's thread (a REGISTER toward a silent"
+        " peer holds the caller for the whole TCP connect)",
+        (
+            Edit(
+                "kvxferd/transfer/peer_connects.py",
+                "        thread.start()\n",
+                "        thread.run()\n",
+            ),
+        ),
+        (
+            "tests/test_dataplane_lock.py::"
+            "test_a_connect_toward_a_silent_peer_leaves_the_caller_and_other_peers_free",
         ),
     ),
 )

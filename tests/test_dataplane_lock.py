@@ -311,6 +311,58 @@ def test_an_unreachable_register_never_delays_another_receivers_writes(
     assert all(e["verified"] for e in fetched), "a healthy fetch failed"
 
 
+DEADLINE_S = 2.0  # add_peer_async's, well inside the 7 s the connect waits in NIXL
+
+
+def test_a_connect_toward_a_silent_peer_leaves_the_caller_and_other_peers_free(
+    silent_peer: SilentPeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``add_peer_async`` toward the silent peer returns at once; while its connect thread waits
+    in NIXL, another peer is added and written to; at its deadline the future fails with
+    ``PeerUnreachable`` (the connect still waiting), and nothing is loaded when NIXL gives up."""
+    import numpy as np
+
+    from kvxferd.config import DataPlaneSettings, PoolSettings
+    from kvxferd.transfer.dataplane import NixlDataPlane, PeerUnreachable, wait_xfer
+    from kvxferd.transfer.pool import KvPool
+
+    for k, v in {**UCX_ENV, "UCX_TCP_SYN_CNT": str(SYN_CNT)}.items():
+        monkeypatch.setenv(k, v)  # read when each agent is made
+    [port] = silent_peer.ports
+    pools = [KvPool(PoolSettings(**_pool(4)), owner=f"lock-{r}-{os.getpid()}") for r in "tr"]
+    settings = DataPlaneSettings(ucx_tls="tcp")
+    tx = NixlDataPlane(f"lock-tx-{os.getpid()}", settings, pools[0])
+    rx = NixlDataPlane(f"lock-rx-{os.getpid()}", settings, pools[1])
+    try:
+        t0 = time.monotonic()
+        silent = tx.add_peer_async(silent_peer.metadata(), DEADLINE_S)
+        assert time.monotonic() - t0 < 1.0, "add_peer_async waited for the connect"
+        wait_until(lambda: syn_sent_to(port), 10, "the connect thread connecting")
+        good = tx.add_peer_async(rx.metadata(), STARTUP_S).result(STARTUP_S)
+        dst = pools[1]
+        assert tx.prepare_peer(good, dst.layout, dst.kv_base, "DRAM", 0)
+        blocks = np.arange(2, dtype=np.int64)
+        xfer, state = tx.post_blocks(good, blocks, blocks, 0, LAYERS)
+        deadline = time.monotonic() + 10
+        while state == "PROC" and time.monotonic() < deadline:
+            rx.progress()  # the target's agent must progress for the write to connect
+            got = wait_xfer(xfer, state, time.monotonic() + 0.001)
+            state = xfer.poll() if got == "STALLED" else got
+        assert state == "DONE" and xfer.release()
+        assert syn_sent_to(port), "the silent connect ended before the healthy write did"
+        with pytest.raises(PeerUnreachable, match="no connect within"):
+            silent.result(DEADLINE_S + 10)
+        assert syn_sent_to(port), "the future waited for NIXL, not for its deadline"
+        wait_until(lambda: tx._connects.in_flight() == 0, 30, "the connect thread ended")
+        assert tx._peers == {good}, "the silent peer was loaded after its future failed"
+        assert tx._connects.counts == {"started": 2, "loaded": 1, "expired": 1}
+    finally:
+        tx.close()
+        rx.close()
+        for pool in pools:
+            pool.close()
+
+
 # -- the children ------------------------------------------------------------------------
 
 

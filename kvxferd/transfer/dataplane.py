@@ -100,6 +100,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -107,6 +108,8 @@ import numpy as np
 
 from kvxferd.config import DataPlaneSettings
 from kvxferd.transfer.layout import Descs, IdArray, Layout, prepped_indices
+from kvxferd.transfer.peer_connects import PeerConnects
+from kvxferd.transfer.peer_connects import PeerUnreachable as PeerUnreachable
 from kvxferd.transfer.reshard import Piece, prepared_indices, prepared_list
 from kvxferd.transfer.topology import Topology
 
@@ -141,6 +144,11 @@ class DataPlane(Protocol):
     def metadata(self) -> bytes: ...
 
     def add_peer(self, metadata: bytes) -> str: ...
+
+    def add_peer_async(self, metadata: bytes, timeout_s: float) -> Future[str]:
+        """``add_peer`` without waiting: the future ends with the peer's name, or fails
+        (:class:`PeerUnreachable` when it was not reached within ``timeout_s``)."""
+        ...
 
     def prepare_peer(
         self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
@@ -407,9 +415,7 @@ class NixlDataPlane:
         # _lock released; another load, removal or post toward one waits on _changed.
         self._changing: set[str] = set()
         self._changed = threading.Condition(self._lock)
-        self._probes: list[Any] = []  # idle probe agents (``_probe``), made on first use
-        self._probes_lock = threading.Lock()  # guards _probes only
-        self._probe_seq = itertools.count(1)
+        self._connects = PeerConnects(name, self._new_agent)  # probe agents, connect threads
         self._ids = iter(range(1 << 62))
         self.reconnects = 0  # failed transports reconnected so far
         self.fresh_paths = 0  # peers moved to a fresh connection after a stall
@@ -540,13 +546,30 @@ class NixlDataPlane:
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata on path 0 (every REGISTER); raises when NIXL cannot.
 
-        A probe agent connects first (``_probe``: it may block for the whole TCP connect
-        toward an unreachable peer, and only the caller waits); path 0 loads the peer once
-        the probe connected, which then takes milliseconds.
+        A probe agent connects first (``PeerConnects.probe``: it may block for the whole TCP
+        connect toward an unreachable peer, and only the caller waits); path 0 loads the peer
+        once the probe connected, which then takes milliseconds.
         """
-        peer = self._probe(metadata)
+        peer = self._connects.probe(metadata)
         with self._lock:
             self._claim_locked(peer)
+        return self._load_claimed(metadata, peer)
+
+    def add_peer_async(self, metadata: bytes, timeout_s: float) -> Future[str]:
+        """``add_peer`` on a ``kvxferd-tx-connect`` thread; returns at once (the caller never
+        waits for NIXL). The future ends with the peer's name once it is loaded on path 0, or
+        fails with :class:`PeerUnreachable` (the probe failed, or ``timeout_s`` passed while
+        it still waited: nothing is loaded then, even if the connect succeeds later) or with
+        the load's error. Callbacks run on the connect thread (or the deadline's timer)."""
+        return self._connects.start(metadata, timeout_s, self._load_peer)
+
+    def _load_peer(self, metadata: bytes, peer: str) -> str:
+        with self._lock:
+            self._claim_locked(peer)
+        return self._load_claimed(metadata, peer)
+
+    def _load_claimed(self, metadata: bytes, peer: str) -> str:
+        """Load ``peer`` (claimed by the caller; its probe reached it) on path 0; unclaim it."""
         loaded = False
         try:
             self._agent.add_remote_agent(metadata)
@@ -562,30 +585,6 @@ class NixlDataPlane:
                     self._broken.discard((peer, 0))
                     self._broken_at.pop((peer, 0), None)
         return peer
-
-    def _probe(self, metadata: bytes) -> str:
-        """Connect to a peer from a probe agent (no pool, no write), disconnect; its name.
-
-        Raises as ``add_remote_agent`` does. Holds no lock of the data plane: toward a peer
-        whose packets vanish, ``add_remote_agent`` blocks for the whole TCP connect (UCX
-        connects blocking; SYN retries: 127 s with the kernel's defaults), and NIXL's own
-        agent lock (sync modes strict and rw) would hold every call on that agent meanwhile,
-        writes to other peers included. Each caller takes its own probe agent.
-        """
-        with self._probes_lock:
-            agent = self._probes.pop() if self._probes else None
-        if agent is None:
-            agent = self._new_agent(f"{self.name}.probe{next(self._probe_seq)}")
-        try:
-            name = agent.add_remote_agent(metadata)
-            try:
-                agent.remove_remote_agent(name)
-            except Exception:
-                log.warning("a probe agent kept the remote agent %s", name, exc_info=True)
-        finally:
-            with self._probes_lock:
-                self._probes.append(agent)
-        return name.decode() if isinstance(name, bytes) else str(name)
 
     def _claim_locked(self, peer: str) -> None:
         """Wait until no other thread loads or removes ``peer``'s remote agent, then claim it
@@ -1013,7 +1012,7 @@ class NixlDataPlane:
     ) -> _Lists | None:
         """``_reload``'s NIXL calls (``_lock`` not held, ``peer`` claimed): its lists, or None."""
         try:
-            self._probe(meta)
+            self._connects.probe(meta)
         except Exception:
             log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
             return None
@@ -1116,6 +1115,7 @@ class NixlDataPlane:
 
     def close(self) -> None:
         """Deregister the pool on every path. The caller guarantees no write is in flight."""
+        self._connects.close()
         with self._lock:
             if self._closed:
                 return
