@@ -63,7 +63,9 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   address whose packets vanish it returns only when the kernel gives up the connect, 127 s
   of SYN retries with ``tcp_syn_retries`` 6 (measured 133.5 s; 7.1 s with 2), then raises
   ``NIXL_ERR_BACKEND``. Toward a live but SIGSTOPped process it takes 15 ms (the kernel
-  accepts the connect). ``remove_remote_agent``, ``prep_xfer_dlist``, posting a WRITE and
+  accepts the connect), unless that process's accept queue is full (then the kernel drops
+  the SYNs: the silent peer of tests/test_dataplane_lock.py). ``UCX_TCP_SYN_CNT`` bounds
+  the SYN retries of UCX's own connects. ``remove_remote_agent``, ``prep_xfer_dlist``, posting a WRITE and
   ``check_xfer_state`` toward a silent peer each returned in under 1 ms (measured in network
   namespaces with an nftables drop, docs/hosts.md). And NIXL's own agent lock (sync modes
   strict and rw) holds every call on the agent while ``add_remote_agent`` waits: a WRITE to a
@@ -72,10 +74,13 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
 **Locking rule.** ``_lock`` guards the tables and ``_closed``; no NIXL call that talks to a
 peer or prepares a list runs under it. What can block runs with no lock of ours held:
 
-* ``add_peer`` (every REGISTER) connects first from a *probe agent* (``_probe``: no memory
-  registered, no write; one per concurrent caller), then loads the peer on path 0. Only the
-  caller waits out an unreachable peer (the sender's listener); once the probe connected,
-  path 0's own connect takes milliseconds (a peer cut off in between still blocks it).
+* ``add_peer`` (every REGISTER) connects first from a *probe agent* (``PeerConnects.probe``,
+  :mod:`kvxferd.transfer.peer_connects`: no memory registered, no write; one per concurrent
+  caller), then loads the peer on path 0. Only the caller waits out an unreachable peer;
+  once the probe connected, path 0's own connect takes milliseconds (a peer cut off in
+  between still blocks it). ``add_peer_async`` does the same on a ``kvxferd-tx-connect``
+  thread and returns a future at once, which fails with :class:`PeerUnreachable` at its
+  deadline even while NIXL still waits (then nothing is loaded): with it no caller waits.
 * ``remove_peer`` changes the tables under ``_lock``, then calls ``remove_remote_agent``.
 * A reload in place (``max_paths`` 1, ``_reload``) releases ``_lock`` around its probe, its
   ``remove_remote_agent``/``add_remote_agent`` and its lists, and holds it again to install
