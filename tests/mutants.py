@@ -705,7 +705,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a prepared list retired under a write is never released (retired lists grow)",
         (
             Edit(
-                "kvxferd/transfer/dataplane.py",
+                "kvxferd/transfer/dlists.py",
                 "retired = self._retired.pop(key, None)",
                 "retired = None",
             ),

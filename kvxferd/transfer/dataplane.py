@@ -106,16 +106,23 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import numpy as np
-
 from kvxferd.config import DataPlaneSettings
+from kvxferd.transfer.dlists import (
+    Args,
+    Lists,
+    PieceArgs,
+    PreparedLists,
+    Whole,
+    prep_lists,
+    prep_whole,
+    release,
+)
 from kvxferd.transfer.layout import Descs, IdArray, Layout, prepped_indices
 from kvxferd.transfer.peer_connects import PeerConnects
 from kvxferd.transfer.peer_connects import PeerUnreachable as PeerUnreachable
-from kvxferd.transfer.reshard import Piece, prepared_indices, prepared_list
+from kvxferd.transfer.reshard import Piece, prepared_indices
 from kvxferd.transfer.topology import Topology
 
 if TYPE_CHECKING:
@@ -315,58 +322,6 @@ class _Path:
 _Key = tuple[str, int]  # (peer, path index)
 
 
-@dataclass(frozen=True, slots=True)
-class _Whole:
-    """What ``prepare_peer`` was given: the peer's whole pool, one entry per (layer, block)."""
-
-    layout: Layout
-    kv_base: int
-    device_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class _PieceArgs:
-    """What ``prepare_piece`` was given: one piece of the local pool and of the peer's."""
-
-    piece: Piece
-    decode: Topology
-    kv_base: int
-    num_blocks: int
-    device_id: int
-
-
-_Args = _Whole | _PieceArgs
-
-
-class _Lists:
-    """A peer's prepared lists on one path, retired and released together.
-
-    ``remote``: its pool's list; ``local``: for a piece, the piece's list of the local pool
-    (None: the path's shared whole-pool list); ``num_blocks``: the peer pool's.
-    """
-
-    __slots__ = ("remote", "num_blocks", "local", "piece")
-
-    def __init__(
-        self,
-        remote: object,
-        num_blocks: int,
-        local: object | None = None,
-        piece: Piece | None = None,
-    ) -> None:
-        self.remote = remote
-        self.num_blocks = num_blocks
-        self.local = local
-        self.piece = piece
-
-    def handles(self, agent: Any) -> list[tuple[Any, object]]:
-        """What releasing these lists frees (the shared whole-pool list is not theirs)."""
-        own = [(agent, self.remote)]
-        if self.local is not None:
-            own.append((agent, self.local))
-        return own
-
-
 class NixlDataPlane:
     """NIXL agents with the pool registered once each; WRITEs from this process's memory.
 
@@ -402,13 +357,8 @@ class NixlDataPlane:
         self._peers: set[str] = set()
         self._closed = False
         self._layout = pool.layout
-        # (peer, path) -> its prepared lists; replaced whole
-        self._remote: dict[_Key, _Lists] = {}
-        self._uses: dict[int, int] = {}  # id(_Lists) -> writes holding a handle made from them
-        self._retired: dict[int, tuple[Any, _Lists]] = {}  # id -> (agent, retired lists in use)
+        self._lists = PreparedLists()  # each (peer, path)'s prepared lists, the retired ones
         self._meta: dict[str, bytes] = {}  # peer -> the metadata add_peer loaded
-        # peer -> what prepare_peer / prepare_piece was given (a fresh path prepares it again)
-        self._prep_args: dict[str, _Args] = {}
         self._at: dict[str, int] = {}  # peer -> the path its next write takes
         self._loaded: set[_Key] = set()  # (peer, path) whose agent holds the peer
         self._inflight: dict[_Key, dict[int, float]] = {}  # key -> {write id: posted at}
@@ -468,55 +418,8 @@ class NixlDataPlane:
         )
         return agent
 
-    def _prep(
-        self, path: _Path, agent: str, layout: Layout, kv_base: int, device_id: int
-    ) -> object | None:
-        """A prepared list of every (layer, block) of a DRAM KV pool, or None."""
-        n = layout.num_layers * layout.num_blocks
-        if n > MAX_PREPPED_DESCS:
-            return None
-        descs = np.empty((n, 3), dtype=np.int64)
-        descs[:, 0] = kv_base + np.arange(n, dtype=np.int64) * layout.block_bytes
-        descs[:, 1] = layout.block_bytes
-        descs[:, 2] = device_id
-        return self._prep_descs(path, agent, descs)
-
-    def _prep_descs(self, path: _Path, agent: str, descs: Descs) -> object | None:
-        try:
-            return path.agent.prep_xfer_dlist(agent, descs, "DRAM")
-        except Exception as e:
-            log.warning("no prepared descriptor list for %s (%s); building per request", agent, e)
-            return None
-
-    def _prep_lists(self, path: _Path, peer: str, args: _Args) -> _Lists | None:
-        """``peer``'s lists on ``path`` (a whole pool needs the path's ``local`` first), or None."""
-        if isinstance(args, _Whole):
-            if path.local is None:
-                return None
-            handle = self._prep(path, peer, args.layout, args.kv_base, args.device_id)
-            return None if handle is None else _Lists(handle, args.layout.num_blocks)
-        piece, pool = args.piece, self._pool
-        entries = (piece.layer_end - piece.layer_begin) * len(piece.ranges)
-        if entries * max(args.num_blocks, self._layout.num_blocks) > MAX_PREPPED_DESCS:
-            return None
-        try:
-            src = prepared_list(
-                piece, args.decode, "src", pool.kv_base, self._layout.num_blocks, dev=pool.device_id
-            )
-            dst = prepared_list(
-                piece, args.decode, "dst", args.kv_base, args.num_blocks, dev=args.device_id
-            )
-        except Exception:
-            log.warning("no piece lists for %s; building per request", peer, exc_info=True)
-            return None
-        local = self._prep_descs(path, "NIXL_INIT_AGENT", src)
-        if local is None:
-            return None
-        remote = self._prep_descs(path, peer, dst)
-        if remote is None:
-            self._release_lists([(path.agent, local)])
-            return None
-        return _Lists(remote, args.num_blocks, local, piece)
+    def _prep_lists(self, path: _Path, peer: str, args: Args) -> Lists | None:
+        return prep_lists(path.agent, path.local, peer, args, self._pool, MAX_PREPPED_DESCS)
 
     def _prep_local(self, path: _Path) -> bool:
         """The path's list of the local pool, prepared once; False turns prepping off.
@@ -528,7 +431,14 @@ class NixlDataPlane:
             if path.local is not None or not self._want_prepped or self._closed:
                 return path.local is not None
         pool = self._pool
-        local = self._prep(path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id)
+        local = prep_whole(
+            path.agent,
+            "NIXL_INIT_AGENT",
+            self._layout,
+            pool.kv_base,
+            pool.device_id,
+            MAX_PREPPED_DESCS,
+        )
         with self._lock:
             if local is None:
                 if path.index == 0:
@@ -537,7 +447,7 @@ class NixlDataPlane:
             if path.local is None and not self._closed:
                 path.local = local
                 return True
-        self._release_lists([(path.agent, local)])
+        release([(path.agent, local)])
         return path.local is not None
 
     @property
@@ -621,7 +531,7 @@ class NixlDataPlane:
         # The local list once per path; a failure on path 0 turns prepping off.
         usable = self._usable(layout, mem_type) and self._prep_local(path)
         usable = usable and self._usable(layout, mem_type)
-        args = _Whole(layout, kv_base, device_id)
+        args = Whole(layout, kv_base, device_id)
         lists = self._prep_lists(path, peer, args) if usable else None
         return self._install(peer, path, args if usable else None, lists)
 
@@ -639,7 +549,7 @@ class NixlDataPlane:
             with self._lock:
                 path = self._paths[self._at.get(peer, 0)]
                 usable = self._want_prepped and mem_type == "DRAM" and not self._closed
-            args = _PieceArgs(piece, decode, kv_base, num_blocks, device_id)
+            args = PieceArgs(piece, decode, kv_base, num_blocks, device_id)
             lists = self._prep_lists(path, peer, args) if usable else None
             # Only a peer whose lists were made has them made again on a fresh path.
             return self._install(peer, path, args if lists is not None else None, lists)
@@ -647,59 +557,34 @@ class NixlDataPlane:
             log.warning("preparing the piece lists of %s failed", peer, exc_info=True)
             return False
 
-    def _install(self, peer: str, path: _Path, args: _Args | None, lists: _Lists | None) -> bool:
+    def _install(self, peer: str, path: _Path, args: Args | None, lists: Lists | None) -> bool:
         """Make ``lists`` ``peer``'s on ``path`` (None: it has none now); True when they are."""
         free: list[tuple[Any, object]] = []
         key = (peer, path.index)
         with self._lock:  # a peer prepared again (or refused now) loses its old lists
             if args is not None:
-                self._prep_args[peer] = args
+                self._lists.args[peer] = args
             else:
-                self._prep_args.pop(peer, None)
-            old = self._remote.pop(key, None)
-            if old is not None:
-                self._retire_locked(path, old, free)
+                self._lists.args.pop(peer, None)
+            self._lists.retire(key, path.agent, free)
             ok = lists is not None and peer in self._peers and not self._closed
             if lists is not None:
                 if ok:
-                    self._remote[key] = lists
+                    self._lists.install(key, lists)
                 else:
                     free.extend(lists.handles(path.agent))
-        self._release_lists(free)
+        release(free)
         return ok
 
-    def _retire_locked(self, path: _Path, lists: _Lists, free: list[tuple[Any, object]]) -> None:
-        """Release ``lists`` now if no write uses them (into ``free``), else when the last ends."""
-        if self._uses.get(id(lists), 0) > 0:
-            self._retired[id(lists)] = (path.agent, lists)
-        else:
-            free.extend(lists.handles(path.agent))
-
-    def _used_by_one_less(self, lists: _Lists) -> None:
-        free: list[tuple[Any, object]] = []
+    def _used_by_one_less(self, lists: Lists) -> None:
         with self._lock:
-            key = id(lists)
-            left = self._uses.get(key, 0) - 1
-            if left > 0:
-                self._uses[key] = left
-                return
-            self._uses.pop(key, None)
-            retired = self._retired.pop(key, None)
-            if retired is not None and not self._closed:
-                free.extend(retired[1].handles(retired[0]))
-        self._release_lists(free)
-
-    def _release_lists(self, lists: list[tuple[Any, object]]) -> None:
-        for agent, h in lists:
-            try:
-                agent.release_dlist_handle(h)
-            except Exception:
-                log.warning("releasing a prepared descriptor list failed", exc_info=True)
+            free = self._lists.used_by_one_less(lists, self._closed)
+        release(free)
 
     def retired_lists(self) -> int:
         """Peers' prepared lists retired but still used by a write (bounded by writes in flight)."""
         with self._lock:
-            return len(self._retired)
+            return self._lists.retired
 
     def paths(self) -> int:
         """Local agents (connections per peer) opened so far: 1 until a write stalls."""
@@ -720,13 +605,13 @@ class NixlDataPlane:
         with self._lock:  # the list is counted as used before NIXL sees it
             path = self._route_locked(peer, free)
             key = (peer, path.index)
-            lists = self._remote.get(key)
+            lists = self._lists.current.get(key)
             local = None if lists is None else path.local if lists.local is None else lists.local
             if lists is not None and local is not None:
-                self._uses[id(lists)] = self._uses.get(id(lists), 0) + 1
+                self._lists.used(lists)
                 wid = self._posted_locked(key)
                 self.posts["blocks" if lists.piece is None else "piece"] += 1
-        self._release_lists(free)
+        release(free)
         if lists is None or local is None:
             raise RuntimeError(f"no prepared descriptor list for peer {peer}")
 
@@ -929,19 +814,17 @@ class NixlDataPlane:
                         )
                     else:
                         path.owner = None
-            self._release_lists(free)
+            release(free)
         log.info("connect thread for %s ended in %.1f ms", peer, (time.monotonic() - t0) * 1000)
 
     def _load_on(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> bool:
         """Load ``peer`` afresh on a path reserved for the caller; its prepared list too."""
         with self._lock:
             meta = self._meta.get(peer)
-            args = self._prep_args.get(peer)
+            args = self._lists.args.get(peer)
             key = (peer, path.index)
             stale = key in self._loaded
-            old = self._remote.pop(key, None)
-            if old is not None:
-                self._retire_locked(path, old, free)
+            self._lists.retire(key, path.agent, free)
             self._loaded.discard(key)
         if meta is None:
             return False
@@ -954,16 +837,21 @@ class NixlDataPlane:
         agent.add_remote_agent(meta)
         lists = None
         if args is not None and self._want_prepped:
-            if path.local is None and isinstance(args, _Whole):
+            if path.local is None and isinstance(args, Whole):
                 pool = self._pool
-                path.local = self._prep(
-                    path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id
+                path.local = prep_whole(
+                    agent,
+                    "NIXL_INIT_AGENT",
+                    self._layout,
+                    pool.kv_base,
+                    pool.device_id,
+                    MAX_PREPPED_DESCS,
                 )
             lists = self._prep_lists(path, peer, args)
         with self._lock:
             self._loaded.add(key)
             if lists is not None and peer in self._peers and not self._closed:
-                self._remote[key] = lists
+                self._lists.install(key, lists)
             elif lists is not None:  # removed (or closed) meanwhile: nobody will post with them
                 free.extend(lists.handles(agent))
         return args is None or lists is not None
@@ -988,12 +876,10 @@ class NixlDataPlane:
         if meta is None:
             return
         key = (peer, path.index)
-        args = self._prep_args.get(peer)
-        old = self._remote.pop(key, None)
-        if old is not None:
-            self._retire_locked(path, old, free)
+        args = self._lists.args.get(peer)
+        self._lists.retire(key, path.agent, free)
         self._changing.add(peer)  # the caller checked that nobody had claimed it
-        lists: _Lists | None = None
+        lists: Lists | None = None
         self._lock.release()
         try:
             lists = self._reload_unlocked(path, peer, meta, args)
@@ -1005,16 +891,16 @@ class NixlDataPlane:
         if (
             peer in self._peers
             and not self._closed
-            and self._prep_args.get(peer) is args
-            and key not in self._remote
+            and self._lists.args.get(peer) is args
+            and key not in self._lists.current
         ):
-            self._remote[key] = lists
+            self._lists.install(key, lists)
         else:  # removed, closed or prepared again meanwhile: nobody will post with these
             free.extend(lists.handles(path.agent))
 
     def _reload_unlocked(
-        self, path: _Path, peer: str, meta: bytes, args: _Args | None
-    ) -> _Lists | None:
+        self, path: _Path, peer: str, meta: bytes, args: Args | None
+    ) -> Lists | None:
         """``_reload``'s NIXL calls (``_lock`` not held, ``peer`` claimed): its lists, or None."""
         try:
             self._connects.probe(meta)
@@ -1032,7 +918,7 @@ class NixlDataPlane:
             return None
         if args is None or not self._want_prepped:
             return None
-        if isinstance(args, _PieceArgs) or self._prep_local(path):
+        if isinstance(args, PieceArgs) or self._prep_local(path):
             return self._prep_lists(path, peer, args)
         return None
 
@@ -1052,16 +938,14 @@ class NixlDataPlane:
             if peer in self._peers:
                 self._peers.discard(peer)
                 self._meta.pop(peer, None)
-                self._prep_args.pop(peer, None)
+                self._lists.args.pop(peer, None)
                 self._at.pop(peer, None)
                 for path in self._paths:
                     key = (peer, path.index)
                     self._broken.discard(key)
                     self._broken_at.pop(key, None)
                     self._inflight.pop(key, None)
-                    old = self._remote.pop(key, None)
-                    if old is not None:
-                        self._retire_locked(path, old, free)
+                    self._lists.retire(key, path.agent, free)
                     if key in self._loaded:
                         self._loaded.discard(key)
                         agents.append(path.agent)
@@ -1071,7 +955,7 @@ class NixlDataPlane:
             if claimed:
                 with self._lock:
                     self._unclaim_locked(peer)
-            self._release_lists(free)
+            release(free)
 
     @staticmethod
     def _remove_remote(peer: str, agents: list[Any]) -> None:
@@ -1095,7 +979,7 @@ class NixlDataPlane:
             key = (peer, path.index)
             wid = self._posted_locked(key)
             self.posts["descs"] += 1
-        self._release_lists(free)
+        release(free)
         agent = path.agent
         try:
             local = agent.get_xfer_descs(src, src_mem)
@@ -1125,17 +1009,11 @@ class NixlDataPlane:
             if self._closed:
                 return
             self._closed = True
-            lists: list[tuple[Any, object]] = []
-            for agent, retired in self._retired.values():
-                lists.extend(retired.handles(agent))
-            for (_peer, i), mine in self._remote.items():
-                lists.extend(mine.handles(self._paths[i].agent))
+            lists = self._lists.clear([p.agent for p in self._paths])
             for path in self._paths:
                 if path.local is not None:
                     lists.append((path.agent, path.local))
                     path.local = None
-            self._remote.clear()
-            self._retired.clear()
         for agent, h in lists:
             try:
                 agent.release_dlist_handle(h)
