@@ -319,7 +319,8 @@ def test_a_connect_toward_a_silent_peer_leaves_the_caller_and_other_peers_free(
 ) -> None:
     """``add_peer_async`` toward the silent peer returns at once; while its connect thread waits
     in NIXL, another peer is added and written to; at its deadline the future fails with
-    ``PeerUnreachable`` (the connect still waiting), and nothing is loaded when NIXL gives up."""
+    ``PeerUnreachable`` (the connect still waiting), and nothing is loaded when NIXL gives up;
+    closing the data plane fails a connect still waiting at once."""
     import numpy as np
 
     from kvxferd.config import DataPlaneSettings, PoolSettings
@@ -356,6 +357,12 @@ def test_a_connect_toward_a_silent_peer_leaves_the_caller_and_other_peers_free(
         wait_until(lambda: tx._connects.in_flight() == 0, 30, "the connect thread ended")
         assert tx._peers == {good}, "the silent peer was loaded after its future failed"
         assert tx._connects.counts == {"started": 2, "loaded": 1, "expired": 1}
+        pending = tx.add_peer_async(silent_peer.metadata(), STARTUP_S)
+        wait_until(lambda: syn_sent_to(port), 10, "another connect toward the silent peer")
+        tx.close()  # fails the connects still waiting, at once
+        with pytest.raises(PeerUnreachable, match="closed"):
+            pending.result(5)
+        assert tx._connects.counts["closed"] == 1
     finally:
         tx.close()
         rx.close()

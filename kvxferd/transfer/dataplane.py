@@ -479,7 +479,10 @@ class NixlDataPlane:
         return self._connects.start(metadata, timeout_s, self._load_peer)
 
     def _load_peer(self, metadata: bytes, peer: str) -> str:
+        """``add_peer_async``'s load, on its connect thread once the probe reached ``peer``."""
         with self._lock:
+            if self._closed:
+                raise PeerUnreachable("the data plane is closed")
             self._claim_locked(peer)
         return self._load_claimed(metadata, peer)
 
