@@ -1047,7 +1047,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a post toward a receiver whose write is stalled goes on the stalled connection",
         (
             Edit(
-                "kvxferd/transfer/dataplane.py",
+                "kvxferd/transfer/path_moves.py",
                 '            raise PathStalled(f"a write to {peer} is stalled on its connection (path {path.index})")',
                 "            pass",
             ),

@@ -44,6 +44,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/sender.py": ("sender",),
     "transfer/worker.py": ("sender",),
     "transfer/dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
+    "transfer/path_moves.py": ("sender",),  # the data plane's moves, with its Stats
     "transfer/peer_agents.py": ("sender",),
     "transfer/receiver.py": ("receiver",),
     "transfer/link_agents.py": ("receiver",),

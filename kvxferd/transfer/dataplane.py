@@ -71,8 +71,11 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   strict and rw) holds every call on the agent while ``add_remote_agent`` waits: a WRITE to a
   healthy peer on the same agent waited the full 7.1 s, even with no lock of ours held.
 
-**Locking rule.** ``_lock`` guards the tables and ``_closed``; no NIXL call that talks to a
-peer or prepares a list runs under it. What can block runs with no lock of ours held:
+**Locking rule.** ``_lock`` guards the tables (:class:`~kvxferd.transfer.peer_table.PeerTable`
+with ``closed``, :class:`~kvxferd.transfer.routes.Routes`,
+:class:`~kvxferd.transfer.dlists.PreparedLists`, the paths), none of which has a lock of its
+own; no NIXL call that talks to a peer or prepares a list runs under it. What can block runs
+with no lock of ours held:
 
 * ``add_peer`` (every REGISTER) connects first from a *probe agent* (``PeerConnects.probe``,
   :mod:`kvxferd.transfer.peer_connects`: no memory registered, no write; one per concurrent
@@ -82,18 +85,18 @@ peer or prepares a list runs under it. What can block runs with no lock of ours 
   thread and returns a future at once, which fails with :class:`PeerUnreachable` at its
   deadline even while NIXL still waits (then nothing is loaded): with it no caller waits.
 * ``remove_peer`` changes the tables under ``_lock``, then calls ``remove_remote_agent``.
-* A reload in place (``max_paths`` 1, ``_reload``) releases ``_lock`` around its probe, its
-  ``remove_remote_agent``/``add_remote_agent`` and its lists, and holds it again to install
-  them; a connect thread (``_connect``) works on a path reserved for it, as before.
+* A reload in place (``max_paths`` 1, :class:`~kvxferd.transfer.path_moves.PathMoves`)
+  releases ``_lock`` around its probe, its ``remove_remote_agent``/``add_remote_agent`` and
+  its lists, and holds it again to install them; a connect thread (``kvxferd-dp-connect``,
+  also PathMoves') works on a path reserved for it.
 * Prepared lists (the local pool's, a peer's) are made outside ``_lock`` and installed
   under it; the list that loses a race (two threads preparing, the peer removed or prepared
   again meanwhile, ``close()`` meanwhile) is released by the thread that made it.
 
-Loads and removals of one peer name are serialised by a *claim* (``_changing``, waited on
-through ``_changed``, a condition on ``_lock``): a second ``add_peer`` of the same agent, a
-removal, or a post toward that peer waits for the claim; posts toward other peers never do.
-A reload whose peer was removed or prepared again meanwhile (or the plane closed) installs
-nothing.
+Loads and removals of one peer name are serialised by a *claim* (``PeerTable.claim``, a
+condition on ``_lock``): a second ``add_peer`` of the same agent, a removal, or a post toward
+that peer waits for the claim; posts toward other peers never do. A reload whose peer was
+removed or prepared again meanwhile (or the plane closed) installs nothing.
 """
 
 from __future__ import annotations
@@ -120,9 +123,13 @@ from kvxferd.transfer.dlists import (
     release,
 )
 from kvxferd.transfer.layout import Descs, IdArray, Layout, prepped_indices
+from kvxferd.transfer.path_moves import Path, PathMoves
+from kvxferd.transfer.path_moves import PathStalled as PathStalled
 from kvxferd.transfer.peer_connects import PeerConnects
 from kvxferd.transfer.peer_connects import PeerUnreachable as PeerUnreachable
+from kvxferd.transfer.peer_table import PeerTable
 from kvxferd.transfer.reshard import Piece, prepared_indices
+from kvxferd.transfer.routes import Key, Routes
 from kvxferd.transfer.topology import Topology
 
 if TYPE_CHECKING:
@@ -256,11 +263,6 @@ def _quiet_nixl_logger() -> None:
             h.setStream(sys.stderr)
 
 
-class PathStalled(RuntimeError):
-    """Nothing was posted: a write toward this peer is stalled on its connection (a fresh one
-    is opened once the peer is heard from again). Not a failure of the peer itself."""
-
-
 class _NixlXfer:
     __slots__ = ("_agent", "_handle", "_released", "_on_release", "_on_error")
 
@@ -301,25 +303,67 @@ class _NixlXfer:
         return True
 
 
-class _Path:
-    """One local NIXL agent with the pool registered; UCX opens one endpoint per peer it loads.
+class Prep:
+    """How this data plane prepares lists on a path, and whether it does (``want``).
 
-    Path 0 is the agent whose metadata this process hands out. More paths are opened only
-    when writes toward a peer stall (the module docstring), at most ``max_paths`` in all.
+    ``whole`` and ``lists`` are NIXL calls and hold no lock; ``local`` installs a path's list
+    of the local pool under the data plane's lock. ``want`` is True for a DRAM pool until path
+    0's local list fails (set False under the lock; never True again).
     """
 
-    __slots__ = ("index", "agent", "regs", "local", "owner", "connecting")
+    def __init__(self, pool: KvPool, want: bool, lock: threading.Lock, peers: PeerTable) -> None:
+        self._pool = pool
+        self.want = want
+        self._lock = lock
+        self._peers = peers
 
-    def __init__(self, index: int, agent: Any, regs: list[object]) -> None:
-        self.index = index
-        self.agent = agent
-        self.regs = regs
-        self.local: object | None = None  # its prepared list of the local pool (first prep)
-        self.owner: str | None = None  # a spare path serves one peer at a time (path 0: all)
-        self.connecting = False  # a connect thread is using the agent: nobody else touches it
+    def whole(self, agent: Any) -> object | None:
+        """``agent``'s list of the whole local pool, or None."""
+        pool = self._pool
+        return prep_whole(
+            agent,
+            "NIXL_INIT_AGENT",
+            pool.layout,
+            pool.kv_base,
+            pool.device_id,
+            MAX_PREPPED_DESCS,
+        )
+
+    def lists(self, path: Path, peer: str, args: Args) -> Lists | None:
+        return prep_lists(path.agent, path.local, peer, args, self._pool, MAX_PREPPED_DESCS)
+
+    def local(self, path: Path) -> bool:
+        """The path's list of the local pool, prepared once; False turns prepping off.
+
+        Prepared without the lock (a large pool takes 60-155 ms); of two threads preparing
+        it at once, the first to install wins and the other releases its own.
+        """
+        with self._lock:
+            if path.local is not None or not self.want or self._peers.closed:
+                return path.local is not None
+        local = self.whole(path.agent)
+        with self._lock:
+            if local is None:
+                if path.index == 0:
+                    self.want = False
+                return path.local is not None
+            if path.local is None and not self._peers.closed:
+                path.local = local
+                return True
+        release([(path.agent, local)])
+        return path.local is not None
 
 
-_Key = tuple[str, int]  # (peer, path index)
+def _remove_remote(peer: str, agents: list[Any]) -> None:
+    """``remove_remote_agent`` on each agent; the first error is raised after the rest ran."""
+    error: Exception | None = None
+    for agent in agents:
+        try:
+            agent.remove_remote_agent(peer)
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 class NixlDataPlane:
@@ -327,6 +371,9 @@ class NixlDataPlane:
 
     ``stall_s``: a write toward a peer still in progress this long makes the next post
     toward that peer go through a fresh connection (another path), if ``max_paths`` allows.
+    Its state lives in tables guarded by ``_lock``: :class:`PeerTable` (``_peers``),
+    :class:`Routes` (``_routes``), :class:`PreparedLists` (``_lists``), the paths; moves to
+    fresh paths and reloads in place are :class:`PathMoves`' (``_moves``).
     """
 
     def __init__(
@@ -346,40 +393,45 @@ class NixlDataPlane:
         self.name = name
         self.settings = settings
         self._pool = pool
-        self._stall_s = stall_s
-        self._stats = stats
-        self._heard_from = heard_from
-        self._paths: list[_Path] = []
+        self._paths: list[Path] = []  # appended under _lock, never removed before close
         self._agent_seq = itertools.count(1)  # names of spare agents
         self._paths.append(self._open_path(0))
         self._agent = self._paths[0].agent  # the agent peers know (metadata, progress)
-        self._lock = threading.Lock()  # guards every table below and _closed
-        self._peers: set[str] = set()
-        self._closed = False
+        self._lock = threading.Lock()  # guards every table below
+        self._peers = PeerTable(self._lock)  # known peers, their claims, closed
         self._layout = pool.layout
         self._lists = PreparedLists()  # each (peer, path)'s prepared lists, the retired ones
-        self._meta: dict[str, bytes] = {}  # peer -> the metadata add_peer loaded
-        self._at: dict[str, int] = {}  # peer -> the path its next write takes
-        self._loaded: set[_Key] = set()  # (peer, path) whose agent holds the peer
-        self._inflight: dict[_Key, dict[int, float]] = {}  # key -> {write id: posted at}
-        self._broken: set[_Key] = set()
-        self._broken_at: dict[_Key, float] = {}  # when each was marked (monotonic)
-        self._moving: set[str] = set()  # peers a connect thread is moving to a fresh path
-        self._opening = 0  # paths being opened by connect threads (counted toward max_paths)
-        # Peers whose remote agent a thread is loading or removing on a path agent, with
-        # _lock released; another load, removal or post toward one waits on _changed.
-        self._changing: set[str] = set()
-        self._changed = threading.Condition(self._lock)
+        self._routes = Routes()  # each peer's path, writes in flight, broken transports
         self._connects = PeerConnects(name, self._new_agent)  # probe agents, connect threads
-        self._ids = iter(range(1 << 62))
-        self.reconnects = 0  # failed transports reconnected so far
-        self.fresh_paths = 0  # peers moved to a fresh connection after a stall
+        self._prep = Prep(pool, prepped and pool.mem_type == "DRAM", self._lock, self._peers)
+        self._moves = PathMoves(
+            self._lock,
+            self._routes,
+            self._peers,
+            self._lists,
+            self._connects,
+            self._paths,
+            self._open_path,
+            self._prep,
+            stall_s=stall_s,
+            heard_from=heard_from,
+            stats=stats,
+        )
         # KV writes posted so far, by how: "blocks" (whole-pool lists), "piece" (a piece's
         # lists), "descs" (post_write: descriptors built per request, and AUX)
         self.posts = {"blocks": 0, "piece": 0, "descs": 0}
-        self._want_prepped = prepped and pool.mem_type == "DRAM"
 
-    def _open_path(self, index: int) -> _Path:
+    @property
+    def reconnects(self) -> int:
+        """Failed transports reconnected in place so far."""
+        return self._moves.reconnects
+
+    @property
+    def fresh_paths(self) -> int:
+        """Peers moved to a fresh connection so far."""
+        return self._moves.fresh_paths
+
+    def _open_path(self, index: int) -> Path:
         """A NIXL agent (``name`` for path 0, ``name.pN`` after: N counts the agents opened,
         the path's index is set where it is added) with the pool registered."""
         agent = self._new_agent(
@@ -390,7 +442,7 @@ class NixlDataPlane:
             agent.register_memory([pool.kv], mem_type=pool.mem_type),
             agent.register_memory([pool.aux], mem_type="DRAM"),
         ]
-        return _Path(index, agent, regs)
+        return Path(index, agent, regs)
 
     def _new_agent(self, name: str) -> Any:
         """A NIXL agent with this data plane's backend and settings, no memory registered."""
@@ -418,42 +470,10 @@ class NixlDataPlane:
         )
         return agent
 
-    def _prep_lists(self, path: _Path, peer: str, args: Args) -> Lists | None:
-        return prep_lists(path.agent, path.local, peer, args, self._pool, MAX_PREPPED_DESCS)
-
-    def _prep_local(self, path: _Path) -> bool:
-        """The path's list of the local pool, prepared once; False turns prepping off.
-
-        Prepared without ``_lock`` (a large pool takes 60-155 ms); of two threads preparing
-        it at once, the first to install wins and the other releases its own.
-        """
-        with self._lock:
-            if path.local is not None or not self._want_prepped or self._closed:
-                return path.local is not None
-        pool = self._pool
-        local = prep_whole(
-            path.agent,
-            "NIXL_INIT_AGENT",
-            self._layout,
-            pool.kv_base,
-            pool.device_id,
-            MAX_PREPPED_DESCS,
-        )
-        with self._lock:
-            if local is None:
-                if path.index == 0:
-                    self._want_prepped = False
-                return path.local is not None
-            if path.local is None and not self._closed:
-                path.local = local
-                return True
-        release([(path.agent, local)])
-        return path.local is not None
-
     @property
     def prepped(self) -> bool:
         """True when prepared lists are in use (``prepare_peer`` can succeed)."""
-        return self._want_prepped
+        return self._prep.want
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()  # type: ignore[no-any-return]
@@ -467,7 +487,7 @@ class NixlDataPlane:
         """
         peer = self._connects.probe(metadata)
         with self._lock:
-            self._claim_locked(peer)
+            self._peers.claim(peer)
         return self._load_claimed(metadata, peer)
 
     def add_peer_async(self, metadata: bytes, timeout_s: float) -> Future[str]:
@@ -481,9 +501,9 @@ class NixlDataPlane:
     def _load_peer(self, metadata: bytes, peer: str) -> str:
         """``add_peer_async``'s load, on its connect thread once the probe reached ``peer``."""
         with self._lock:
-            if self._closed:
+            if self._peers.closed:
                 raise PeerUnreachable("the data plane is closed")
-            self._claim_locked(peer)
+            self._peers.claim(peer)
         return self._load_claimed(metadata, peer)
 
     def _load_claimed(self, metadata: bytes, peer: str) -> str:
@@ -494,33 +514,16 @@ class NixlDataPlane:
             loaded = True
         finally:
             with self._lock:
-                self._unclaim_locked(peer)
+                self._peers.unclaim(peer)
                 if loaded:
-                    self._peers.add(peer)
-                    self._meta[peer] = metadata
-                    self._at[peer] = 0
-                    self._loaded.add((peer, 0))
-                    self._broken.discard((peer, 0))
-                    self._broken_at.pop((peer, 0), None)
+                    self._peers.add(peer, metadata)
+                    self._routes.added(peer)
         return peer
-
-    def _claim_locked(self, peer: str) -> None:
-        """Wait until no other thread loads or removes ``peer``'s remote agent, then claim it
-        (``_lock`` held; released while waiting). A load or removal claims the peer only
-        after its probe reached it, so those waits last milliseconds; a reload in place
-        (``_reload``) holds it through its probe, as the lock was held through it before."""
-        while peer in self._changing:
-            self._changed.wait()
-        self._changing.add(peer)
-
-    def _unclaim_locked(self, peer: str) -> None:
-        self._changing.discard(peer)
-        self._changed.notify_all()
 
     def _usable(self, layout: Layout, mem_type: str) -> bool:
         mine = self._layout
         return (
-            self._want_prepped
+            self._prep.want
             and mem_type == "DRAM"
             and layout.block_bytes == mine.block_bytes
             and layout.num_layers == mine.num_layers
@@ -530,12 +533,12 @@ class NixlDataPlane:
         self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
     ) -> bool:
         with self._lock:
-            path = self._paths[self._at.get(peer, 0)]
+            path = self._paths[self._routes.path_of(peer)]
         # The local list once per path; a failure on path 0 turns prepping off.
-        usable = self._usable(layout, mem_type) and self._prep_local(path)
+        usable = self._usable(layout, mem_type) and self._prep.local(path)
         usable = usable and self._usable(layout, mem_type)
         args = Whole(layout, kv_base, device_id)
-        lists = self._prep_lists(path, peer, args) if usable else None
+        lists = self._prep.lists(path, peer, args) if usable else None
         return self._install(peer, path, args if usable else None, lists)
 
     def prepare_piece(
@@ -550,17 +553,17 @@ class NixlDataPlane:
     ) -> bool:
         try:
             with self._lock:
-                path = self._paths[self._at.get(peer, 0)]
-                usable = self._want_prepped and mem_type == "DRAM" and not self._closed
+                path = self._paths[self._routes.path_of(peer)]
+                usable = self._prep.want and mem_type == "DRAM" and not self._peers.closed
             args = PieceArgs(piece, decode, kv_base, num_blocks, device_id)
-            lists = self._prep_lists(path, peer, args) if usable else None
+            lists = self._prep.lists(path, peer, args) if usable else None
             # Only a peer whose lists were made has them made again on a fresh path.
             return self._install(peer, path, args if lists is not None else None, lists)
         except Exception:  # the protocol says False, never raises
             log.warning("preparing the piece lists of %s failed", peer, exc_info=True)
             return False
 
-    def _install(self, peer: str, path: _Path, args: Args | None, lists: Lists | None) -> bool:
+    def _install(self, peer: str, path: Path, args: Args | None, lists: Lists | None) -> bool:
         """Make ``lists`` ``peer``'s on ``path`` (None: it has none now); True when they are."""
         free: list[tuple[Any, object]] = []
         key = (peer, path.index)
@@ -570,7 +573,7 @@ class NixlDataPlane:
             else:
                 self._lists.args.pop(peer, None)
             self._lists.retire(key, path.agent, free)
-            ok = lists is not None and peer in self._peers and not self._closed
+            ok = lists is not None and self._peers.live(peer)
             if lists is not None:
                 if ok:
                     self._lists.install(key, lists)
@@ -581,7 +584,7 @@ class NixlDataPlane:
 
     def _used_by_one_less(self, lists: Lists) -> None:
         with self._lock:
-            free = self._lists.used_by_one_less(lists, self._closed)
+            free = self._lists.used_by_one_less(lists, self._peers.closed)
         release(free)
 
     def retired_lists(self) -> int:
@@ -606,13 +609,13 @@ class NixlDataPlane:
         """Post one KV WRITE by block indices; raises on a build or post error (nothing in flight)."""
         free: list[tuple[Any, object]] = []
         with self._lock:  # the list is counted as used before NIXL sees it
-            path = self._route_locked(peer, free)
+            path = self._moves.route_locked(peer, free, self.settings.max_paths)
             key = (peer, path.index)
             lists = self._lists.current.get(key)
             local = None if lists is None else path.local if lists.local is None else lists.local
             if lists is not None and local is not None:
                 self._lists.used(lists)
-                wid = self._posted_locked(key)
+                wid = self._routes.posted(key)
                 self.posts["blocks" if lists.piece is None else "piece"] += 1
         release(free)
         if lists is None or local is None:
@@ -638,292 +641,31 @@ class NixlDataPlane:
                 "WRITE", local, local_idx, lists.remote, remote_idx, notif
             )
         except Exception:
-            self._mark_broken(key)
+            self._moves.mark_broken(key)
             released()
             raise
         return self._start(path, handle, key, released)
 
     def _start(
-        self, path: _Path, handle: object, key: _Key, on_release: Callable[[], None]
+        self, path: Path, handle: object, key: Key, on_release: Callable[[], None]
     ) -> tuple[Xfer, XferState]:
         agent = path.agent
-        xfer = _NixlXfer(agent, handle, on_release, lambda: self._mark_broken(key))
+        xfer = _NixlXfer(agent, handle, on_release, lambda: self._moves.mark_broken(key))
         try:
             state = agent.transfer(handle)
         except Exception:
-            self._mark_broken(key)
+            self._moves.mark_broken(key)
             xfer.release()
             raise
         if state == "ERR":
-            self._mark_broken(key)
+            self._moves.mark_broken(key)
             xfer.release()
             raise RuntimeError("NIXL refused to post the WRITE")
         return xfer, state
 
-    def _posted_locked(self, key: _Key) -> int:
-        wid = next(self._ids)
-        self._inflight.setdefault(key, {})[wid] = time.monotonic()
-        return wid
-
-    def _write_released(self, key: _Key, wid: int) -> None:
+    def _write_released(self, key: Key, wid: int) -> None:
         with self._lock:
-            writes = self._inflight.get(key)
-            if writes is not None:
-                writes.pop(wid, None)
-                if not writes:
-                    del self._inflight[key]
-
-    # -- routing: reconnecting a failed transport, leaving a stalled one ----------------
-    def _mark_broken(self, key: _Key) -> None:
-        with self._lock:
-            if key[0] in self._peers and key not in self._broken:
-                self._broken.add(key)
-                self._broken_at[key] = time.monotonic()
-                log.warning(
-                    "transport to %s (path %d) failed: reconnecting it once no write is in flight",
-                    *key,
-                )
-
-    def _route_locked(self, peer: str, free: list[tuple[Any, object]]) -> _Path:
-        """The path the next write toward ``peer`` takes (with ``_lock`` held).
-
-        Its current path, unless that one's transport failed (no write in flight there) or a
-        write on it stalled. Then, with ``max_paths`` above 1, a connect thread opens a fresh
-        connection on a spare path once the peer has been heard from since (the module
-        docstring); until it has moved, a post behind a stalled write is refused
-        (:class:`PathStalled`, nothing posted) and one toward a failed transport goes to it
-        (and fails fast). With ``max_paths`` 1 a failed transport is reloaded in place, here,
-        with ``_lock`` released meanwhile (``_reload``). A post toward a peer whose remote
-        agent another thread is loading or removing waits for it (milliseconds).
-        """
-        while peer in self._changing:
-            self._changed.wait()
-        if self._closed:
-            raise RuntimeError("the data plane is closed")
-        path = self._paths[self._at.get(peer, 0)]
-        key = (peer, path.index)
-        writes = self._inflight.get(key)
-        broken = key in self._broken and not writes
-        stalled = bool(
-            writes
-            and self._stall_s is not None
-            and time.monotonic() - min(writes.values()) >= self._stall_s
-        )
-        if not (broken or stalled):
-            return path
-        if self.settings.max_paths < 2:
-            if broken:
-                self._reload(path, peer, free)
-                if self._closed:
-                    raise RuntimeError("the data plane is closed")
-                self._broken.discard(key)
-                self._broken_at.pop(key, None)
-                self._count_reconnect(peer, path, "reconnected in place", fresh=False)
-            return path
-        self._start_move_locked(peer, path, key, broken, writes)
-        if stalled:
-            # Posting behind a stalled write only stalls another one (and quarantines more
-            # memory on both sides): refused, nothing posted, until the peer has moved.
-            raise PathStalled(f"a write to {peer} is stalled on its connection (path {path.index})")
-        return path
-
-    def _start_move_locked(
-        self, peer: str, path: _Path, key: _Key, broken: bool, writes: dict[int, float] | None
-    ) -> None:
-        """Start a connect thread moving ``peer`` off ``path``, if none runs, a path is free,
-        and the peer has been heard from since the trouble began (``heard_from``)."""
-        if peer in self._moving:
-            return
-        if self._heard_from is not None:
-            # A connect into a cut link waits out SYN backoff inside NIXL and would still be
-            # waiting seconds after the heal: connect once the peer has sent us a message
-            # since the write was found stalled or the transport failed.
-            since = (
-                self._broken_at.get(key, 0.0)
-                if broken or not writes
-                else min(writes.values()) + (self._stall_s or 0.0)
-            )
-            if self._heard_from(peer) <= since:
-                return
-        spare = next(
-            (
-                p
-                for p in self._paths[1:]
-                if p is not path
-                and p.owner is None
-                and not p.connecting
-                and not any(k[1] == p.index for k in self._inflight)
-            ),
-            None,
-        )
-        if spare is None and len(self._paths) + self._opening >= self.settings.max_paths:
-            return  # every path is in use
-        if spare is not None:
-            spare.owner, spare.connecting = peer, True
-        else:
-            self._opening += 1
-        self._moving.add(peer)
-        why = "failed" if broken else f"stalled on path {path.index}"
-        threading.Thread(
-            target=self._connect,
-            args=(peer, spare, why),
-            name="kvxferd-dp-connect",
-            daemon=True,
-        ).start()
-
-    def _connect(self, peer: str, spare: _Path | None, why: str) -> None:
-        """Connect thread: load ``peer`` on ``spare`` (or a new path) and move it there.
-
-        Runs without ``_lock``: NIXL may block in ``add_remote_agent`` until the peer is
-        reachable again (a cut link: seconds to minutes), and only this thread waits. The
-        path is reserved for it (``connecting``): no write, poll or progress touches it.
-        """
-        t0 = time.monotonic()
-        free: list[tuple[Any, object]] = []
-        path = spare
-        ok = False
-        try:
-            if path is None:
-                opened = self._open_path(-1)  # its index once added, below
-                with self._lock:
-                    self._opening -= 1
-                    opened.index = len(self._paths)
-                    opened.owner, opened.connecting = peer, True
-                    self._paths.append(opened)
-                    path = opened
-            ok = self._load_on(path, peer, free)
-        except Exception:
-            log.warning("opening a fresh connection to %s failed", peer, exc_info=True)
-            if path is None:
-                with self._lock:
-                    self._opening -= 1
-        finally:
-            with self._lock:
-                self._moving.discard(peer)
-                if path is not None:
-                    path.connecting = False
-                    if ok and peer in self._peers and not self._closed:
-                        old = self._paths[self._at.get(peer, 0)]
-                        if old.owner == peer:
-                            old.owner = None
-                        self._at[peer] = path.index
-                        self._broken.discard((peer, path.index))
-                        self._broken_at.pop((peer, path.index), None)
-                        self._count_reconnect(
-                            peer,
-                            path,
-                            f"{why}: moved to a fresh connection in {(time.monotonic() - t0) * 1000:.0f} ms",
-                            fresh=True,
-                        )
-                    else:
-                        path.owner = None
-            release(free)
-        log.info("connect thread for %s ended in %.1f ms", peer, (time.monotonic() - t0) * 1000)
-
-    def _load_on(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> bool:
-        """Load ``peer`` afresh on a path reserved for the caller; its prepared list too."""
-        with self._lock:
-            meta = self._meta.get(peer)
-            args = self._lists.args.get(peer)
-            key = (peer, path.index)
-            stale = key in self._loaded
-            self._lists.retire(key, path.agent, free)
-            self._loaded.discard(key)
-        if meta is None:
-            return False
-        agent = path.agent
-        if stale:
-            try:
-                agent.remove_remote_agent(peer)
-            except Exception:
-                log.warning("removing the stale remote agent %s raised", peer, exc_info=True)
-        agent.add_remote_agent(meta)
-        lists = None
-        if args is not None and self._want_prepped:
-            if path.local is None and isinstance(args, Whole):
-                pool = self._pool
-                path.local = prep_whole(
-                    agent,
-                    "NIXL_INIT_AGENT",
-                    self._layout,
-                    pool.kv_base,
-                    pool.device_id,
-                    MAX_PREPPED_DESCS,
-                )
-            lists = self._prep_lists(path, peer, args)
-        with self._lock:
-            self._loaded.add(key)
-            if lists is not None and peer in self._peers and not self._closed:
-                self._lists.install(key, lists)
-            elif lists is not None:  # removed (or closed) meanwhile: nobody will post with them
-                free.extend(lists.handles(agent))
-        return args is None or lists is not None
-
-    def _count_reconnect(self, peer: str, path: _Path, what: str, fresh: bool) -> None:
-        if fresh:
-            self.fresh_paths += 1
-        else:
-            self.reconnects += 1
-        if self._stats is not None:
-            self._stats.add("transport_fresh_paths" if fresh else "transport_reconnects")
-        log.warning("transport to %s %s (path %d)", peer, what, path.index)
-
-    def _reload(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> None:
-        """``max_paths`` 1: load a failed ``peer`` again on its one path.
-
-        Called with ``_lock`` held; releases it around NIXL (a probe first, as for
-        ``add_peer``: the peer may be unreachable) and holds it again on return. The peer is
-        claimed meanwhile: other posts toward it wait, posts toward other peers do not.
-        """
-        meta = self._meta.get(peer)
-        if meta is None:
-            return
-        key = (peer, path.index)
-        args = self._lists.args.get(peer)
-        self._lists.retire(key, path.agent, free)
-        self._changing.add(peer)  # the caller checked that nobody had claimed it
-        lists: Lists | None = None
-        self._lock.release()
-        try:
-            lists = self._reload_unlocked(path, peer, meta, args)
-        finally:
-            self._lock.acquire()
-            self._unclaim_locked(peer)
-        if lists is None:
-            return
-        if (
-            peer in self._peers
-            and not self._closed
-            and self._lists.args.get(peer) is args
-            and key not in self._lists.current
-        ):
-            self._lists.install(key, lists)
-        else:  # removed, closed or prepared again meanwhile: nobody will post with these
-            free.extend(lists.handles(path.agent))
-
-    def _reload_unlocked(
-        self, path: _Path, peer: str, meta: bytes, args: Args | None
-    ) -> Lists | None:
-        """``_reload``'s NIXL calls (``_lock`` not held, ``peer`` claimed): its lists, or None."""
-        try:
-            self._connects.probe(meta)
-        except Exception:
-            log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
-            return None
-        try:
-            path.agent.remove_remote_agent(peer)
-        except Exception:
-            log.warning("removing the failed remote agent %s raised", peer, exc_info=True)
-        try:
-            path.agent.add_remote_agent(meta)
-        except Exception:
-            log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
-            return None
-        if args is None or not self._want_prepped:
-            return None
-        if isinstance(args, PieceArgs) or self._prep_local(path):
-            return self._prep_lists(path, peer, args)
-        return None
+            self._routes.released(key, wid)
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; the caller guarantees no write toward it is in flight.
@@ -936,41 +678,21 @@ class NixlDataPlane:
         claimed = False
         with self._lock:
             if peer in self._peers:
-                self._claim_locked(peer)
+                self._peers.claim(peer)
                 claimed = True
-            if peer in self._peers:
-                self._peers.discard(peer)
-                self._meta.pop(peer, None)
+            if self._peers.remove(peer):
                 self._lists.args.pop(peer, None)
-                self._at.pop(peer, None)
                 for path in self._paths:
-                    key = (peer, path.index)
-                    self._broken.discard(key)
-                    self._broken_at.pop(key, None)
-                    self._inflight.pop(key, None)
-                    self._lists.retire(key, path.agent, free)
-                    if key in self._loaded:
-                        self._loaded.discard(key)
-                        agents.append(path.agent)
+                    self._lists.retire((peer, path.index), path.agent, free)
+                held = self._routes.remove(peer, [path.index for path in self._paths])
+                agents.extend(self._paths[i].agent for i in held)
         try:
-            self._remove_remote(peer, agents)
+            _remove_remote(peer, agents)
         finally:
             if claimed:
                 with self._lock:
-                    self._unclaim_locked(peer)
+                    self._peers.unclaim(peer)
             release(free)
-
-    @staticmethod
-    def _remove_remote(peer: str, agents: list[Any]) -> None:
-        """``remove_remote_agent`` on each agent; the first error is raised after the rest ran."""
-        error: Exception | None = None
-        for agent in agents:
-            try:
-                agent.remove_remote_agent(peer)
-            except Exception as e:
-                error = error or e
-        if error is not None:
-            raise error
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
@@ -978,9 +700,9 @@ class NixlDataPlane:
         """Post one WRITE; raises on a build or post error (nothing in flight then)."""
         free: list[tuple[Any, object]] = []
         with self._lock:
-            path = self._route_locked(peer, free)
+            path = self._moves.route_locked(peer, free, self.settings.max_paths)
             key = (peer, path.index)
-            wid = self._posted_locked(key)
+            wid = self._routes.posted(key)
             self.posts["descs"] += 1
         release(free)
         agent = path.agent
@@ -989,7 +711,7 @@ class NixlDataPlane:
             remote = agent.get_xfer_descs(dst, dst_mem)
             handle = agent.initialize_xfer("WRITE", local, remote, peer, notif)
         except Exception:
-            self._mark_broken(key)
+            self._moves.mark_broken(key)
             self._write_released(key, wid)
             raise
         return self._start(path, handle, key, lambda: self._write_released(key, wid))
@@ -1009,9 +731,9 @@ class NixlDataPlane:
         """Deregister the pool on every path. The caller guarantees no write is in flight."""
         self._connects.close()
         with self._lock:
-            if self._closed:
+            if self._peers.closed:
                 return
-            self._closed = True
+            self._peers.closed = True
             lists = self._lists.clear([p.agent for p in self._paths])
             for path in self._paths:
                 if path.local is not None:
