@@ -1556,6 +1556,19 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_connect_toward_a_silent_peer_leaves_the_caller_and_other_peers_free",
         ),
     ),
+    Mutant(
+        "issue24-closed-data-plane-unseen",
+        "the probes read a closed NixlDataPlane's private flag, which the split moved into its"
+        " peer table (a closed data plane reads as open)",
+        (
+            Edit(
+                "kvxferd/transfer/views.py",
+                '    return bool(getattr(dataplane, "closed", False))',
+                '    return bool(getattr(dataplane, "_closed", False))',
+            ),
+        ),
+        ("tests/test_dataplane.py::test_a_closed_data_plane_says_so_to_the_probes",),
+    ),
 )
 
 

@@ -422,6 +422,11 @@ class NixlDataPlane:
         self.posts = {"blocks": 0, "piece": 0, "descs": 0}
 
     @property
+    def closed(self) -> bool:
+        """True once ``close()`` began: the pool is (being) deregistered."""
+        return self._peers.closed
+
+    @property
     def reconnects(self) -> int:
         """Failed transports reconnected in place so far."""
         return self._moves.reconnects
