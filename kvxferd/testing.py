@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvxferd.transfer.dataplane import XferState
@@ -95,6 +96,12 @@ class ControlledDataPlane:
         peer = metadata.decode()
         self.peers.add(peer)
         return peer
+
+    def add_peer_async(self, metadata: bytes, timeout_s: float) -> Future[str]:
+        """``add_peer`` at once (no connect to wait for): the future is already done."""
+        done: Future[str] = Future()
+        done.set_result(self.add_peer(metadata))
+        return done
 
     def prepare_peer(
         self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int

@@ -705,7 +705,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a prepared list retired under a write is never released (retired lists grow)",
         (
             Edit(
-                "kvxferd/transfer/dataplane.py",
+                "kvxferd/transfer/dlists.py",
                 "retired = self._retired.pop(key, None)",
                 "retired = None",
             ),
@@ -1047,7 +1047,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a post toward a receiver whose write is stalled goes on the stalled connection",
         (
             Edit(
-                "kvxferd/transfer/dataplane.py",
+                "kvxferd/transfer/path_moves.py",
                 '            raise PathStalled(f"a write to {peer} is stalled on its connection (path {path.index})")',
                 "            pass",
             ),
@@ -1508,6 +1508,66 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         ("tests/test_parked.py::test_every_transition_keeps_the_counts_in_step",),
+    ),
+    Mutant(
+        "issue24-register-load-under-the-lock",
+        "the data plane connects to a registering peer with its lock held (every write waits)",
+        (
+            Edit(
+                "kvxferd/transfer/dataplane.py",
+                "        peer = self._connects.probe(metadata)\n        with self._lock:\n",
+                "        with self._lock:\n            peer = self._connects.probe(metadata)\n",
+            ),
+        ),
+        (
+            "tests/test_dataplane_lock.py::"
+            "test_an_unreachable_register_never_delays_another_receivers_writes",
+        ),
+    ),
+    Mutant(
+        "issue24-register-connect-on-the-writers-agent",
+        "the data plane connects to a registering peer from path 0's agent, whose NIXL lock"
+        " every write needs, instead of a probe agent",
+        (
+            Edit(
+                "kvxferd/transfer/dataplane.py",
+                "        self._connects = PeerConnects(name, self._new_agent)",
+                "        self._connects = PeerConnects(name, lambda _name: self._agent)",
+            ),
+        ),
+        (
+            "tests/test_dataplane_lock.py::"
+            "test_an_unreachable_register_never_delays_another_receivers_writes",
+        ),
+    ),
+    Mutant(
+        "issue24-connect-on-the-callers-thread",
+        "add_peer_async runs the connect on the caller's thread (a REGISTER toward a silent"
+        " peer holds the caller for the whole TCP connect)",
+        (
+            Edit(
+                "kvxferd/transfer/peer_connects.py",
+                "        thread.start()\n",
+                "        thread.run()\n",
+            ),
+        ),
+        (
+            "tests/test_dataplane_lock.py::"
+            "test_a_connect_toward_a_silent_peer_leaves_the_caller_and_other_peers_free",
+        ),
+    ),
+    Mutant(
+        "issue24-closed-data-plane-unseen",
+        "the probes read a closed NixlDataPlane's private flag, which the split moved into its"
+        " peer table (a closed data plane reads as open)",
+        (
+            Edit(
+                "kvxferd/transfer/views.py",
+                '    return bool(getattr(dataplane, "closed", False))',
+                '    return bool(getattr(dataplane, "_closed", False))',
+            ),
+        ),
+        ("tests/test_dataplane.py::test_a_closed_data_plane_says_so_to_the_probes",),
     ),
 )
 

@@ -29,6 +29,7 @@ from kvxferd.transfer.pool import KvPool
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.session import RxState
+from kvxferd.transfer.views import dataplane_closed
 
 LAYERS, BLOCK_ELEMS = 3, 256  # 512-byte blocks of float16
 
@@ -183,6 +184,19 @@ def test_prepped_off_by_choice() -> None:
     try:
         assert not dp.prepped
         assert not dp.prepare_peer("x", pool.layout, pool.kv_base, "DRAM", 0)
+    finally:
+        dp.close()
+        pool.close()
+
+
+def test_a_closed_data_plane_says_so_to_the_probes() -> None:
+    """Once a NixlDataPlane is closed the views say so (``/readyz``'s data_plane_closed)."""
+    pool = _pool("dptest-closed", 8)
+    dp = NixlDataPlane(f"dptest-closed-{time.monotonic_ns()}", DataPlaneSettings(), pool)
+    try:
+        assert not dataplane_closed(dp)
+        dp.close()
+        assert dataplane_closed(dp)
     finally:
         dp.close()
         pool.close()

@@ -218,7 +218,7 @@ def test_piece_lists_follow_the_peer_to_a_fresh_connection(pp: _PiecePair) -> No
     pp.w.fill("d", pp.d, pp.dst.kv_bytes_view())
     _wait(pp.rx, pp.post())
     assert pp.exact() and pp.tx.paths() == 2
-    assert pp.tx.posts["piece"] == 2 and pp.tx._at[pp.peer] == 1
+    assert pp.tx.posts["piece"] == 2 and pp.tx._routes.at[pp.peer] == 1
 
 
 def test_with_one_path_a_piece_peer_reconnects_in_place_with_its_lists(pp: _PiecePair) -> None:

@@ -46,6 +46,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/worker_writes.py": ("sender",),
     "transfer/worker_outbox.py": ("sender",),
     "transfer/dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
+    "transfer/path_moves.py": ("sender",),  # the data plane's moves, with its Stats
     "transfer/peer_agents.py": ("sender",),
     "transfer/receiver.py": ("receiver",),
     "transfer/link_agents.py": ("receiver",),

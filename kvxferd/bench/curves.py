@@ -272,7 +272,7 @@ def measure_prep(layers: tuple[int, ...], reps: int, seed: int) -> list[dict[str
             if not dps[0].prepare_peer(peer, lay, pools[1].kv_base, "DRAM", 0):
                 raise RuntimeError("no prepared list for the peer")
             agent, local = dps[0]._agent, dps[0]._paths[0].local
-            lists = dps[0]._remote[(peer, 0)]
+            lists = dps[0]._lists.current[(peer, 0)]
             remote, dst_nb = lists.remote, lists.num_blocks
             rng = np.random.default_rng([seed, nl, 5])
             ns = np.zeros(reps, dtype=np.int64)

@@ -8,6 +8,12 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     layout.py     block ids -> NIXL descriptors (vectorised, coalesced), bounds checks
     pool.py       the KV pool (shared memory on the CPU, CUDA tensor on a GPU) and id allocators
     dataplane.py  the NIXL agent behind a narrow interface: register once, add peers, post WRITEs, poll
+    peer_connects.py  connects toward new peers: probe agents, the kvxferd-tx-connect threads, deadlines
+    dlists.py     prepared descriptor lists: made with NIXL, the table of those in use and retired
+    peer_table.py  the data plane's peers: their metadata, claims on a name being loaded or removed
+    routes.py     each peer's path, writes in flight per (peer, path), broken transports
+    path_moves.py  paths (local agents); moving a failed or stalled peer to a fresh one
+                  (the kvxferd-dp-connect threads), reloads in place
     control.py    one zmq.Context per process, bounded sends, the guarded shared-dealer pool
     poller.py     an io thread's wait: ZMQ sockets and file descriptors, sub-millisecond timeouts
     iohooks.py    what another component (the engine gateway) hands to a service's io thread

@@ -58,6 +58,45 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   and until the move completes writes keep to the old path (failing fast, or waiting
   behind the stall, as before). With ``max_paths`` 1 a broken peer is reloaded in place
   at its next post with none of its writes in flight (``transport_reconnects``).
+* **Loading a peer can block for minutes; nothing else must wait for it.** Over UCX TCP,
+  ``add_remote_agent`` connects blocking (UCX's ``TCP_CONN_NB`` is off by default): toward an
+  address whose packets vanish it returns only when the kernel gives up the connect, 127 s
+  of SYN retries with ``tcp_syn_retries`` 6 (measured 133.5 s; 7.1 s with 2), then raises
+  ``NIXL_ERR_BACKEND``. Toward a live but SIGSTOPped process it takes 15 ms (the kernel
+  accepts the connect), unless that process's accept queue is full (then the kernel drops
+  the SYNs: the silent peer of tests/test_dataplane_lock.py). ``UCX_TCP_SYN_CNT`` bounds
+  the SYN retries of UCX's own connects. ``remove_remote_agent``, ``prep_xfer_dlist``, posting a WRITE and
+  ``check_xfer_state`` toward a silent peer each returned in under 1 ms (measured in network
+  namespaces with an nftables drop, docs/hosts.md). And NIXL's own agent lock (sync modes
+  strict and rw) holds every call on the agent while ``add_remote_agent`` waits: a WRITE to a
+  healthy peer on the same agent waited the full 7.1 s, even with no lock of ours held.
+
+**Locking rule.** ``_lock`` guards the tables (:class:`~kvxferd.transfer.peer_table.PeerTable`
+with ``closed``, :class:`~kvxferd.transfer.routes.Routes`,
+:class:`~kvxferd.transfer.dlists.PreparedLists`, the paths), none of which has a lock of its
+own; no NIXL call that talks to a peer or prepares a list runs under it. What can block runs
+with no lock of ours held:
+
+* ``add_peer`` (every REGISTER) connects first from a *probe agent* (``PeerConnects.probe``,
+  :mod:`kvxferd.transfer.peer_connects`: no memory registered, no write; one per concurrent
+  caller), then loads the peer on path 0. Only the caller waits out an unreachable peer;
+  once the probe connected, path 0's own connect takes milliseconds (a peer cut off in
+  between still blocks it). ``add_peer_async`` does the same on a ``kvxferd-tx-connect``
+  thread and returns a future at once, which fails with :class:`PeerUnreachable` at its
+  deadline even while NIXL still waits (then nothing is loaded): with it no caller waits.
+* ``remove_peer`` changes the tables under ``_lock``, then calls ``remove_remote_agent``.
+* A reload in place (``max_paths`` 1, :class:`~kvxferd.transfer.path_moves.PathMoves`)
+  releases ``_lock`` around its probe, its ``remove_remote_agent``/``add_remote_agent`` and
+  its lists, and holds it again to install them; a connect thread (``kvxferd-dp-connect``,
+  also PathMoves') works on a path reserved for it.
+* Prepared lists (the local pool's, a peer's) are made outside ``_lock`` and installed
+  under it; the list that loses a race (two threads preparing, the peer removed or prepared
+  again meanwhile, ``close()`` meanwhile) is released by the thread that made it.
+
+Loads and removals of one peer name are serialised by a *claim* (``PeerTable.claim``, a
+condition on ``_lock``): a second ``add_peer`` of the same agent, a removal, or a post toward
+that peer waits for the claim; posts toward other peers never do. A reload whose peer was
+removed or prepared again meanwhile (or the plane closed) installs nothing.
 """
 
 from __future__ import annotations
@@ -69,14 +108,28 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import numpy as np
-
 from kvxferd.config import DataPlaneSettings
+from kvxferd.transfer.dlists import (
+    Args,
+    Lists,
+    PieceArgs,
+    PreparedLists,
+    Whole,
+    prep_lists,
+    prep_whole,
+    release,
+)
 from kvxferd.transfer.layout import Descs, IdArray, Layout, prepped_indices
-from kvxferd.transfer.reshard import Piece, prepared_indices, prepared_list
+from kvxferd.transfer.path_moves import Path, PathMoves
+from kvxferd.transfer.path_moves import PathStalled as PathStalled
+from kvxferd.transfer.peer_connects import PeerConnects
+from kvxferd.transfer.peer_connects import PeerUnreachable as PeerUnreachable
+from kvxferd.transfer.peer_table import PeerTable
+from kvxferd.transfer.reshard import Piece, prepared_indices
+from kvxferd.transfer.routes import Key, Routes
 from kvxferd.transfer.topology import Topology
 
 if TYPE_CHECKING:
@@ -110,6 +163,11 @@ class DataPlane(Protocol):
     def metadata(self) -> bytes: ...
 
     def add_peer(self, metadata: bytes) -> str: ...
+
+    def add_peer_async(self, metadata: bytes, timeout_s: float) -> Future[str]:
+        """``add_peer`` without waiting: the future ends with the peer's name, or fails
+        (:class:`PeerUnreachable` when it was not reached within ``timeout_s``)."""
+        ...
 
     def prepare_peer(
         self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
@@ -205,11 +263,6 @@ def _quiet_nixl_logger() -> None:
             h.setStream(sys.stderr)
 
 
-class PathStalled(RuntimeError):
-    """Nothing was posted: a write toward this peer is stalled on its connection (a fresh one
-    is opened once the peer is heard from again). Not a failure of the peer itself."""
-
-
 class _NixlXfer:
     __slots__ = ("_agent", "_handle", "_released", "_on_release", "_on_error")
 
@@ -250,77 +303,67 @@ class _NixlXfer:
         return True
 
 
-class _Path:
-    """One local NIXL agent with the pool registered; UCX opens one endpoint per peer it loads.
+class Prep:
+    """How this data plane prepares lists on a path, and whether it does (``want``).
 
-    Path 0 is the agent whose metadata this process hands out. More paths are opened only
-    when writes toward a peer stall (the module docstring), at most ``max_paths`` in all.
+    ``whole`` and ``lists`` are NIXL calls and hold no lock; ``local`` installs a path's list
+    of the local pool under the data plane's lock. ``want`` is True for a DRAM pool until path
+    0's local list fails (set False under the lock; never True again).
     """
 
-    __slots__ = ("index", "agent", "regs", "local", "owner", "connecting")
+    def __init__(self, pool: KvPool, want: bool, lock: threading.Lock, peers: PeerTable) -> None:
+        self._pool = pool
+        self.want = want
+        self._lock = lock
+        self._peers = peers
 
-    def __init__(self, index: int, agent: Any, regs: list[object]) -> None:
-        self.index = index
-        self.agent = agent
-        self.regs = regs
-        self.local: object | None = None  # its prepared list of the local pool (first prep)
-        self.owner: str | None = None  # a spare path serves one peer at a time (path 0: all)
-        self.connecting = False  # a connect thread is using the agent: nobody else touches it
+    def whole(self, agent: Any) -> object | None:
+        """``agent``'s list of the whole local pool, or None."""
+        pool = self._pool
+        return prep_whole(
+            agent,
+            "NIXL_INIT_AGENT",
+            pool.layout,
+            pool.kv_base,
+            pool.device_id,
+            MAX_PREPPED_DESCS,
+        )
+
+    def lists(self, path: Path, peer: str, args: Args) -> Lists | None:
+        return prep_lists(path.agent, path.local, peer, args, self._pool, MAX_PREPPED_DESCS)
+
+    def local(self, path: Path) -> bool:
+        """The path's list of the local pool, prepared once; False turns prepping off.
+
+        Prepared without the lock (a large pool takes 60-155 ms); of two threads preparing
+        it at once, the first to install wins and the other releases its own.
+        """
+        with self._lock:
+            if path.local is not None or not self.want or self._peers.closed:
+                return path.local is not None
+        local = self.whole(path.agent)
+        with self._lock:
+            if local is None:
+                if path.index == 0:
+                    self.want = False
+                return path.local is not None
+            if path.local is None and not self._peers.closed:
+                path.local = local
+                return True
+        release([(path.agent, local)])
+        return path.local is not None
 
 
-_Key = tuple[str, int]  # (peer, path index)
-
-
-@dataclass(frozen=True, slots=True)
-class _Whole:
-    """What ``prepare_peer`` was given: the peer's whole pool, one entry per (layer, block)."""
-
-    layout: Layout
-    kv_base: int
-    device_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class _PieceArgs:
-    """What ``prepare_piece`` was given: one piece of the local pool and of the peer's."""
-
-    piece: Piece
-    decode: Topology
-    kv_base: int
-    num_blocks: int
-    device_id: int
-
-
-_Args = _Whole | _PieceArgs
-
-
-class _Lists:
-    """A peer's prepared lists on one path, retired and released together.
-
-    ``remote``: its pool's list; ``local``: for a piece, the piece's list of the local pool
-    (None: the path's shared whole-pool list); ``num_blocks``: the peer pool's.
-    """
-
-    __slots__ = ("remote", "num_blocks", "local", "piece")
-
-    def __init__(
-        self,
-        remote: object,
-        num_blocks: int,
-        local: object | None = None,
-        piece: Piece | None = None,
-    ) -> None:
-        self.remote = remote
-        self.num_blocks = num_blocks
-        self.local = local
-        self.piece = piece
-
-    def handles(self, agent: Any) -> list[tuple[Any, object]]:
-        """What releasing these lists frees (the shared whole-pool list is not theirs)."""
-        own = [(agent, self.remote)]
-        if self.local is not None:
-            own.append((agent, self.local))
-        return own
+def _remove_remote(peer: str, agents: list[Any]) -> None:
+    """``remove_remote_agent`` on each agent; the first error is raised after the rest ran."""
+    error: Exception | None = None
+    for agent in agents:
+        try:
+            agent.remove_remote_agent(peer)
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 class NixlDataPlane:
@@ -328,6 +371,9 @@ class NixlDataPlane:
 
     ``stall_s``: a write toward a peer still in progress this long makes the next post
     toward that peer go through a fresh connection (another path), if ``max_paths`` allows.
+    Its state lives in tables guarded by ``_lock``: :class:`PeerTable` (``_peers``),
+    :class:`Routes` (``_routes``), :class:`PreparedLists` (``_lists``), the paths; moves to
+    fresh paths and reloads in place are :class:`PathMoves`' (``_moves``).
     """
 
     def __init__(
@@ -347,42 +393,64 @@ class NixlDataPlane:
         self.name = name
         self.settings = settings
         self._pool = pool
-        self._stall_s = stall_s
-        self._stats = stats
-        self._heard_from = heard_from
-        self._paths: list[_Path] = []
+        self._paths: list[Path] = []  # appended under _lock, never removed before close
         self._agent_seq = itertools.count(1)  # names of spare agents
         self._paths.append(self._open_path(0))
         self._agent = self._paths[0].agent  # the agent peers know (metadata, progress)
-        self._lock = threading.Lock()  # guards every table below and _closed
-        self._peers: set[str] = set()
-        self._closed = False
+        self._lock = threading.Lock()  # guards every table below
+        self._peers = PeerTable(self._lock)  # known peers, their claims, closed
         self._layout = pool.layout
-        # (peer, path) -> its prepared lists; replaced whole
-        self._remote: dict[_Key, _Lists] = {}
-        self._uses: dict[int, int] = {}  # id(_Lists) -> writes holding a handle made from them
-        self._retired: dict[int, tuple[Any, _Lists]] = {}  # id -> (agent, retired lists in use)
-        self._meta: dict[str, bytes] = {}  # peer -> the metadata add_peer loaded
-        # peer -> what prepare_peer / prepare_piece was given (a fresh path prepares it again)
-        self._prep_args: dict[str, _Args] = {}
-        self._at: dict[str, int] = {}  # peer -> the path its next write takes
-        self._loaded: set[_Key] = set()  # (peer, path) whose agent holds the peer
-        self._inflight: dict[_Key, dict[int, float]] = {}  # key -> {write id: posted at}
-        self._broken: set[_Key] = set()
-        self._broken_at: dict[_Key, float] = {}  # when each was marked (monotonic)
-        self._moving: set[str] = set()  # peers a connect thread is moving to a fresh path
-        self._opening = 0  # paths being opened by connect threads (counted toward max_paths)
-        self._ids = iter(range(1 << 62))
-        self.reconnects = 0  # failed transports reconnected so far
-        self.fresh_paths = 0  # peers moved to a fresh connection after a stall
+        self._lists = PreparedLists()  # each (peer, path)'s prepared lists, the retired ones
+        self._routes = Routes()  # each peer's path, writes in flight, broken transports
+        self._connects = PeerConnects(name, self._new_agent)  # probe agents, connect threads
+        self._prep = Prep(pool, prepped and pool.mem_type == "DRAM", self._lock, self._peers)
+        self._moves = PathMoves(
+            self._lock,
+            self._routes,
+            self._peers,
+            self._lists,
+            self._connects,
+            self._paths,
+            self._open_path,
+            self._prep,
+            stall_s=stall_s,
+            heard_from=heard_from,
+            stats=stats,
+        )
         # KV writes posted so far, by how: "blocks" (whole-pool lists), "piece" (a piece's
         # lists), "descs" (post_write: descriptors built per request, and AUX)
         self.posts = {"blocks": 0, "piece": 0, "descs": 0}
-        self._want_prepped = prepped and pool.mem_type == "DRAM"
 
-    def _open_path(self, index: int) -> _Path:
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` began: the pool is (being) deregistered."""
+        return self._peers.closed
+
+    @property
+    def reconnects(self) -> int:
+        """Failed transports reconnected in place so far."""
+        return self._moves.reconnects
+
+    @property
+    def fresh_paths(self) -> int:
+        """Peers moved to a fresh connection so far."""
+        return self._moves.fresh_paths
+
+    def _open_path(self, index: int) -> Path:
         """A NIXL agent (``name`` for path 0, ``name.pN`` after: N counts the agents opened,
         the path's index is set where it is added) with the pool registered."""
+        agent = self._new_agent(
+            self.name if index == 0 else f"{self.name}.p{next(self._agent_seq)}"
+        )
+        pool = self._pool
+        regs = [
+            agent.register_memory([pool.kv], mem_type=pool.mem_type),
+            agent.register_memory([pool.aux], mem_type="DRAM"),
+        ]
+        return Path(index, agent, regs)
+
+    def _new_agent(self, name: str) -> Any:
+        """A NIXL agent with this data plane's backend and settings, no memory registered."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         settings = self.settings
@@ -393,7 +461,7 @@ class NixlDataPlane:
             "default": nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT,
         }[settings.sync_mode]
         agent = nixl_agent(
-            self.name if index == 0 else f"{self.name}.p{next(self._agent_seq)}",
+            name,
             nixl_agent_config(
                 enable_prog_thread=settings.progress_thread, backends=[], sync_mode=sync
             ),
@@ -405,98 +473,62 @@ class NixlDataPlane:
                 "num_workers": str(settings.ucx_num_workers),
             },
         )
-        pool = self._pool
-        regs = [
-            agent.register_memory([pool.kv], mem_type=pool.mem_type),
-            agent.register_memory([pool.aux], mem_type="DRAM"),
-        ]
-        return _Path(index, agent, regs)
-
-    def _prep(
-        self, path: _Path, agent: str, layout: Layout, kv_base: int, device_id: int
-    ) -> object | None:
-        """A prepared list of every (layer, block) of a DRAM KV pool, or None."""
-        n = layout.num_layers * layout.num_blocks
-        if n > MAX_PREPPED_DESCS:
-            return None
-        descs = np.empty((n, 3), dtype=np.int64)
-        descs[:, 0] = kv_base + np.arange(n, dtype=np.int64) * layout.block_bytes
-        descs[:, 1] = layout.block_bytes
-        descs[:, 2] = device_id
-        return self._prep_descs(path, agent, descs)
-
-    def _prep_descs(self, path: _Path, agent: str, descs: Descs) -> object | None:
-        try:
-            return path.agent.prep_xfer_dlist(agent, descs, "DRAM")
-        except Exception as e:
-            log.warning("no prepared descriptor list for %s (%s); building per request", agent, e)
-            return None
-
-    def _prep_lists(self, path: _Path, peer: str, args: _Args) -> _Lists | None:
-        """``peer``'s lists on ``path`` (a whole pool needs the path's ``local`` first), or None."""
-        if isinstance(args, _Whole):
-            if path.local is None:
-                return None
-            handle = self._prep(path, peer, args.layout, args.kv_base, args.device_id)
-            return None if handle is None else _Lists(handle, args.layout.num_blocks)
-        piece, pool = args.piece, self._pool
-        entries = (piece.layer_end - piece.layer_begin) * len(piece.ranges)
-        if entries * max(args.num_blocks, self._layout.num_blocks) > MAX_PREPPED_DESCS:
-            return None
-        try:
-            src = prepared_list(
-                piece, args.decode, "src", pool.kv_base, self._layout.num_blocks, dev=pool.device_id
-            )
-            dst = prepared_list(
-                piece, args.decode, "dst", args.kv_base, args.num_blocks, dev=args.device_id
-            )
-        except Exception:
-            log.warning("no piece lists for %s; building per request", peer, exc_info=True)
-            return None
-        local = self._prep_descs(path, "NIXL_INIT_AGENT", src)
-        if local is None:
-            return None
-        remote = self._prep_descs(path, peer, dst)
-        if remote is None:
-            self._release_lists([(path.agent, local)])
-            return None
-        return _Lists(remote, args.num_blocks, local, piece)
-
-    def _prep_local_locked(self, path: _Path) -> bool:
-        """The path's list of the local pool, prepared once; False turns prepping off."""
-        if path.local is None and self._want_prepped and not self._closed:
-            pool = self._pool
-            path.local = self._prep(
-                path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id
-            )
-            if path.local is None and path.index == 0:
-                self._want_prepped = False
-        return path.local is not None
+        return agent
 
     @property
     def prepped(self) -> bool:
         """True when prepared lists are in use (``prepare_peer`` can succeed)."""
-        return self._want_prepped
+        return self._prep.want
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()  # type: ignore[no-any-return]
 
     def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata on path 0 (every REGISTER); raises when NIXL cannot.
+
+        A probe agent connects first (``PeerConnects.probe``: it may block for the whole TCP
+        connect toward an unreachable peer, and only the caller waits); path 0 loads the peer
+        once the probe connected, which then takes milliseconds.
+        """
+        peer = self._connects.probe(metadata)
         with self._lock:
-            name = self._agent.add_remote_agent(metadata)
-            peer = name.decode() if isinstance(name, bytes) else str(name)
-            self._peers.add(peer)
-            self._meta[peer] = metadata
-            self._at[peer] = 0
-            self._loaded.add((peer, 0))
-            self._broken.discard((peer, 0))
-            self._broken_at.pop((peer, 0), None)
-            return peer
+            self._peers.claim(peer)
+        return self._load_claimed(metadata, peer)
+
+    def add_peer_async(self, metadata: bytes, timeout_s: float) -> Future[str]:
+        """``add_peer`` on a ``kvxferd-tx-connect`` thread; returns at once (the caller never
+        waits for NIXL). The future ends with the peer's name once it is loaded on path 0, or
+        fails with :class:`PeerUnreachable` (the probe failed, or ``timeout_s`` passed while
+        it still waited: nothing is loaded then, even if the connect succeeds later) or with
+        the load's error. Callbacks run on the connect thread (or the deadline's timer)."""
+        return self._connects.start(metadata, timeout_s, self._load_peer)
+
+    def _load_peer(self, metadata: bytes, peer: str) -> str:
+        """``add_peer_async``'s load, on its connect thread once the probe reached ``peer``."""
+        with self._lock:
+            if self._peers.closed:
+                raise PeerUnreachable("the data plane is closed")
+            self._peers.claim(peer)
+        return self._load_claimed(metadata, peer)
+
+    def _load_claimed(self, metadata: bytes, peer: str) -> str:
+        """Load ``peer`` (claimed by the caller; its probe reached it) on path 0; unclaim it."""
+        loaded = False
+        try:
+            self._agent.add_remote_agent(metadata)
+            loaded = True
+        finally:
+            with self._lock:
+                self._peers.unclaim(peer)
+                if loaded:
+                    self._peers.add(peer, metadata)
+                    self._routes.added(peer)
+        return peer
 
     def _usable(self, layout: Layout, mem_type: str) -> bool:
         mine = self._layout
         return (
-            self._want_prepped
+            self._prep.want
             and mem_type == "DRAM"
             and layout.block_bytes == mine.block_bytes
             and layout.num_layers == mine.num_layers
@@ -505,13 +537,13 @@ class NixlDataPlane:
     def prepare_peer(
         self, peer: str, layout: Layout, kv_base: int, mem_type: str, device_id: int
     ) -> bool:
-        with self._lock:  # the local list once per path; a failure on path 0 turns prepping off
-            path = self._paths[self._at.get(peer, 0)]
-            if self._usable(layout, mem_type):
-                self._prep_local_locked(path)
-        usable = path.local is not None and self._usable(layout, mem_type)
-        args = _Whole(layout, kv_base, device_id)
-        lists = self._prep_lists(path, peer, args) if usable else None
+        with self._lock:
+            path = self._paths[self._routes.path_of(peer)]
+        # The local list once per path; a failure on path 0 turns prepping off.
+        usable = self._usable(layout, mem_type) and self._prep.local(path)
+        usable = usable and self._usable(layout, mem_type)
+        args = Whole(layout, kv_base, device_id)
+        lists = self._prep.lists(path, peer, args) if usable else None
         return self._install(peer, path, args if usable else None, lists)
 
     def prepare_piece(
@@ -526,69 +558,44 @@ class NixlDataPlane:
     ) -> bool:
         try:
             with self._lock:
-                path = self._paths[self._at.get(peer, 0)]
-                usable = self._want_prepped and mem_type == "DRAM" and not self._closed
-            args = _PieceArgs(piece, decode, kv_base, num_blocks, device_id)
-            lists = self._prep_lists(path, peer, args) if usable else None
+                path = self._paths[self._routes.path_of(peer)]
+                usable = self._prep.want and mem_type == "DRAM" and not self._peers.closed
+            args = PieceArgs(piece, decode, kv_base, num_blocks, device_id)
+            lists = self._prep.lists(path, peer, args) if usable else None
             # Only a peer whose lists were made has them made again on a fresh path.
             return self._install(peer, path, args if lists is not None else None, lists)
         except Exception:  # the protocol says False, never raises
             log.warning("preparing the piece lists of %s failed", peer, exc_info=True)
             return False
 
-    def _install(self, peer: str, path: _Path, args: _Args | None, lists: _Lists | None) -> bool:
+    def _install(self, peer: str, path: Path, args: Args | None, lists: Lists | None) -> bool:
         """Make ``lists`` ``peer``'s on ``path`` (None: it has none now); True when they are."""
         free: list[tuple[Any, object]] = []
         key = (peer, path.index)
         with self._lock:  # a peer prepared again (or refused now) loses its old lists
             if args is not None:
-                self._prep_args[peer] = args
+                self._lists.args[peer] = args
             else:
-                self._prep_args.pop(peer, None)
-            old = self._remote.pop(key, None)
-            if old is not None:
-                self._retire_locked(path, old, free)
-            ok = lists is not None and peer in self._peers and not self._closed
+                self._lists.args.pop(peer, None)
+            self._lists.retire(key, path.agent, free)
+            ok = lists is not None and self._peers.live(peer)
             if lists is not None:
                 if ok:
-                    self._remote[key] = lists
+                    self._lists.install(key, lists)
                 else:
                     free.extend(lists.handles(path.agent))
-        self._release_lists(free)
+        release(free)
         return ok
 
-    def _retire_locked(self, path: _Path, lists: _Lists, free: list[tuple[Any, object]]) -> None:
-        """Release ``lists`` now if no write uses them (into ``free``), else when the last ends."""
-        if self._uses.get(id(lists), 0) > 0:
-            self._retired[id(lists)] = (path.agent, lists)
-        else:
-            free.extend(lists.handles(path.agent))
-
-    def _used_by_one_less(self, lists: _Lists) -> None:
-        free: list[tuple[Any, object]] = []
+    def _used_by_one_less(self, lists: Lists) -> None:
         with self._lock:
-            key = id(lists)
-            left = self._uses.get(key, 0) - 1
-            if left > 0:
-                self._uses[key] = left
-                return
-            self._uses.pop(key, None)
-            retired = self._retired.pop(key, None)
-            if retired is not None and not self._closed:
-                free.extend(retired[1].handles(retired[0]))
-        self._release_lists(free)
-
-    def _release_lists(self, lists: list[tuple[Any, object]]) -> None:
-        for agent, h in lists:
-            try:
-                agent.release_dlist_handle(h)
-            except Exception:
-                log.warning("releasing a prepared descriptor list failed", exc_info=True)
+            free = self._lists.used_by_one_less(lists, self._peers.closed)
+        release(free)
 
     def retired_lists(self) -> int:
         """Peers' prepared lists retired but still used by a write (bounded by writes in flight)."""
         with self._lock:
-            return len(self._retired)
+            return self._lists.retired
 
     def paths(self) -> int:
         """Local agents (connections per peer) opened so far: 1 until a write stalls."""
@@ -607,17 +614,17 @@ class NixlDataPlane:
         """Post one KV WRITE by block indices; raises on a build or post error (nothing in flight)."""
         free: list[tuple[Any, object]] = []
         with self._lock:  # the list is counted as used before NIXL sees it
-            path = self._route_locked(peer, free)
+            path = self._moves.route_locked(peer, free, self.settings.max_paths)
             key = (peer, path.index)
-            lists = self._remote.get(key)
+            lists = self._lists.current.get(key)
             local = None if lists is None else path.local if lists.local is None else lists.local
-            if lists is None or local is None:
-                self._release_lists(free)
-                raise RuntimeError(f"no prepared descriptor list for peer {peer}")
-            self._uses[id(lists)] = self._uses.get(id(lists), 0) + 1
-            wid = self._posted_locked(key)
-            self.posts["blocks" if lists.piece is None else "piece"] += 1
-        self._release_lists(free)
+            if lists is not None and local is not None:
+                self._lists.used(lists)
+                wid = self._routes.posted(key)
+                self.posts["blocks" if lists.piece is None else "piece"] += 1
+        release(free)
+        if lists is None or local is None:
+            raise RuntimeError(f"no prepared descriptor list for peer {peer}")
 
         def released() -> None:
             self._used_by_one_less(lists)
@@ -639,274 +646,58 @@ class NixlDataPlane:
                 "WRITE", local, local_idx, lists.remote, remote_idx, notif
             )
         except Exception:
-            self._mark_broken(key)
+            self._moves.mark_broken(key)
             released()
             raise
         return self._start(path, handle, key, released)
 
     def _start(
-        self, path: _Path, handle: object, key: _Key, on_release: Callable[[], None]
+        self, path: Path, handle: object, key: Key, on_release: Callable[[], None]
     ) -> tuple[Xfer, XferState]:
         agent = path.agent
-        xfer = _NixlXfer(agent, handle, on_release, lambda: self._mark_broken(key))
+        xfer = _NixlXfer(agent, handle, on_release, lambda: self._moves.mark_broken(key))
         try:
             state = agent.transfer(handle)
         except Exception:
-            self._mark_broken(key)
+            self._moves.mark_broken(key)
             xfer.release()
             raise
         if state == "ERR":
-            self._mark_broken(key)
+            self._moves.mark_broken(key)
             xfer.release()
             raise RuntimeError("NIXL refused to post the WRITE")
         return xfer, state
 
-    def _posted_locked(self, key: _Key) -> int:
-        wid = next(self._ids)
-        self._inflight.setdefault(key, {})[wid] = time.monotonic()
-        return wid
-
-    def _write_released(self, key: _Key, wid: int) -> None:
+    def _write_released(self, key: Key, wid: int) -> None:
         with self._lock:
-            writes = self._inflight.get(key)
-            if writes is not None:
-                writes.pop(wid, None)
-                if not writes:
-                    del self._inflight[key]
-
-    # -- routing: reconnecting a failed transport, leaving a stalled one ----------------
-    def _mark_broken(self, key: _Key) -> None:
-        with self._lock:
-            if key[0] in self._peers and key not in self._broken:
-                self._broken.add(key)
-                self._broken_at[key] = time.monotonic()
-                log.warning(
-                    "transport to %s (path %d) failed: reconnecting it once no write is in flight",
-                    *key,
-                )
-
-    def _route_locked(self, peer: str, free: list[tuple[Any, object]]) -> _Path:
-        """The path the next write toward ``peer`` takes (with ``_lock`` held).
-
-        Its current path, unless that one's transport failed (no write in flight there) or a
-        write on it stalled. Then, with ``max_paths`` above 1, a connect thread opens a fresh
-        connection on a spare path once the peer has been heard from since (the module
-        docstring); until it has moved, a post behind a stalled write is refused
-        (:class:`PathStalled`, nothing posted) and one toward a failed transport goes to it
-        (and fails fast). With ``max_paths`` 1 a failed transport is reloaded in place, here.
-        """
-        if self._closed:
-            raise RuntimeError("the data plane is closed")
-        path = self._paths[self._at.get(peer, 0)]
-        key = (peer, path.index)
-        writes = self._inflight.get(key)
-        broken = key in self._broken and not writes
-        stalled = bool(
-            writes
-            and self._stall_s is not None
-            and time.monotonic() - min(writes.values()) >= self._stall_s
-        )
-        if not (broken or stalled):
-            return path
-        if self.settings.max_paths < 2:
-            if broken:
-                self._reload_locked(path, peer, free)
-                self._broken.discard(key)
-                self._broken_at.pop(key, None)
-                self._count_reconnect(peer, path, "reconnected in place", fresh=False)
-            return path
-        self._start_move_locked(peer, path, key, broken, writes)
-        if stalled:
-            # Posting behind a stalled write only stalls another one (and quarantines more
-            # memory on both sides): refused, nothing posted, until the peer has moved.
-            raise PathStalled(f"a write to {peer} is stalled on its connection (path {path.index})")
-        return path
-
-    def _start_move_locked(
-        self, peer: str, path: _Path, key: _Key, broken: bool, writes: dict[int, float] | None
-    ) -> None:
-        """Start a connect thread moving ``peer`` off ``path``, if none runs, a path is free,
-        and the peer has been heard from since the trouble began (``heard_from``)."""
-        if peer in self._moving:
-            return
-        if self._heard_from is not None:
-            # A connect into a cut link waits out SYN backoff inside NIXL and would still be
-            # waiting seconds after the heal: connect once the peer has sent us a message
-            # since the write was found stalled or the transport failed.
-            since = (
-                self._broken_at.get(key, 0.0)
-                if broken or not writes
-                else min(writes.values()) + (self._stall_s or 0.0)
-            )
-            if self._heard_from(peer) <= since:
-                return
-        spare = next(
-            (
-                p
-                for p in self._paths[1:]
-                if p is not path
-                and p.owner is None
-                and not p.connecting
-                and not any(k[1] == p.index for k in self._inflight)
-            ),
-            None,
-        )
-        if spare is None and len(self._paths) + self._opening >= self.settings.max_paths:
-            return  # every path is in use
-        if spare is not None:
-            spare.owner, spare.connecting = peer, True
-        else:
-            self._opening += 1
-        self._moving.add(peer)
-        why = "failed" if broken else f"stalled on path {path.index}"
-        threading.Thread(
-            target=self._connect,
-            args=(peer, spare, why),
-            name="kvxferd-dp-connect",
-            daemon=True,
-        ).start()
-
-    def _connect(self, peer: str, spare: _Path | None, why: str) -> None:
-        """Connect thread: load ``peer`` on ``spare`` (or a new path) and move it there.
-
-        Runs without ``_lock``: NIXL may block in ``add_remote_agent`` until the peer is
-        reachable again (a cut link: seconds to minutes), and only this thread waits. The
-        path is reserved for it (``connecting``): no write, poll or progress touches it.
-        """
-        t0 = time.monotonic()
-        free: list[tuple[Any, object]] = []
-        path = spare
-        ok = False
-        try:
-            if path is None:
-                opened = self._open_path(-1)  # its index once added, below
-                with self._lock:
-                    self._opening -= 1
-                    opened.index = len(self._paths)
-                    opened.owner, opened.connecting = peer, True
-                    self._paths.append(opened)
-                    path = opened
-            ok = self._load_on(path, peer, free)
-        except Exception:
-            log.warning("opening a fresh connection to %s failed", peer, exc_info=True)
-            if path is None:
-                with self._lock:
-                    self._opening -= 1
-        finally:
-            with self._lock:
-                self._moving.discard(peer)
-                if path is not None:
-                    path.connecting = False
-                    if ok and peer in self._peers and not self._closed:
-                        old = self._paths[self._at.get(peer, 0)]
-                        if old.owner == peer:
-                            old.owner = None
-                        self._at[peer] = path.index
-                        self._broken.discard((peer, path.index))
-                        self._broken_at.pop((peer, path.index), None)
-                        self._count_reconnect(
-                            peer,
-                            path,
-                            f"{why}: moved to a fresh connection in {(time.monotonic() - t0) * 1000:.0f} ms",
-                            fresh=True,
-                        )
-                    else:
-                        path.owner = None
-            self._release_lists(free)
-        log.info("connect thread for %s ended in %.1f ms", peer, (time.monotonic() - t0) * 1000)
-
-    def _load_on(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> bool:
-        """Load ``peer`` afresh on a path reserved for the caller; its prepared list too."""
-        with self._lock:
-            meta = self._meta.get(peer)
-            args = self._prep_args.get(peer)
-            key = (peer, path.index)
-            stale = key in self._loaded
-            old = self._remote.pop(key, None)
-            if old is not None:
-                self._retire_locked(path, old, free)
-            self._loaded.discard(key)
-        if meta is None:
-            return False
-        agent = path.agent
-        if stale:
-            try:
-                agent.remove_remote_agent(peer)
-            except Exception:
-                log.warning("removing the stale remote agent %s raised", peer, exc_info=True)
-        agent.add_remote_agent(meta)
-        lists = None
-        if args is not None and self._want_prepped:
-            if path.local is None and isinstance(args, _Whole):
-                pool = self._pool
-                path.local = self._prep(
-                    path, "NIXL_INIT_AGENT", self._layout, pool.kv_base, pool.device_id
-                )
-            lists = self._prep_lists(path, peer, args)
-        with self._lock:
-            self._loaded.add(key)
-            if lists is not None and peer in self._peers and not self._closed:
-                self._remote[key] = lists
-            elif lists is not None:  # removed (or closed) meanwhile: nobody will post with them
-                free.extend(lists.handles(agent))
-        return args is None or lists is not None
-
-    def _count_reconnect(self, peer: str, path: _Path, what: str, fresh: bool) -> None:
-        if fresh:
-            self.fresh_paths += 1
-        else:
-            self.reconnects += 1
-        if self._stats is not None:
-            self._stats.add("transport_fresh_paths" if fresh else "transport_reconnects")
-        log.warning("transport to %s %s (path %d)", peer, what, path.index)
-
-    def _reload_locked(self, path: _Path, peer: str, free: list[tuple[Any, object]]) -> None:
-        """``max_paths`` 1: load a failed ``peer`` again on its one path, under ``_lock``."""
-        meta = self._meta.get(peer)
-        if meta is None:
-            return
-        key = (peer, path.index)
-        old = self._remote.pop(key, None)
-        if old is not None:
-            self._retire_locked(path, old, free)
-        try:
-            path.agent.remove_remote_agent(peer)
-        except Exception:
-            log.warning("removing the failed remote agent %s raised", peer, exc_info=True)
-        try:
-            path.agent.add_remote_agent(meta)
-        except Exception:
-            log.warning("reconnecting %s failed; next post tries again", peer, exc_info=True)
-            return
-        args = self._prep_args.get(peer)
-        if args is None or not self._want_prepped:
-            return
-        if isinstance(args, _PieceArgs) or self._prep_local_locked(path):
-            lists = self._prep_lists(path, peer, args)
-            if lists is not None:
-                self._remote[key] = lists
+            self._routes.released(key, wid)
 
     def remove_peer(self, peer: str) -> None:
-        """Forget ``peer``; the caller guarantees no write toward it is in flight."""
+        """Forget ``peer``; the caller guarantees no write toward it is in flight.
+
+        The tables change under ``_lock``; NIXL's ``remove_remote_agent`` runs after, with
+        the peer claimed (a load of the same name waits for it, and it for a load).
+        """
         free: list[tuple[Any, object]] = []
+        agents: list[Any] = []
+        claimed = False
         with self._lock:
             if peer in self._peers:
-                self._peers.discard(peer)
-                self._meta.pop(peer, None)
-                self._prep_args.pop(peer, None)
-                self._at.pop(peer, None)
+                self._peers.claim(peer)
+                claimed = True
+            if self._peers.remove(peer):
+                self._lists.args.pop(peer, None)
                 for path in self._paths:
-                    key = (peer, path.index)
-                    self._broken.discard(key)
-                    self._broken_at.pop(key, None)
-                    self._inflight.pop(key, None)
-                    old = self._remote.pop(key, None)
-                    if old is not None:
-                        self._retire_locked(path, old, free)
-                    if key in self._loaded:
-                        self._loaded.discard(key)
-                        path.agent.remove_remote_agent(peer)
-        self._release_lists(free)
+                    self._lists.retire((peer, path.index), path.agent, free)
+                held = self._routes.remove(peer, [path.index for path in self._paths])
+                agents.extend(self._paths[i].agent for i in held)
+        try:
+            _remove_remote(peer, agents)
+        finally:
+            if claimed:
+                with self._lock:
+                    self._peers.unclaim(peer)
+            release(free)
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
@@ -914,18 +705,18 @@ class NixlDataPlane:
         """Post one WRITE; raises on a build or post error (nothing in flight then)."""
         free: list[tuple[Any, object]] = []
         with self._lock:
-            path = self._route_locked(peer, free)
+            path = self._moves.route_locked(peer, free, self.settings.max_paths)
             key = (peer, path.index)
-            wid = self._posted_locked(key)
+            wid = self._routes.posted(key)
             self.posts["descs"] += 1
-        self._release_lists(free)
+        release(free)
         agent = path.agent
         try:
             local = agent.get_xfer_descs(src, src_mem)
             remote = agent.get_xfer_descs(dst, dst_mem)
             handle = agent.initialize_xfer("WRITE", local, remote, peer, notif)
         except Exception:
-            self._mark_broken(key)
+            self._moves.mark_broken(key)
             self._write_released(key, wid)
             raise
         return self._start(path, handle, key, lambda: self._write_released(key, wid))
@@ -943,21 +734,16 @@ class NixlDataPlane:
 
     def close(self) -> None:
         """Deregister the pool on every path. The caller guarantees no write is in flight."""
+        self._connects.close()
         with self._lock:
-            if self._closed:
+            if self._peers.closed:
                 return
-            self._closed = True
-            lists: list[tuple[Any, object]] = []
-            for agent, retired in self._retired.values():
-                lists.extend(retired.handles(agent))
-            for (_peer, i), mine in self._remote.items():
-                lists.extend(mine.handles(self._paths[i].agent))
+            self._peers.closed = True
+            lists = self._lists.clear([p.agent for p in self._paths])
             for path in self._paths:
                 if path.local is not None:
                     lists.append((path.agent, path.local))
                     path.local = None
-            self._remote.clear()
-            self._retired.clear()
         for agent, h in lists:
             try:
                 agent.release_dlist_handle(h)

@@ -297,8 +297,7 @@ class SharedAgent:
 
     @property
     def closed(self) -> bool:
-        d = self.dataplane
-        return bool(getattr(d, "_closed", False) or getattr(d, "closed", False))
+        return bool(getattr(self.dataplane, "closed", False))
 
     def tear_down(self, agent: LinkAgent) -> None:
         pass

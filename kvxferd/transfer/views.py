@@ -366,6 +366,6 @@ def oldest_first(items: Iterable[_T], key: Callable[[_T], float]) -> tuple[_T, .
 def dataplane_closed(dataplane: Any) -> bool:
     """True once the data plane deregistered the pool.
 
-    NixlDataPlane keeps ``_closed``; the test double (kvxferd.testing) ``closed``.
+    NixlDataPlane and the test double (kvxferd.testing) both say it in ``closed``.
     """
-    return bool(getattr(dataplane, "_closed", False) or getattr(dataplane, "closed", False))
+    return bool(getattr(dataplane, "closed", False))
