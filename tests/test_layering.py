@@ -20,7 +20,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvxferd"
 
-TOOLS = ("kvxferd.bench", "kvxferd.faults", "kvxferd.cli")
+TOOLS = ("kvxferd.bench", "kvxferd.faults", "kvxferd.cli", "kvxferd.demo")
 # (which modules, what they must not import, why)
 RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     (

@@ -257,7 +257,7 @@ def daemon_env(
     Written out here, not taken from the demo's helper: a daemon refuses a setting it does
     not know, so both trees get only settings that both know (none from this environment:
     no ``KVXFERD_*`` variable of the caller reaches a daemon). ``security``: the
-    ``KVXFERD_SECURITY__*`` variables of :func:`~kvxferd.engine.workload.demo_keys`.
+    ``KVXFERD_SECURITY__*`` variables of :func:`~kvxferd.demo.demo_keys`.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
     for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):  # not a systemd unit
@@ -304,7 +304,7 @@ class _Daemon:
             return ""
 
     def wait_ready(self, deadline: float) -> None:
-        from kvxferd.engine.workload import ready_line
+        from kvxferd.demo import ready_line
 
         while True:
             msg = ready_line(self.out)
@@ -416,7 +416,7 @@ class _Stack:
         sname, rname = f"ab-{tree.label}-{mode}-tx", f"ab-{tree.label}-{mode}-rx"
         security: dict[str, dict[str, str]] = {}
         if mode == "curve":
-            from kvxferd.engine.workload import demo_keys
+            from kvxferd.demo import demo_keys
 
             security = demo_keys(self.dir / "keys", sname, [rname])
         try:

@@ -70,7 +70,7 @@ class _Daemon:
     """One ``python -m kvxferd sender|receiver`` child with the plan's pool; stopped by ``stop``."""
 
     def __init__(self, role: str, name: str, plan: Plan, dataplane: DataPlaneSettings) -> None:
-        from kvxferd.engine.workload import daemon_env
+        from kvxferd.demo import daemon_env
 
         self.dir = tempfile.mkdtemp(prefix="kvxb-")
         self.name = name
@@ -104,7 +104,7 @@ class _Daemon:
         self.pid = self.proc.pid
 
     def _wait_ready(self, deadline: float) -> dict[str, Any]:
-        from kvxferd.engine.workload import ready_line
+        from kvxferd.demo import ready_line
 
         while True:
             msg = ready_line(self.out)

@@ -152,7 +152,7 @@ class _SenderDaemon:
     """``python -m kvxferd sender`` on loopback with the run's pool; ``stop`` ends it."""
 
     def __init__(self, opts: ScaleOptions, tmp: str) -> None:
-        from kvxferd.engine.workload import daemon_env
+        from kvxferd.demo import daemon_env
 
         env = daemon_env(tmp, "scale-tx")
         for key in [k for k in env if k.startswith("KVXFERD_POOL__")]:
@@ -178,7 +178,7 @@ class _SenderDaemon:
         self.ready_s = 0.0
 
     def wait_ready(self, deadline: float) -> dict[str, Any]:
-        from kvxferd.engine.workload import ready_line
+        from kvxferd.demo import ready_line
 
         while True:
             msg = ready_line(self.out)

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvxferd.demo import aux_bytes, expected_bytes, ready_line
 from kvxferd.engine.client import Client, EngineError, EngineUnavailable
 from kvxferd.engine.engine_protocol import EngineReason
-from kvxferd.engine.workload import aux_bytes, expected_bytes, ready_line
 from kvxferd.transfer.pool import IdAllocator
 
 FAULT_POOL: dict[str, Any] = dict(
