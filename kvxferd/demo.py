@@ -174,19 +174,6 @@ def demo_keys(key_dir: Path, sender: str, receivers: list[str]) -> dict[str, dic
     return out
 
 
-def ready_line(stdout_path: Path) -> dict[str, Any] | None:
-    """The ``ready`` JSON line a daemon printed on its stdout (a file), or None so far."""
-    for line in stdout_path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(msg, dict) and msg.get("event") == "ready":
-                return msg
-    return None
-
-
 def start_daemon(
     role: str, name: str, sock_dir: str, *args: str, security: dict[str, str] | None = None
 ) -> Daemon:
