@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 POLL_S = 0.05  # how often a wait re-reads a stdout file
 KILL_REAP_S = 10.0  # SIGKILL -> reaped (the kernel's part; a bound, never reached in practice)
@@ -237,11 +237,16 @@ class Child:
         self.signal(signal.SIGKILL)
 
     def wait(self, deadline: float) -> int | None:
-        """The exit code, waiting until ``deadline``; None while it still runs."""
+        """The exit code, waiting until ``deadline``; None while it still runs.
+
+        Once it exited, the pipe's last lines are read too (its reader joined, bounded).
+        """
         try:
             self.exit_code = self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return None
+        if self._reader is not None:
+            self._reader.join(timeout=READER_JOIN_S)
         return self.exit_code
 
     def reap(self, deadline: float) -> int:
@@ -269,7 +274,7 @@ class Child:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
-    def __enter__(self) -> Child:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
