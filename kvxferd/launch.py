@@ -181,13 +181,14 @@ class Child:
             found = [e for e in self.events(kind) if where(e)]
             if len(found) >= count:
                 return found[:count]
-            if kind == "ready":
-                what = "it was ready"
-            else:
-                what = f"{len(found)}/{count} {kind!r} event(s) only"
+            what = f"{len(found)}/{count} {kind!r} events"
             if ended:
                 code = self.proc.returncode
-                raise ChildExited(f"{self.name} exited with {code} before {what}{self.tail()}")
+                if kind == "ready":
+                    raise ChildExited(
+                        f"{self.name} exited with {code} before it was ready{self.tail()}"
+                    )
+                raise ChildExited(f"{self.name} exited with {code} after {what}{self.tail()}")
             left = deadline - time.monotonic()
             if left <= 0:
                 since = f"{time.monotonic() - self.started:.0f} s after its start"

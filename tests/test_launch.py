@@ -87,6 +87,9 @@ def test_a_child_that_exits_before_ready_raises_with_its_stderr_tail(
         assert time.monotonic() - t0 < DEADLINE_S / 2
     assert "early exited with 3 before it was ready" in str(err.value)
     assert "early: boom: no pool" in str(err.value)
+    with Child(script(EXITS_EARLY), "early2", stdout=stdout, stderr=tmp_path / "e2.err") as c:
+        with pytest.raises(ChildExited, match="early2 exited with 3 after 0/2 'summary' events"):
+            c.wait_events("summary", 2, time.monotonic() + DEADLINE_S)
 
 
 @pytest.mark.timeout(60)
@@ -102,7 +105,7 @@ def test_a_child_that_misses_the_deadline_raises_and_still_runs(
         assert c.alive()
         assert c.stop(time.monotonic() + 10.0) == -signal.SIGTERM
     with Child(script(SILENT), "mute2", stdout=stdout, stderr=tmp_path / "m2.err") as c:
-        with pytest.raises(ChildTimeout, match="0/1 'summary' event"):
+        with pytest.raises(ChildTimeout, match="mute2: 0/1 'summary' events"):
             c.wait_event("summary", time.monotonic() + 0.5)
 
 
