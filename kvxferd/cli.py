@@ -227,16 +227,16 @@ def _main(argv: list[str] | None) -> int:
             from kvxferd.bench import run_child
 
             return run_child(args.cmd, args.spec)
-        from kvxferd.engine import workload
+        from kvxferd import demo
 
         assert args.cmd == "demo", args.cmd
-        spec = workload.Spec(
+        spec = demo.Spec(
             requests=args.requests,
             receivers=args.receivers,
             inflight=args.inflight,
             seed=args.seed,
         )
-        return workload.run_demo(spec, args.json_path)
+        return demo.run_demo(spec, args.json_path)
     except ConfigError as e:
         print(f"kvxferd: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG

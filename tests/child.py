@@ -1,9 +1,10 @@
 """A child process a test talks to through its stdout lines and signals.
 
-:class:`ChildProcess` is the part every spawned child shares: stderr to a file
-(read back for failure messages), stdout read line by line on a reader thread
-into a subclass's :meth:`ChildProcess._take` under a condition variable, bounded
-waits, and a kill that also frees a SIGSTOPped child. :class:`tests.peers.PeerProcess`
+:class:`ChildProcess` is the part every spawned child shares, on
+:class:`kvxferd.launch.Child`: stdout read line by line on the launcher's reader
+thread, each line handed to a subclass's :meth:`ChildProcess._take` under the
+launcher's condition variable, stderr to a file (read back for failure messages),
+bounded waits, and a kill that also frees a SIGSTOPped child. :class:`tests.peers.PeerProcess`
 (the test peers) and ``DaemonProcess`` in tests/test_daemon.py (the real daemon)
 build on it.
 
@@ -13,16 +14,26 @@ thread that started it.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import IO
+
+from kvxferd.launch import Child
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Lines(Child):
+    """The launcher's child, handing each stdout line to its owner once the owner is ready."""
+
+    owner: ChildProcess | None = None
+
+    def take(self, line: str) -> None:
+        super().take(line)
+        if self.owner is not None:
+            self.owner._take(line)
 
 
 class ChildProcess:
@@ -33,65 +44,52 @@ class ChildProcess:
     ) -> None:
         self.name = name
         self.stderr_path = stderr_path
-        self._stderr: IO[bytes] = open(stderr_path, "wb")  # closed in kill()
-        self.proc = subprocess.Popen(
+        self.child = _Lines(
             [sys.executable, "-m", module, *args],
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
+            name,
+            stderr=stderr_path,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            text=True,
+            cwd=ROOT,
+            new_session=False,
         )
+        self.proc = self.child.proc
         self.pid = self.proc.pid
-        self._cond = threading.Condition()
-        self._eof = False
-        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+
+    @property
+    def _cond(self) -> threading.Condition:
+        return self.child._cond
+
+    @property
+    def _eof(self) -> bool:
+        return self.child._eof
 
     def _start_reader(self) -> None:
-        """Start reading stdout; a subclass calls it once its own state exists."""
-        self._reader.start()
+        """Hand stdout lines to :meth:`_take` (those read so far first); a subclass calls it
+        once its own state exists."""
+        with self._cond:
+            self.child.owner = self
+            for line in self.child.lines:
+                self._take(line)
+            self._cond.notify_all()
 
     def _take(self, line: str) -> None:
-        """One stdout line, called with ``self._cond`` held (which then notifies every waiter)."""
-        raise NotImplementedError
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        try:
-            for line in self.proc.stdout:
-                with self._cond:
-                    self._take(line)
-                    self._cond.notify_all()
-        finally:
-            with self._cond:
-                self._eof = True
-                self._cond.notify_all()
+        """One stdout line without its newline, called with ``self._cond`` held (which then
+        notifies every waiter); a subclass that handles lines overrides it and calls
+        :meth:`_start_reader` (the launcher keeps every line and event regardless)."""
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def _wait_exit_code(self, timeout: float, error: type[Exception]) -> int:
         """The exit code; ``error`` with the child's stderr tail if still running after ``timeout``."""
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise error(f"{self.name} still running after {timeout}s\n{self.describe()}") from None
-        self._reader.join(timeout=5)
+        code = self.child.wait(time.monotonic() + timeout)
+        if code is None:
+            raise error(f"{self.name} still running after {timeout}s\n{self.describe()}")
         return code
 
     def kill(self) -> None:
         """SIGCONT (a stopped child), SIGKILL, reap; safe to call twice."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
-                os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self._reader.join(timeout=5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._stderr.close()
+        self.child.close()
 
     def stderr(self) -> str:
         try:

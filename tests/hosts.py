@@ -47,9 +47,9 @@ import numpy as np
 import torch
 
 from kvxferd.auth import keygen, load_public_key
+from kvxferd.demo import aux_bytes, expected_bytes
 from kvxferd.engine.client import Client, EngineError, attach_pool
 from kvxferd.engine.engine_protocol import EngineReason
-from kvxferd.engine.workload import aux_bytes, expected_bytes
 from kvxferd.faults.harness import (
     CALL_TIMEOUT_S,
     EXIT_BOUND_S,

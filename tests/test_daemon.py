@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import re
 import shutil
 import signal
@@ -42,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.config import load_receiver_settings
 from kvxferd.engine.client import AsyncClient, Client, Outcome, attach_pool
+from kvxferd.launch import LaunchError
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.receiver import Receiver
 from tests.child import ChildProcess
@@ -102,27 +102,18 @@ class DaemonProcess(ChildProcess):
         )
         self.role = role
         self.lines: list[str] = []
-        self.info: dict[str, Any] | None = None
         self.signalled_at: float | None = None  # monotonic time of the first signal we sent
         self._start_reader()
 
     def _take(self, line: str) -> None:
-        self.lines.append(line.rstrip("\n"))
-        if self.info is None and line.startswith("{"):
-            self.info = json.loads(line)
+        self.lines.append(line)
 
     def wait_ready(self, timeout: float = STARTUP_S) -> dict[str, Any]:
         """The ``{"event": "ready", ...}`` line; AssertionError if it never came."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self.info is None and not self._eof:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            info = self.info
-        assert info is not None and info["event"] == "ready", self.describe()
-        return info
+        try:
+            return self.child.wait_ready(time.monotonic() + timeout)
+        except LaunchError:
+            raise AssertionError(self.describe()) from None
 
     @property
     def engine_socket(self) -> str:

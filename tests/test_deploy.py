@@ -43,6 +43,7 @@ from kvxferd.config import (
     load_sender_settings,
 )
 from kvxferd.endpoints import advertise_host, advertised
+from kvxferd.launch import LaunchError
 from tests.child import ChildProcess
 from tests.conditions import wait_until
 
@@ -852,21 +853,12 @@ class _PodDaemon(ChildProcess):
     def __init__(self, role: str, toml: Path, env: dict[str, str], tmp: Path) -> None:
         args = [role, "--config", str(toml)]
         super().__init__("kvxferd", args, tmp / f"{role}.stderr", role, env)
-        self.info: dict[str, Any] | None = None
-        self._start_reader()
-
-    def _take(self, line: str) -> None:
-        if self.info is None and line.startswith("{"):
-            self.info = json.loads(line)
 
     def wait_ready(self) -> dict[str, Any]:
-        deadline = time.monotonic() + STARTUP_S
-        with self._cond:
-            while self.info is None and not self._eof and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
-            info = self.info
-        assert info is not None and info["event"] == "ready", self.describe()
-        return info
+        try:
+            return self.child.wait_ready(time.monotonic() + STARTUP_S)
+        except LaunchError:
+            raise AssertionError(self.describe()) from None
 
 
 def _host_ip() -> str:

@@ -20,7 +20,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvxferd"
 
-TOOLS = ("kvxferd.bench", "kvxferd.faults", "kvxferd.cli")
+TOOLS = ("kvxferd.bench", "kvxferd.faults", "kvxferd.cli", "kvxferd.demo")
 # (which modules, what they must not import, why)
 RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     (
@@ -41,10 +41,10 @@ RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     (
         "shared",
         ("kvxferd.service", "kvxferd.engine", *TOOLS, "kvxferd.integrations"),
-        "configuration, errors, stats, auth, endpoints and logs are used by every side",
+        "configuration, errors, stats, auth, endpoints, logs and the launcher are used by every side",
     ),
 )
-SHARED = ("config.py", "errors.py", "stats.py", "auth.py", "endpoints.py", "logs.py")
+SHARED = ("config.py", "errors.py", "stats.py", "auth.py", "endpoints.py", "logs.py", "launch.py")
 SUBPACKAGES = ("transfer", "engine", "service")
 
 
@@ -200,7 +200,7 @@ def test_the_service_reads_no_private_attribute_of_the_core() -> None:
 
 
 def test_the_shared_modules_import_nothing_of_the_transfer_core() -> None:
-    """config, errors, stats, auth, endpoints and logs import nothing of kvxferd.transfer,
+    """config, errors, stats, auth, endpoints, logs and launch import nothing of kvxferd.transfer,
     not even inside a function: the transfer core is built on them."""
     bad = violations(files_of("shared"), ("kvxferd.transfer",))
     assert not bad, "the shared modules sit below the transfer core:\n" + "\n".join(bad)

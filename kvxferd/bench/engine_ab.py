@@ -59,6 +59,7 @@ from kvxferd.bench.child import _LineReader
 from kvxferd.bench.engine_path import daemon_cpu_s
 from kvxferd.bench.report import machine_info
 from kvxferd.bench.workload import BenchError
+from kvxferd.launch import Daemon, LaunchError
 
 KiB = 1 << 10
 BLOCK_KIB = 16
@@ -257,7 +258,7 @@ def daemon_env(
     Written out here, not taken from the demo's helper: a daemon refuses a setting it does
     not know, so both trees get only settings that both know (none from this environment:
     no ``KVXFERD_*`` variable of the caller reaches a daemon). ``security``: the
-    ``KVXFERD_SECURITY__*`` variables of :func:`~kvxferd.engine.workload.demo_keys`.
+    ``KVXFERD_SECURITY__*`` variables of :func:`~kvxferd.demo.demo_keys`.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
     for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):  # not a systemd unit
@@ -274,65 +275,38 @@ def daemon_env(
 
 
 class _Daemon:
-    """``python -m kvxferd sender|receiver`` of one tree; stdout and stderr to files."""
+    """``python -m kvxferd sender|receiver`` of one tree (a :class:`kvxferd.launch.Daemon` run
+    from the tree's directory); stdout and stderr to files."""
 
     def __init__(
         self, tree: Path, role: str, name: str, workdir: Path, security: dict[str, str] | None
     ) -> None:
         self.name = name
         env = daemon_env(tree, workdir, name, security)
-        args = [sys.executable, "-m", "kvxferd", role, "--name", name, "--log-level", "warning"]
+        args = []
         if role == "sender":
             args += ["--listen", "tcp://127.0.0.1:0", "--num-threads", str(SENDER_THREADS)]
-        self.out, self.err = workdir / f"{name}.out", workdir / f"{name}.err"
-        with open(self.out, "wb") as so, open(self.err, "wb") as se:
-            self.proc = subprocess.Popen(
-                args,
-                cwd=tree,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=so,
-                stderr=se,
-                start_new_session=True,
-            )
+        self.child = Daemon(role, name, workdir, args, env=env, cwd=tree)
+        self.proc = self.child.proc
         self.ready: dict[str, Any] = {}
 
-    def tail(self) -> str:
-        try:
-            return self.err.read_text(errors="replace")[-1500:]
-        except OSError:
-            return ""
-
     def wait_ready(self, deadline: float) -> None:
-        from kvxferd.engine.workload import ready_line
-
-        while True:
-            msg = ready_line(self.out)
-            if msg is not None:
-                self.ready = msg
-                return
-            if self.proc.poll() is not None:
-                raise BenchError(
-                    f"daemon {self.name} exited ({self.proc.returncode}): {self.tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise BenchError(f"daemon {self.name} not ready in time: {self.tail()}")
-            time.sleep(0.05)
+        try:
+            self.ready = self.child.wait_ready(deadline)
+        except LaunchError as e:
+            raise BenchError(str(e)) from None
 
     def alive(self) -> None:
         if self.proc.poll() is not None:
-            raise BenchError(f"daemon {self.name} exited ({self.proc.returncode}): {self.tail()}")
+            raise BenchError(
+                f"daemon {self.name} exited ({self.proc.returncode}):{self.child.tail()}"
+            )
 
     def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.child.terminate()
 
     def reap(self) -> None:
-        try:
-            self.proc.wait(EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.child.reap(time.monotonic() + EXIT_TIMEOUT_S)
 
 
 class _Engine:
@@ -416,7 +390,7 @@ class _Stack:
         sname, rname = f"ab-{tree.label}-{mode}-tx", f"ab-{tree.label}-{mode}-rx"
         security: dict[str, dict[str, str]] = {}
         if mode == "curve":
-            from kvxferd.engine.workload import demo_keys
+            from kvxferd.demo import demo_keys
 
             security = demo_keys(self.dir / "keys", sname, [rname])
         try:

@@ -25,13 +25,10 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +39,7 @@ from kvxferd.bench.plan import Plan
 from kvxferd.bench.side import _Destination, _result, _Side
 from kvxferd.bench.workload import STEP_TIMEOUT_S, BenchError
 from kvxferd.config import DataPlaneSettings
+from kvxferd.launch import Daemon, LaunchError
 
 DAEMON_READY_TIMEOUT_S = 60.0  # imports, pool, NIXL agent, sockets on a loaded 2-core machine
 DAEMON_EXIT_TIMEOUT_S = 10.0  # SIGTERM -> exit (drain bounded below), then SIGKILL
@@ -70,7 +68,7 @@ class _Daemon:
     """One ``python -m kvxferd sender|receiver`` child with the plan's pool; stopped by ``stop``."""
 
     def __init__(self, role: str, name: str, plan: Plan, dataplane: DataPlaneSettings) -> None:
-        from kvxferd.engine.workload import daemon_env
+        from kvxferd.demo import daemon_env
 
         self.dir = tempfile.mkdtemp(prefix="kvxb-")
         self.name = name
@@ -86,44 +84,19 @@ class _Daemon:
                 env[f"KVXFERD_DATAPLANE__{key.upper()}"] = str(value)
         for key, value in DAEMON_DEADLINES.items():
             env[f"KVXFERD_DEADLINES__{key.upper()}"] = str(value)
-        args = [sys.executable, "-m", "kvxferd", role, "--name", name, "--log-level", "warning"]
+        args = []
         if role == "sender":
             args += ["--listen", "tcp://127.0.0.1:0", "--num-threads", str(plan.workload.threads)]
-        self.out = Path(self.dir) / "out"
-        self.err = Path(self.dir) / "err"
-        with open(self.out, "wb") as so, open(self.err, "wb") as se:
-            self.proc = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=so,
-                stderr=se,
-                env=env,
-                start_new_session=True,
-            )
-        self.ready = self._wait_ready(time.monotonic() + DAEMON_READY_TIMEOUT_S)
-        self.pid = self.proc.pid
-
-    def _wait_ready(self, deadline: float) -> dict[str, Any]:
-        from kvxferd.engine.workload import ready_line
-
-        while True:
-            msg = ready_line(self.out)
-            if msg is not None:
-                return msg
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.err.read_text(errors="replace")[-2000:]
-                self.stop()
-                raise BenchError(f"daemon {self.name} did not get ready: {tail}")
-            time.sleep(0.05)
+        self.child = Daemon(role, name, self.dir, args, env=env)
+        self.pid = self.child.pid
+        try:
+            self.ready = self.child.wait_ready(time.monotonic() + DAEMON_READY_TIMEOUT_S)
+        except LaunchError as e:
+            self.stop()
+            raise BenchError(f"daemon {self.name} did not get ready: {e}") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(DAEMON_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.child.stop(time.monotonic() + DAEMON_EXIT_TIMEOUT_S)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ import numpy.typing as npt
 
 from kvxferd.bench.workload import BenchError
 from kvxferd.config import DataPlaneSettings
+from kvxferd.launch import Daemon, LaunchError
 
 KiB = 1024
 SENDER_READY_TIMEOUT_S = 90.0  # imports, pool, NIXL agent on a loaded 2-core machine
@@ -152,7 +152,7 @@ class _SenderDaemon:
     """``python -m kvxferd sender`` on loopback with the run's pool; ``stop`` ends it."""
 
     def __init__(self, opts: ScaleOptions, tmp: str) -> None:
-        from kvxferd.engine.workload import daemon_env
+        from kvxferd.demo import daemon_env
 
         env = daemon_env(tmp, "scale-tx")
         for key in [k for k in env if k.startswith("KVXFERD_POOL__")]:
@@ -165,30 +165,21 @@ class _SenderDaemon:
                 env[f"KVXFERD_DATAPLANE__{key.upper()}"] = str(value)
         env["KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS"] = "1000"
         env["KVXFERD_DEADLINES__SHUTDOWN_TIMEOUT_MS"] = "5000"
-        self.out, self.err = Path(tmp) / "tx.out", Path(tmp) / "tx.err"
-        args = [sys.executable, "-m", "kvxferd", "sender", "--name", "scale-tx"]
-        args += ["--log-level", "warning", "--listen", "tcp://127.0.0.1:0"]
         self.t0 = time.monotonic()
-        with open(self.out, "wb") as so, open(self.err, "wb") as se:
-            self.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=so, stderr=se, env=env
-            )
-        self.pid = self.proc.pid
+        self.child = Daemon(
+            "sender", "scale-tx", tmp, ["--listen", "tcp://127.0.0.1:0"], env=env, new_session=False
+        )
+        self.pid = self.child.pid
         self.ready: dict[str, Any] = {}
         self.ready_s = 0.0
 
     def wait_ready(self, deadline: float) -> dict[str, Any]:
-        from kvxferd.engine.workload import ready_line
-
-        while True:
-            msg = ready_line(self.out)
-            if msg is not None:
-                self.ready, self.ready_s = msg, time.monotonic() - self.t0
-                return msg
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.err.read_text(errors="replace")[-2000:]
-                raise BenchError(f"the sender daemon did not get ready: {tail}")
-            time.sleep(0.05)
+        try:
+            self.ready = self.child.wait_ready(deadline)
+        except LaunchError as e:
+            raise BenchError(f"the sender daemon did not get ready: {e}") from None
+        self.ready_s = time.monotonic() - self.t0
+        return self.ready
 
     def debug_state(self) -> dict[str, Any]:
         url = f"http://127.0.0.1:{self.ready['probe_port']}/debug/state"
@@ -199,13 +190,7 @@ class _SenderDaemon:
         return doc
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(SENDER_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.child.stop(time.monotonic() + SENDER_EXIT_TIMEOUT_S)
 
 
 # -- an rx process -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The engine side: the engine API a local engine speaks to its daemon, and the demo's engines.
+"""The engine side: the engine API a local engine speaks to its daemon, its gateway and its client.
 
 Engines import :mod:`kvxferd.engine.client` only; nothing here imports the service
 shell or an integration (tests/test_layering.py checks it)::
@@ -14,5 +14,4 @@ shell or an integration (tests/test_layering.py checks it)::
     client.py           what engines import: Client, AsyncClient, attach_pool (re-exported)
     errors.py           what an engine call raises: EngineError, EngineRejected, EngineUnavailable
     mapping.py          the daemon's pool mapped here: shared memory, or CUDA IPC on a GPU
-    workload.py         the demo workload (daemons, engines, verified content, summary)
 """

@@ -2,8 +2,8 @@
 drive them through :mod:`kvxferd.engine.client` as engines do, record every session, kill them all.
 
 A :class:`Cluster` is one sender daemon and R receiver daemons
-(``python -m kvxferd sender|receiver``; ``ip netns exec NS ...`` for the partition),
-with the fault suite's small pool and short deadlines. :class:`Traffic` plays the
+(``python -m kvxferd sender|receiver`` started by :mod:`kvxferd.launch`; ``ip netns exec
+NS ...`` for the partition), with the fault suite's small pool and short deadlines. :class:`Traffic` plays the
 engines: per receiver, ``inflight`` threads each publish a request on the sender
 (its content written into the sender's pool), fetch it on the receiver, verify
 every byte of a ``done`` (and the aux payload), close both handles and reuse
@@ -31,9 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvxferd.demo import aux_bytes, expected_bytes
 from kvxferd.engine.client import Client, EngineError, EngineUnavailable
 from kvxferd.engine.engine_protocol import EngineReason
-from kvxferd.engine.workload import aux_bytes, expected_bytes, ready_line
+from kvxferd.launch import Daemon as LaunchedDaemon
+from kvxferd.launch import LaunchError
 from kvxferd.transfer.pool import IdAllocator
 
 FAULT_POOL: dict[str, Any] = dict(
@@ -84,7 +86,8 @@ class Session:
 
 
 class Daemon:
-    """One daemon child; stdout/stderr to files; signals go to its pid."""
+    """One named daemon across its incarnations, each a :class:`kvxferd.launch.Daemon`;
+    stdout/stderr to files (appended to: a restart keeps the old stderr); signals go to its pid."""
 
     def __init__(
         self,
@@ -107,60 +110,46 @@ class Daemon:
         self.exit_code: int | None = None
         self.shm_name = ""
         self.pids: list[int] = []  # every incarnation's pid
-        self.proc = self._spawn()
+        self.child = self._spawn()
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "kvxferd", self.role, "--name", self.name]
-        cmd += ["--log-level", "warning", *self.args]
-        if self.netns:  # ip netns exec execs the command: the pid stays the daemon's
-            cmd = ["ip", "netns", "exec", self.netns, *cmd]
-        with open(self.stdout_path, "ab") as so, open(self.stderr_path, "ab") as se:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=so,
-                stderr=se,
-                env=self.env,
-                start_new_session=True,
-            )
-        self.pids.append(proc.pid)
-        return proc
+    def _spawn(self) -> LaunchedDaemon:
+        # ip netns exec execs the command: the pid stays the daemon's
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        child = LaunchedDaemon(
+            self.role, self.name, self.workdir, self.args, env=self.env, prefix=prefix, append=True
+        )
+        self.pids.append(child.pid)
+        return child
 
     def restart(self) -> None:
         """A new incarnation with the same arguments (the old one must be gone)."""
         self.stdout_path.write_bytes(b"")
         self.ready, self.killed, self.stopped, self.exit_code = {}, False, False, None
-        self.proc = self._spawn()
+        self.child = self._spawn()
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.child.proc
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.child.pid
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.child.alive()
 
     def wait_ready(self, deadline: float) -> dict[str, Any]:
-        while True:
-            msg = ready_line(self.stdout_path)
-            if msg is not None:
-                self.ready = msg
-                return msg
-            if self.proc.poll() is not None:
-                raise FaultError(f"{self.name} exited with {self.proc.returncode}{self.tail()}")
-            if time.monotonic() > deadline:
-                raise FaultError(f"{self.name} not ready within {READY_TIMEOUT_S:g} s{self.tail()}")
-            time.sleep(0.05)
+        try:
+            self.ready = self.child.wait_ready(deadline)
+        except LaunchError as e:
+            raise FaultError(str(e)) from None
+        return self.ready
 
     def tail(self, lines: int = 8) -> str:
-        try:
-            text = self.stderr_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return "".join(f"\n  {self.name}: {t}" for t in text)
+        return self.child.tail(lines)
 
     def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.pid, sig)
+        self.child.signal(sig)
         if sig == signal.SIGKILL:
             self.killed = True
             self.proc.wait(timeout=10)
@@ -210,28 +199,14 @@ class Daemon:
 
     def terminate_and_wait(self, bound_s: float) -> int:
         """SIGTERM (SIGCONT first if stopped), the exit code within ``bound_s``; SIGKILL past it (-9)."""
-        if self.alive():
-            if self.stopped:
-                self.signal(signal.SIGCONT)
-            os.kill(self.pid, signal.SIGTERM)
-        try:
-            self.exit_code = self.proc.wait(timeout=bound_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            self.exit_code = self.proc.returncode
+        if self.stopped:
+            self.signal(signal.SIGCONT)
+        self.exit_code = self.child.stop(time.monotonic() + bound_s)
         return self.exit_code
 
     def kill(self) -> None:
-        if self.alive():
-            try:
-                os.kill(self.pid, signal.SIGCONT)
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        """SIGCONT, SIGKILL, reaped (bounded)."""
+        self.child.close()
 
 
 def fault_env(

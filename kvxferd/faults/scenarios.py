@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from kvxferd.demo import demo_keys
 from kvxferd.engine.client import Client, attach_pool
-from kvxferd.engine.workload import demo_keys
 from kvxferd.faults.harness import (
     CALL_TIMEOUT_S,
     EXIT_BOUND_S,

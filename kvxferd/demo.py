@@ -1,8 +1,9 @@
 """The synthetic workload behind ``kvxferd demo``: real daemons, engines on the client API, verified bytes.
 
 The demo starts one sender daemon and R receiver daemons
-(``python -m kvxferd sender|receiver``, the demo pool passed as ``KVXFERD_POOL__*``,
-ephemeral ports, engine sockets in a private temporary directory) with CURVE
+(``python -m kvxferd sender|receiver`` through :mod:`kvxferd.launch`, the demo pool
+passed as ``KVXFERD_POOL__*``, ephemeral ports, engine sockets in a private temporary
+directory) with CURVE
 on, as a deployment runs: each daemon gets its own key pair (``kvxferd
 keygen``'s code) in that directory, the sender allows the receivers' keys and
 each receiver allows, and expects, the sender's. It then plays the inference
@@ -34,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from kvxferd.engine.client import Client, Outcome, attach_pool
+from kvxferd.launch import Daemon, LaunchError
 from kvxferd.transfer.pool import IdAllocator
 
 DEMO_POOL: dict[str, Any] = dict(
@@ -173,84 +174,12 @@ def demo_keys(key_dir: Path, sender: str, receivers: list[str]) -> dict[str, dic
     return out
 
 
-def ready_line(stdout_path: Path) -> dict[str, Any] | None:
-    """The ``ready`` JSON line a daemon printed on its stdout (a file), or None so far."""
-    for line in stdout_path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(msg, dict) and msg.get("event") == "ready":
-                return msg
-    return None
-
-
-class DaemonProc:
-    """One ``python -m kvxferd sender|receiver`` child; stdout and stderr go to files."""
-
-    def __init__(
-        self,
-        role: str,
-        name: str,
-        sock_dir: str,
-        *args: str,
-        security: dict[str, str] | None = None,
-    ) -> None:
-        self.role = role
-        self.name = name
-        self.stdout_path = Path(sock_dir) / f"{name}.out"
-        self.stderr_path = Path(sock_dir) / f"{name}.err"
-        cmd = [sys.executable, "-m", "kvxferd", role, "--name", name, "--log-level", "warning"]
-        with open(self.stdout_path, "wb") as so, open(self.stderr_path, "wb") as se:
-            self.proc = subprocess.Popen(
-                [*cmd, *args],
-                stdin=subprocess.DEVNULL,
-                stdout=so,
-                stderr=se,
-                env=daemon_env(sock_dir, name, security),
-                start_new_session=True,  # a Ctrl-C reaches the demo, which stops its daemons
-            )
-        self.ready: dict[str, Any] = {}
-        self.exit_code: int | None = None
-
-    def wait_ready(self, deadline: float) -> dict[str, Any]:
-        """The daemon's ``ready`` line (other stdout lines are skipped), bounded by ``deadline``."""
-        while True:
-            msg = ready_line(self.stdout_path)
-            if msg is not None:
-                self.ready = msg
-                return msg
-            code = self.proc.poll()
-            if code is not None:
-                raise DemoError(f"{self.name} exited with {code} before it was ready{self.tail()}")
-            if time.monotonic() > deadline:
-                raise DemoError(f"{self.name} not ready within {READY_TIMEOUT_S:g} s{self.tail()}")
-            time.sleep(0.05)
-
-    def tail(self, lines: int = 15) -> str:
-        """The last lines of the daemon's stderr, for an error message."""
-        try:
-            text = self.stderr_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return "".join(f"\n  {self.name}: {t}" for t in text)
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def wait_exit(self, deadline: float) -> int:
-        """The exit code, waiting until ``deadline``; killed (and negative) past it."""
-        if self.exit_code is not None:
-            return self.exit_code
-        try:
-            code = self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(timeout=10)
-        self.exit_code = code
-        return code
+def start_daemon(
+    role: str, name: str, sock_dir: str, *args: str, security: dict[str, str] | None = None
+) -> Daemon:
+    """One demo daemon: stdout and stderr to files in the demo's directory, its own session
+    (a Ctrl-C reaches the demo, which stops its daemons)."""
+    return Daemon(role, name, sock_dir, args, env=daemon_env(sock_dir, name, security))
 
 
 def scrape_metrics(probe_port: int, timeout: float = 5.0) -> dict[str, float]:
@@ -443,16 +372,16 @@ class Demo:
         self.spec = spec
         self.shared = Shared(spec)
         self.dir = tempfile.mkdtemp(prefix="kvxd-", dir="/tmp" if os.path.isdir("/tmp") else None)
-        self.daemons: list[DaemonProc] = []
+        self.daemons: list[Daemon] = []
         self.clients: list[Client] = []
         self.pools: list[torch.Tensor] = []
         self.threads: list[threading.Thread] = []
 
-    def start(self) -> tuple[DaemonProc, list[DaemonProc]]:
+    def start(self) -> tuple[Daemon, list[Daemon]]:
         ready_by = time.monotonic() + READY_TIMEOUT_S
         rx_names = [f"demo-rx-{k}" for k in range(self.spec.receivers)]
         keys = demo_keys(Path(self.dir) / "keys", "demo-tx", rx_names)
-        sender = DaemonProc(
+        sender = start_daemon(
             "sender",
             "demo-tx",
             self.dir,
@@ -462,14 +391,17 @@ class Demo:
         )
         self.daemons.append(sender)
         receivers = [
-            DaemonProc("receiver", name, self.dir, security=keys[name]) for name in rx_names
+            start_daemon("receiver", name, self.dir, security=keys[name]) for name in rx_names
         ]
         self.daemons += receivers
-        for d in self.daemons:
-            d.wait_ready(ready_by)
+        try:
+            for d in self.daemons:
+                d.wait_ready(ready_by)
+        except LaunchError as e:
+            raise DemoError(str(e)) from None
         return sender, receivers
 
-    def connect(self, d: DaemonProc) -> tuple[Client, torch.Tensor]:
+    def connect(self, d: Daemon) -> tuple[Client, torch.Tensor]:
         client = Client(d.ready["engine_socket"], timeout_s=CALL_TIMEOUT_S)
         self.clients.append(client)
         info = client.describe()
@@ -534,7 +466,7 @@ class Demo:
         for d in self.daemons:
             d.terminate()
         exit_by = time.monotonic() + EXIT_TIMEOUT_S
-        return [d.wait_exit(exit_by) for d in self.daemons]
+        return [d.reap(exit_by) for d in self.daemons]
 
     def cleanup(self) -> None:
         """Whatever happened: engines stopped, daemons gone, the temporary directory removed.
@@ -551,7 +483,7 @@ class Demo:
                 d.terminate()
             kill_by = time.monotonic() + KILL_GRACE_S
             for d in self.daemons:
-                d.wait_exit(kill_by)  # SIGKILL past the grace
+                d.reap(kill_by)  # SIGKILL past the grace
             for t in self.threads:
                 t.join(timeout=max(0.0, kill_by - time.monotonic()) + 0.5)
             self.release_engines()
