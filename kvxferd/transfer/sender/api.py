@@ -65,6 +65,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -385,7 +386,7 @@ class Sender:
             aux_slot=aux_slot,
             aux_len=aux_len,
             ttl_s=self.settings.deadlines.publish_ttl_ms / 1000,
-            on_end=self._journal_request,
+            on_end=partial(journal_ending, self.journal),
         )
         grant = None
         if token is not None or allowed_receivers:
@@ -415,34 +416,6 @@ class Sender:
                 self.stats.add(f"rejected_{outcome.reason}")
                 self._lane_for(session, p.peer.receiver_id).put(ReplyTask(p.peer, outcome))
         return TxHandle(self, session)
-
-    def _journal_request(self, session: TxSession) -> None:
-        """Record how a published request ended (its one log line; see journal.py)."""
-        outcome = session.outcome
-        if outcome is None:  # pragma: no cover - called only after the commit
-            return
-        if outcome.state is TxState.COMPLETE:
-            name = "done"
-        elif outcome.in_doubt:
-            name = "in_doubt"
-        else:
-            name = outcome.state.value
-        slices = session.slices()
-        self.journal.record(
-            Ending(
-                role="sender",
-                kind="request",
-                request_id=session.request_id,
-                outcome=name,
-                reason=outcome.reason.value if outcome.reason else None,
-                detail=outcome.detail,
-                peer=",".join(sorted({sl.result_endpoint for sl in slices})),
-                fetch_id=slices[0].fetch_id if len(slices) == 1 else None,
-                duration_s=time.monotonic() - session.created,
-                nbytes=sum(sl.nbytes for sl in slices),
-                blocks=int(session.block_ids.size),
-            )
-        )
 
     def _close_session(self, session: TxSession, timeout: float | None) -> bool:
         self.drain.end_by_engine(session, "closed")
@@ -537,6 +510,35 @@ class Sender:
         key = f"{request_id}\x00{peer_id}".encode()
         h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return self._workers[h % len(self._workers)]
+
+
+def journal_ending(journal: Journal, session: TxSession) -> None:
+    """Record how a published request ended (its one log line; see journal.py)."""
+    outcome = session.outcome
+    if outcome is None:  # pragma: no cover - called only after the commit
+        return
+    if outcome.state is TxState.COMPLETE:
+        name = "done"
+    elif outcome.in_doubt:
+        name = "in_doubt"
+    else:
+        name = outcome.state.value
+    slices = session.slices()
+    journal.record(
+        Ending(
+            role="sender",
+            kind="request",
+            request_id=session.request_id,
+            outcome=name,
+            reason=outcome.reason.value if outcome.reason else None,
+            detail=outcome.detail,
+            peer=",".join(sorted({sl.result_endpoint for sl in slices})),
+            fetch_id=slices[0].fetch_id if len(slices) == 1 else None,
+            duration_s=time.monotonic() - session.created,
+            nbytes=sum(sl.nbytes for sl in slices),
+            blocks=int(session.block_ids.size),
+        )
+    )
 
 
 def _bytes_tensor(data: bytes):  # type: ignore[no-untyped-def]

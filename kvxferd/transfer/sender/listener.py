@@ -34,10 +34,11 @@ import numpy as np
 import zmq
 
 from kvxferd.auth import ANONYMOUS, peer_identity
+from kvxferd.config import Limits
 from kvxferd.errors import ProtocolError, Reason, RejectedError
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.control import bind_router, router_reply
-from kvxferd.transfer.layout import check_blocks, check_layers
+from kvxferd.transfer.layout import Layout, check_blocks, check_layers
 from kvxferd.transfer.poller import Poller, tight_timers
 from kvxferd.transfer.sender.parked import Parked
 from kvxferd.transfer.worker import STOP, TICK_S, AckTask, Peer, WriteTask
@@ -272,11 +273,11 @@ class Listener:
         s.peers.seen(routing_id)
         dst = np.asarray(msg.dst_blocks, dtype=np.int64)
         try:
-            layers = self._checked(peer, msg, dst)
+            layers = checked_layers(peer, msg, dst, s.pool.layout, s.settings.limits)
         except RejectedError as e:
             return self._refuse_fetch(routing_id, peer, msg, e.reason, e.detail)
         now = time.monotonic()
-        fetch_deadline = self._fetch_deadline(msg, now)
+        fetch_deadline = fetch_deadline_of(msg, now, s.settings.deadlines.clock_skew_ms)
         if fetch_deadline <= now:  # the receiver gave up already: nothing may start for it
             return self._refuse_fetch(
                 routing_id,
@@ -313,35 +314,6 @@ class Listener:
             return None
         s._dispatch(outcome, lambda m: self.reply(routing_id, m))
         return None
-
-    def _checked(self, peer: Peer, msg: wire.RequestData, dst: np.ndarray) -> tuple[int, int]:
-        """The layers ``msg`` writes, its blocks and aux slot checked; RejectedError if not."""
-        layout = self._s.pool.layout
-        if dst.size > self._s.settings.limits.max_blocks_per_request:
-            raise RejectedError(Reason.TOO_LARGE, "too many blocks")
-        check_blocks(peer.layout, dst, "destination blocks")
-        if peer.topology is not None:
-            layers = piece_layers(peer, msg.layer_begin, msg.layer_end)
-        else:
-            check_layers(layout, msg.layer_begin, msg.layer_end or layout.num_layers)
-            layers = (msg.layer_begin, msg.layer_end or layout.num_layers)
-        if msg.aux_slot >= peer.layout.aux_slots:
-            raise RejectedError(Reason.BAD_BLOCKS, "aux slot outside the receiver's pool")
-        return layers
-
-    def _fetch_deadline(self, msg: wire.RequestData, now: float) -> float:
-        """When the receiver gives up on ``msg`` (monotonic): no write of it starts later.
-
-        ``timeout_ms`` counts from arrival; ``deadline_unix_ms`` (the receiver's clock, widened
-        by ``clock_skew_ms``) also holds when a frozen or slow sender reads the fetch late.
-        """
-        deadline = now + msg.timeout_ms / 1000
-        if msg.deadline_unix_ms > 0:
-            left_ms = (
-                msg.deadline_unix_ms + self._s.settings.deadlines.clock_skew_ms - time.time() * 1000
-            )
-            deadline = min(deadline, now + left_ms / 1000)
-        return deadline
 
     def _refuse_fetch(
         self,
@@ -457,6 +429,36 @@ class Listener:
         if now >= self._reap_at:
             self._reap_at = now + min(1.0, s.ownership.limits.orphan_ttl_s / 4)
             s.admission.reclaim_orphans(now)
+
+
+def checked_layers(
+    peer: Peer, msg: wire.RequestData, dst: np.ndarray, layout: Layout, limits: Limits
+) -> tuple[int, int]:
+    """The layers ``msg`` writes, its blocks and aux slot checked; RejectedError if not."""
+    if dst.size > limits.max_blocks_per_request:
+        raise RejectedError(Reason.TOO_LARGE, "too many blocks")
+    check_blocks(peer.layout, dst, "destination blocks")
+    if peer.topology is not None:
+        layers = piece_layers(peer, msg.layer_begin, msg.layer_end)
+    else:
+        check_layers(layout, msg.layer_begin, msg.layer_end or layout.num_layers)
+        layers = (msg.layer_begin, msg.layer_end or layout.num_layers)
+    if msg.aux_slot >= peer.layout.aux_slots:
+        raise RejectedError(Reason.BAD_BLOCKS, "aux slot outside the receiver's pool")
+    return layers
+
+
+def fetch_deadline_of(msg: wire.RequestData, now: float, clock_skew_ms: int) -> float:
+    """When the receiver gives up on ``msg`` (monotonic): no write of it starts later.
+
+    ``timeout_ms`` counts from arrival; ``deadline_unix_ms`` (the receiver's clock, widened
+    by ``clock_skew_ms``) also holds when a frozen or slow sender reads the fetch late.
+    """
+    deadline = now + msg.timeout_ms / 1000
+    if msg.deadline_unix_ms > 0:
+        left_ms = msg.deadline_unix_ms + clock_skew_ms - time.time() * 1000
+        deadline = min(deadline, now + left_ms / 1000)
+    return deadline
 
 
 def piece_layers(peer: Peer, layer_begin: int, layer_end: int) -> tuple[int, int]:
