@@ -31,11 +31,11 @@ Threads and what each owns::
                                                             SharedDealerPool, bounded by its deadline
 
 The path of one small request, all on the listener (issue 22): the engine's publish
-(gateway -> ``publish``), the receiver's RequestData (listener.py ``_handle`` -> ``_on_request`` ->
-``Published.attach`` -> the inline worker's lane), its WRITE posted and polled to DONE
-(``Worker.step``: ``_post`` / ``_post_many``, ``_poll_writes``), the done notification
-riding on that WRITE, and the engine's outcome (the session's completion -> the gateway's
-reply, flushed at the end of the turn). No other thread is woken.
+(gateway -> ``publish``), the receiver's RequestData (listener.py: ``_handle`` ->
+``_on_request`` -> ``Published.attach`` -> the inline worker's lane), its WRITE posted
+and polled to DONE (``Worker.step``: ``_post`` / ``_post_many``, ``_poll_writes``), the
+done notification riding on that WRITE, and the engine's outcome (the session's completion
+-> the gateway's reply, flushed at the end of the turn). No other thread is woken.
 
 ``_lock`` (the registry lock) guards the tables, none of which has a lock of its own:
 ``published`` (published.py: requests by id, session and fetch key, grants, the TTL heap),
