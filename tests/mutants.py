@@ -283,7 +283,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the sender accepts a Register whose result_endpoint zmq would misuse",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/admission.py",
                 "why = connect_problem(msg.result_endpoint)",
                 "why = None",
             ),
@@ -321,12 +321,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "an unexpected exception while the sender's listener handles a message ends the listener",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
-                'except Exception:\n                    self.guard.caught("listener")',
-                'except ImportError:\n                    self.guard.caught("listener")',
+                "kvxferd/transfer/sender/listener.py",
+                'except Exception:\n                    s.guard.caught("listener")',
+                'except ImportError:\n                    s.guard.caught("listener")',
             ),
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/listener.py",
                 "except Exception:  # a bug on one message must not kill the listener",
                 "except ImportError:  # a bug on one message must not kill the listener",
             ),
@@ -627,9 +627,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "publish sends a parked fetch's refusal on the caller's thread",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/api.py",
                 "self._lane_for(session, p.peer.receiver_id).put(ReplyTask(p.peer, outcome))",
-                "self._reply_shared(p.peer, outcome)",
+                "self.drain._reply_shared(p.peer, outcome)",
             ),
         ),
         (TXRACES + "test_publish_never_sends_on_the_callers_thread",),
@@ -638,7 +638,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-sender-deadline-unix",
         "the sender ignores a fetch's deadline_unix_ms (budget counted from arrival only)",
-        (Edit("kvxferd/transfer/sender.py", "if msg.deadline_unix_ms > 0:", "if False:"),),
+        (Edit("kvxferd/transfer/sender/listener.py", "if msg.deadline_unix_ms > 0:", "if False:"),),
         (TXRACES + "test_a_fetch_whose_receiver_deadline_passed_starts_no_write",),
     ),
     Mutant(
@@ -646,7 +646,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a fetch parked until publish waits its pending TTL, not the receiver's deadline",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/listener.py",
                 "min(now + ttl, fetch_deadline), fetch_deadline, layers",
                 "now + ttl, fetch_deadline, layers",
             ),
@@ -693,8 +693,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a receiver replaced at its result endpoint keeps its NIXL agent",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
-                "            self._retire_peer(old, gone=True)\n",
+                "kvxferd/transfer/sender/admission.py",
+                "            s.agents.retire(old.nixl_name, gone=True)\n",
                 "            pass\n",
             ),
         ),
@@ -717,12 +717,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "TxHandle.close() answers from its wait instead of re-reading drained (leaks the session)",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/api.py",
                 "session.drained_event.wait(timeout)\n        with self._lock:",
                 "drained = session.drained_event.wait(timeout)\n        with self._lock:",
             ),
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/api.py",
                 "drained = session.drained\n        if drained:",
                 "if drained:",
             ),
@@ -828,8 +828,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sender's drain waits only for attached writes, not for requests published and unfetched",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
-                "not s.ended\n                    or any(sl.state",
+                "kvxferd/transfer/sender/drain.py",
+                "not x.ended\n                    or any(sl.state",
                 "any(sl.state",
             ),
         ),
@@ -840,8 +840,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "an engine's close during the drain ends its request as cancelled by the engine",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
-                "if self._draining.is_set():\n            # An engine lets go",
+                "kvxferd/transfer/sender/drain.py",
+                "if self._s._draining.is_set():\n            # An engine lets go",
                 "if False:\n            # An engine lets go",
             ),
         ),
@@ -944,7 +944,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "",
             ),
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/admission.py",
                 "                session.fail_slice(sl, Reason.PEER_RESTARTED, detail)\n"
                 "                session.fail(Reason.PEER_RESTARTED, detail)\n",
                 "                pass\n",
@@ -960,8 +960,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a replaced receiver's parked fetches stay and attach when the request is published",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
-                "            self._parked.drop_receiver(old.receiver_id)\n",
+                "kvxferd/transfer/sender/admission.py",
+                "            s.parked.drop_receiver(old.receiver_id)\n",
                 "",
             ),
         ),
@@ -1062,8 +1062,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a key removed from the allow-list keeps talking on the connection ZAP admitted",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
-                "        if identity and not self.transport.admits(identity):",
+                "kvxferd/transfer/sender/listener.py",
+                "        if identity and not self._s.transport.admits(identity):",
                 "        if False:",
             ),
         ),
@@ -1282,7 +1282,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a registered peer whose key left the allow-list is not told; its fetches wait",
         (
             Edit(
-                "kvxferd/transfer/sender.py", "            self._tell_revoked()", "            pass"
+                "kvxferd/transfer/sender/listener.py",
+                "            self._tell_revoked()",
+                "            pass",
             ),
         ),
         (
@@ -1312,7 +1314,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a revoked key's RequestData gets a Reject that names no fetch",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/listener.py",
                 "            if isinstance(msg, wire.RequestData):\n"
                 "                self._refuse_fetch(routing_id, None, msg, Reason.NOT_AUTHORIZED, detail)",
                 "            if False:\n                pass",
@@ -1328,7 +1330,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a revoked key's Cancel is refused, so no CancelAck releases its receiver's blocks",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
+                "kvxferd/transfer/sender/listener.py",
                 "            if isinstance(msg, wire.Cancel):\n"
                 "                self._handle_one(routing_id, frame, identity, max_bytes)",
                 "            if False:\n                pass",
@@ -1346,8 +1348,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a fetch parked before its key was removed is attached and written at publish",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
-                "        if peer.identity != ANONYMOUS and not self.transport.admits(peer.identity):",
+                "kvxferd/transfer/sender/published.py",
+                "        if peer.identity != ANONYMOUS and not self._transport.admits(peer.identity):",
                 "        if False:",
             ),
         ),
@@ -1487,8 +1489,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a receiver registering a new NIXL agent leaves its old one live at the sender",
         (
             Edit(
-                "kvxferd/transfer/sender.py",
-                "                    self._retire_peer(old, True)\n",
+                "kvxferd/transfer/sender/admission.py",
+                "                    s.agents.retire(old.nixl_name, True)\n",
                 "                    pass\n",
             ),
         ),
@@ -1502,7 +1504,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a fetch leaving the parked table keeps its identity's parked count (max_parked leaks)",
         (
             Edit(
-                "kvxferd/transfer/parked.py",
+                "kvxferd/transfer/sender/parked.py",
                 '            self._ownership.count(p.peer.receiver_id, "parked", -1)\n',
                 "            pass\n",
             ),

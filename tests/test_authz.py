@@ -287,6 +287,6 @@ def test_security_off_is_one_anonymous_owner(h: Harness) -> None:
     wait_until(
         lambda: sx.stats.get("bindings_reclaimed") == 1, WAIT_S, "the replaced binding reclaimed"
     )
-    assert sx.stats.get("peers_reclaimed") == 0 and len(sx._peers) == 2
+    assert sx.stats.get("peers_reclaimed") == 0 and len(sx.peers) == 2
     assert sx.stats.get("registers_refused_owner") == 0
     assert set(sx.ownership.identities()) == {""}

@@ -714,7 +714,7 @@ def test_a_lingering_stop_lets_the_engine_collect_and_close_what_it_holds(
 def _sessions_of(sender: Sender, request_id: str) -> int:
     """How many sessions the sender holds for ``request_id`` (live or ended, not yet closed)."""
     with sender._lock:
-        return sum(1 for s in sender._sessions.values() if s.request_id == request_id)
+        return sum(1 for s in sender.published.sessions.values() if s.request_id == request_id)
 
 
 def _fetches_of(receiver: Receiver, request_id: str) -> int:

@@ -126,6 +126,25 @@ def test_each_subpackage_draws_its_modules_and_imports_nothing(sub: str) -> None
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
 
 
+NESTED = sorted(
+    p.parent.relative_to(PACKAGE).as_posix()
+    for sub in SUBPACKAGES
+    for p in (PACKAGE / sub).glob("*/__init__.py")
+)
+
+
+@pytest.mark.parametrize("nested", NESTED)
+def test_each_nested_package_draws_its_modules(nested: str) -> None:
+    """A package inside a subpackage (transfer/sender/) names each of its modules in its
+    __init__ docstring, one line each; it may re-export their public names."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / nested / "__init__.py").read_text())) or ""
+    drawn = set(re.findall(r"^\s+(\w+\.py)\s", doc, flags=re.M))
+    present = {p.name for p in (PACKAGE / nested).glob("*.py")} - {"__init__.py"}
+    assert drawn == present, (
+        f"kvxferd/{nested}/__init__.py draws {sorted(drawn)}, has {sorted(present)}"
+    )
+
+
 # -- the service reads the core through its views ----------------------------------------------
 
 

@@ -41,7 +41,11 @@ WAIT_S = 10.0
 
 # Which component's Stats a file's ``stats.add`` bumps (guard.py: every component's).
 COMPONENTS: dict[str, tuple[str, ...]] = {
-    "transfer/sender.py": ("sender",),
+    "transfer/sender/api.py": ("sender",),
+    "transfer/sender/listener.py": ("sender",),
+    "transfer/sender/admission.py": ("sender",),
+    "transfer/sender/published.py": ("sender",),
+    "transfer/sender/drain.py": ("sender",),
     "transfer/worker.py": ("sender",),
     "transfer/worker_writes.py": ("sender",),
     "transfer/worker_outbox.py": ("sender",),

@@ -137,7 +137,7 @@ def test_slices_of_one_receiver_queued_together_share_one_write_and_one_notifica
     x0 = dp.wait_posted(1)
     rest = [rx.fetch(f"req-{i}", sx.endpoint, [20 + i], want_aux=False) for i in (1, 2, 3)]
     wait_until(
-        lambda: sum(len(s.slices()) for s in list(sx._sessions.values())) == 4,
+        lambda: sum(len(s.slices()) for s in list(sx.published.sessions.values())) == 4,
         WAIT_S,
         "the three fetches attached (queued behind the first write)",
     )

@@ -1,4 +1,4 @@
-"""The sender's table of parked fetches (kvxferd/transfer/parked.py): every transition keeps its counts in step.
+"""The sender's table of parked fetches (kvxferd/transfer/sender/parked.py): every transition keeps its counts in step.
 
 A pure table (the sender's registry lock is the caller's): a random walk of park,
 take, cancel, drop_receiver, expire and clear, checked after every step against a
@@ -17,7 +17,7 @@ from kvxferd.config import Limits
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.layout import Layout
 from kvxferd.transfer.ownership import IdentityLimits, Ownership
-from kvxferd.transfer.parked import Parked, ParkedFetches
+from kvxferd.transfer.sender.parked import Parked, ParkedFetches
 from kvxferd.transfer.worker import Peer
 
 pytestmark = pytest.mark.timeout(60)

@@ -51,11 +51,11 @@ from kvxferd.errors import ConfigError, ProtocolError, Reason, RejectedError
 from kvxferd.testing import ControlledDataPlane, ControlledXfer
 from kvxferd.transfer import control
 from kvxferd.transfer import protocol as wire
-from kvxferd.transfer import sender as sender_mod
 from kvxferd.transfer import session as session_mod
 from kvxferd.transfer import worker_outbox as worker_mod
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
+from kvxferd.transfer.sender import listener as listener_mod
 from kvxferd.transfer.session import RxState, SliceState, TxSession, TxState
 
 WAIT_S = 5.0  # bound on anything that must happen
@@ -92,7 +92,7 @@ class Tap:
         self.created: dict[int, str] = {}
         worker_send, reply, shared_send = (
             worker_mod.send_bounded,
-            sender_mod.router_reply,
+            listener_mod.router_reply,
             control.send_bounded,
         )
         connect = worker_mod.connect_dealer
@@ -117,7 +117,7 @@ class Tap:
 
         monkeypatch.setattr(worker_mod, "connect_dealer", tapped_connect)
         monkeypatch.setattr(worker_mod, "send_bounded", tapped_worker_send)
-        monkeypatch.setattr(sender_mod, "router_reply", tapped_reply)
+        monkeypatch.setattr(listener_mod, "router_reply", tapped_reply)
         monkeypatch.setattr(control, "send_bounded", tapped_shared_send)
 
     def _record(self, frame: bytes, via: str, sock: object) -> None:
@@ -303,7 +303,7 @@ class Harness:
         dp = ControlledDataPlane("race-tx")
         sx = Sender(settings, dataplane=dp)
         dp.notify_as = sx.sender_id  # a real sender's NIXL agent is named after its id
-        handle = sx._handle
+        handle = sx.listener._handle
 
         def hooked(frames: list[bytes], max_bytes: int, *rest: Any) -> None:
             try:
@@ -312,7 +312,7 @@ class Harness:
                 with self.changed:
                     self.changed.notify_all()
 
-        sx._handle = hooked  # type: ignore[method-assign]
+        sx.listener._handle = hooked  # type: ignore[method-assign]
         self._senders.append((sx, dp))
         return sx.start(), dp
 
@@ -347,7 +347,7 @@ class Harness:
     def close(self) -> None:
         for sx, dp in self._senders:
             with sx._lock:
-                sessions = list(sx._sessions.values())
+                sessions = list(sx.published.sessions.values())
             for s in sessions:
                 s.cancel(Reason.SHUTTING_DOWN, "test teardown")  # no write is admitted from here
             for x in list(dp.xfers):

@@ -86,7 +86,7 @@ class Pair:
         th.close()
 
     def route_of(self, receiver_id: str) -> bytes:
-        routes = [rid for rid, p in self.tx._peers.items() if p.receiver_id == receiver_id]
+        routes = [p.routing_id for p in self.tx.peers.peers() if p.receiver_id == receiver_id]
         assert len(routes) == 1, routes
         return routes[0]
 

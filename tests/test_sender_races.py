@@ -273,7 +273,7 @@ def test_a_receiver_replaced_at_its_endpoint_loses_its_nixl_peer_after_its_write
     wait_until(lambda: "peer-old" not in dp.peers, WAIT_S, "old NIXL peer removed")
     assert sx.stats.get("peer_removals_deferred") == 1
     with sx._lock:
-        assert [p.receiver_id for p in sx._peers.values()] == ["peer-new"]
+        assert [p.receiver_id for p in sx.peers.peers()] == ["peer-new"]
 
 
 def test_a_replaced_idle_receiver_is_removed_at_once(h: Harness) -> None:
@@ -339,7 +339,7 @@ def test_a_listener_bug_is_counted_and_reported_and_the_listener_goes_on(h: Harn
     def bug(*args: Any) -> None:
         raise KeyError("a bug")
 
-    sx._on_cancel = bug  # type: ignore[method-assign]
+    sx.listener._on_cancel = bug  # type: ignore[method-assign]
     p.cancel("req-x", 1)
     h.until(lambda: sx.stats.get("thread_errors") == 1, "bug caught")
     assert "listener" in (sx.broken() or "")

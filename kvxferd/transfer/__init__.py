@@ -22,9 +22,9 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     reshard.py    prefill ranks -> decode rank: which heads and layers of which blocks
     guard.py      what a long-lived thread does with an unexpected error: log, count, fail liveness
     session.py    TxSession / RxSession state machines (no I/O): admission, drain, fence
-    sender.py     the sender: published requests, peers (replaced, evicted), the ROUTER listener thread
+    sender/       the sender, a package by its state: the facade, the ROUTER listener thread,
+                  peers (admitted, replaced, evicted), published requests, parked fetches, the drain
     peer_agents.py  the receivers' NIXL agents on a sender: writes in flight, deferred removals
-    parked.py     fetches parked on a sender before their publish: park, take, cancel, drop, expire
     worker.py     a sender worker (a thread, or the listener's inline one): its turn, settling
                   each write that changed, one notification or Result per slice
     worker_tasks.py  what a worker is handed (write, cancel ack, reply, forget, STOP), the peer,

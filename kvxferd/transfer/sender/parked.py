@@ -39,7 +39,7 @@ class Parked:
     msg: wire.RequestData
     dst: np.ndarray  # msg.dst_blocks, already converted and checked
     deadline: float  # parked until then
-    fetch_deadline: float  # no write starts after it (see Sender._fetch_deadline)
+    fetch_deadline: float  # no write starts after it (see listener.py fetch_deadline_of)
     layers: tuple[int, int]  # the layers to write, checked (absolute ids for a mapped peer)
     parked_at: float = field(default_factory=time.monotonic)  # for /debug/state
 
