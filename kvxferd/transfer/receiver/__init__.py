@@ -2,7 +2,8 @@
 
 One facade (:class:`Receiver`) over the tables its io thread keeps, one module each::
 
-    core.py       Receiver and RxHandle: the engine API, the io thread's loop, typed commands
+    core.py       Receiver: the engine API, the io thread's loop, its typed commands run with match
+    handle.py     RxHandle: the engine's handle on one fetch (wait, cancel, close)
     fetches.py    the fetch table: admission, RequestData out, cancel, fail, deadlines
     in_doubt.py   the in-doubt table: fences in doubt, Cancel re-sent with a backoff, released
     groups.py     fetches from a prefill instance: planned once rank 0's record is known
@@ -11,8 +12,9 @@ One facade (:class:`Receiver`) over the tables its io thread keeps, one module e
     shutdown.py   drain, cut what is left, ask about the doubt, deregister only when safe
 """
 
-from kvxferd.transfer.receiver.core import Receiver, RxHandle
+from kvxferd.transfer.receiver.core import Receiver
 from kvxferd.transfer.receiver.fetches import _fetch_ids
+from kvxferd.transfer.receiver.handle import RxHandle
 from kvxferd.transfer.receiver.links import Link, LinkState
 
 __all__ = ["Link", "LinkState", "Receiver", "RxHandle", "_fetch_ids"]

@@ -67,12 +67,13 @@ from kvxferd.transfer.poller import Poller, tight_timers
 from kvxferd.transfer.pool import IdAllocator, KvPool
 from kvxferd.transfer.receiver.fetches import Fetches
 from kvxferd.transfer.receiver.groups import Groups
+from kvxferd.transfer.receiver.handle import RxHandle
 from kvxferd.transfer.receiver.in_doubt import InDoubt
 from kvxferd.transfer.receiver.links import Links
 from kvxferd.transfer.receiver.messages import Messages
 from kvxferd.transfer.receiver.shutdown import shut_down
 from kvxferd.transfer.reshard import declared
-from kvxferd.transfer.session import RxGroup, RxOutcome, RxSession, RxState
+from kvxferd.transfer.session import RxGroup, RxSession, RxState
 from kvxferd.transfer.topology import Topology
 from kvxferd.transfer.waiters import Once
 
@@ -151,44 +152,6 @@ def _agents(
         return agents, None
     dataplane = dataplane or NixlDataPlane(receiver_id, settings.dataplane, pool)
     return SharedAgent(dataplane), dataplane
-
-
-class RxHandle:
-    """The engine's handle on one fetch."""
-
-    def __init__(self, receiver: Receiver, session: RxSession | RxGroup) -> None:
-        self._receiver = receiver
-        self.session = session
-
-    @property
-    def fetch_id(self) -> int:
-        return self.session.fetch_id
-
-    def wait(self, timeout: float | None = None) -> RxOutcome | None:
-        """The outcome once the fetch ended, or None after ``timeout`` seconds."""
-        return self.session.completion.wait(timeout)
-
-    async def wait_async(self, timeout: float | None = None) -> RxOutcome | None:
-        """Like ``wait``, on the calling task's own event loop."""
-        return await self.session.completion.wait_async(timeout)
-
-    def cancel(self) -> None:
-        """Tell the sender to stop; the blocks stay fenced until it acknowledges."""
-        self._receiver._command(cmd.Cancel(self.session))
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Cancel if open; True once the destination blocks are safe to reuse.
-
-        False while the outcome is in doubt. That can change: when the sender later
-        answers, the blocks are released and ``close`` returns True (``session.reusable``
-        is set then).
-        """
-        if not self.session.ended:
-            self.cancel()
-        if timeout is None:
-            timeout = self._receiver.settings.deadlines.cancel_fence_ms / 1000 + 1.0
-        self.session.fence_done.wait(timeout)
-        return self.session.blocks_reusable
 
 
 class Receiver:

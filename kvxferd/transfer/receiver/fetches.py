@@ -34,10 +34,11 @@ from kvxferd.transfer import commands as cmd
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.journal import Ending
 from kvxferd.transfer.layout import check_blocks, check_layers
+from kvxferd.transfer.receiver.handle import RxHandle
 from kvxferd.transfer.session import Fence, RxSession, RxState
 
 if TYPE_CHECKING:
-    from kvxferd.transfer.receiver.core import Receiver, RxHandle
+    from kvxferd.transfer.receiver.core import Receiver
     from kvxferd.transfer.receiver.links import Link
 
 # From a random point: a restarted receiver never reuses its last incarnation's fetch ids,
@@ -85,8 +86,6 @@ class Fetches:
         sender_key: str = "",
     ) -> RxHandle:
         """One fetch from one sender: checked, its aux slot taken, queued for the io thread."""
-        from kvxferd.transfer.receiver.core import RxHandle
-
         rx = self.rx
         if rx._draining.is_set():
             raise RejectedError(Reason.DRAINING, "receiver is draining")

@@ -26,12 +26,13 @@ from kvxferd.errors import Reason, RejectedError
 from kvxferd.transfer import commands as cmd
 from kvxferd.transfer.layout import check_blocks, check_layers
 from kvxferd.transfer.receiver.fetches import _REQUEST_ID, _fetch_ids
+from kvxferd.transfer.receiver.handle import RxHandle
 from kvxferd.transfer.reshard import plan_rank
 from kvxferd.transfer.session import RxGroup, RxSession, RxState
 from kvxferd.transfer.topology import Topology, instance_ranks
 
 if TYPE_CHECKING:
-    from kvxferd.transfer.receiver.core import Receiver, RxHandle
+    from kvxferd.transfer.receiver.core import Receiver
 
 NO_RECORD = "sender at {} declared no topology: a fetch from a prefill instance needs one"
 
@@ -59,8 +60,6 @@ class Groups:
         keys: list[str],
     ) -> RxHandle:
         """A fetch from a prefill instance: planned on the io thread once a record is known."""
-        from kvxferd.transfer.receiver.core import RxHandle
-
         rx = self.rx
         if rx.topology is None:
             raise RejectedError(
