@@ -209,6 +209,12 @@ class Groups:
             self.rx.stats.add("instance_fetches_failed")
         self.forget(g)
 
+    def fail_waiting_on(self, endpoint: str, reason: Reason, detail: str) -> None:
+        """The link to ``endpoint`` dropped, went down or was refused: the groups waiting
+        for its record fail."""
+        for g in self.resolving.pop(endpoint, []):
+            self.fail(g, reason, detail)
+
     def end(self, g: RxGroup, state: RxState, reason: Reason, detail: str) -> None:
         """Cancel (or time out) a group: its open pieces are cancelled, each with its fence."""
         for p in g.end_locally(state, reason, detail):

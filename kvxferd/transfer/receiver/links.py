@@ -231,8 +231,7 @@ class Links:
         rx.stats.add("links_dropped")
         for f in waiting:
             rx.fetches.fail(f, reason, detail)
-        for g in rx.groups.resolving.pop(link.endpoint, []):
-            rx.groups.fail(g, reason, f"{link.endpoint}: {detail}")
+        rx.groups.fail_waiting_on(link.endpoint, reason, f"{link.endpoint}: {detail}")
 
     def link_down(self, link: Link, detail: str) -> None:
         """``link`` is down: every fetch toward it ends now, not at its deadline.
@@ -251,8 +250,7 @@ class Links:
         waiting, link.waiting = link.waiting, []
         for f in waiting:
             rx.fetches.fail(f, Reason.PEER_LOST, detail)
-        for g in rx.groups.resolving.pop(link.endpoint, []):
-            rx.groups.fail(g, Reason.PEER_LOST, f"{link.endpoint}: {detail}")
+        rx.groups.fail_waiting_on(link.endpoint, Reason.PEER_LOST, f"{link.endpoint}: {detail}")
         for f in rx.fetches.open_toward(link.endpoint):
             if not f.sent:
                 rx.fetches.fail(f, Reason.PEER_LOST, detail)

@@ -218,8 +218,7 @@ class Messages:
                 if f in link.waiting:
                     link.waiting.remove(f)
                 rx.fetches.fail(f, Reason.NOT_AUTHORIZED, why)
-        for g in rx.groups.resolving.pop(link.endpoint, []):
-            rx.groups.fail(g, Reason.NOT_AUTHORIZED, why)
+        rx.groups.fail_waiting_on(link.endpoint, Reason.NOT_AUTHORIZED, why)
         if open_here:
             rx.stats.add("fetches_ended_key_refused", len(open_here))
 
