@@ -295,7 +295,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a connect error in the receiver's _link() escapes instead of failing that fetch",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
+                "kvxferd/transfer/receiver/links.py",
                 "except zmq.ZMQError as e:  # connect_problem let it through",
                 "except ImportError as e:  # connect_problem let it through",
             ),
@@ -307,7 +307,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an unexpected exception in the receiver's io turn is not caught (the io thread dies)",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
+                "kvxferd/transfer/receiver/core.py",
                 'except Exception:\n                    self.guard.caught("rx-io")',
                 'except ImportError:\n                    self.guard.caught("rx-io")',
             ),
@@ -409,9 +409,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver ignores a late or unsolicited CancelAck for a fetch in doubt",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "found = self._fetches.get(msg.fetch_id) or self._in_doubt.get(msg.fetch_id)",
-                "found = self._fetches.get(msg.fetch_id)",
+                "kvxferd/transfer/receiver/messages.py",
+                "found = fetches.by_id.get(msg.fetch_id) or rx.doubts.by_id.get(msg.fetch_id)",
+                "found = fetches.by_id.get(msg.fetch_id)",
             ),
         ),
         (
@@ -436,9 +436,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver does not ask again (Cancel) about fetches in doubt",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "self._check_deadlines(now)\n        self._retry_in_doubt(now)",
-                "self._check_deadlines(now)",
+                "kvxferd/transfer/receiver/core.py",
+                "self.fetches.check_deadlines(now)\n        self.doubts.retry(now)",
+                "self.fetches.check_deadlines(now)",
             ),
         ),
         (RXWIRE + "test_cancel_is_resent_for_an_in_doubt_fetch_until_answered",),
@@ -448,11 +448,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "an aux slot quarantined by a fetch in doubt is not given back when the doubt is resolved",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "            self.aux_slots.give_back([rx.aux_slot])\n"
-                '            self.stats.add("aux_slots_released")\n'
-                '        self.stats.add("in_doubt_resolved")',
-                '            pass\n        self.stats.add("in_doubt_resolved")',
+                "kvxferd/transfer/receiver/in_doubt.py",
+                "            rx.aux_slots.give_back([f.aux_slot])\n"
+                '            rx.stats.add("aux_slots_released")\n'
+                '        rx.stats.add("in_doubt_resolved")',
+                '            pass\n        rx.stats.add("in_doubt_resolved")',
             ),
         ),
         (RXWIRE + "test_a_late_cancel_ack_releases_an_in_doubt_fence_and_its_aux_slot",),
@@ -460,7 +460,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-shutdown-asks-in-doubt",
         "the receiver's shutdown does not ask again about fetches in doubt before giving up on them",
-        (Edit("kvxferd/transfer/receiver.py", "self._command(cmd.RetryInDoubt())", "pass"),),
+        (Edit("kvxferd/transfer/receiver/shutdown.py", "rx._command(cmd.RetryInDoubt())", "pass"),),
         (RXWIRE + "test_shutdown_resends_cancel_and_is_safe_once_the_sender_answers",),
     ),
     Mutant(
@@ -559,7 +559,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver does not send open fetches again to a new sender incarnation",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
+                "kvxferd/transfer/receiver/messages.py",
                 "if stale or (known and known != msg.sender_id):",
                 "if False:",
             ),
@@ -571,9 +571,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "fetches sent to a sender whose new incarnation refuses the Register do not fail peer_restarted",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "self._sender_restarted(link, stale, resend=msg.ok)",
-                "self._sender_restarted(link, stale, resend=True)",
+                "kvxferd/transfer/receiver/messages.py",
+                "self.sender_restarted(link, stale, resend=msg.ok)",
+                "self.sender_restarted(link, stale, resend=True)",
             ),
         ),
         (
@@ -584,7 +584,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "issue9-restart-releases-old-fences",
         "fences toward a sender incarnation that is gone stay up after a new one answers",
-        (Edit("kvxferd/transfer/receiver.py", "elif rx.release():", "elif False:"),),
+        (Edit("kvxferd/transfer/receiver/messages.py", "elif f.release():", "elif False:"),),
         (RXWIRE + "test_a_new_sender_incarnation_gets_every_open_fetch_again",),
     ),
     # -- item 5: one bad peer never slows another -------------------------------------------
@@ -658,7 +658,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver leaves RequestData.deadline_unix_ms at 0",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
+                "kvxferd/transfer/receiver/fetches.py",
                 "deadline_unix_ms=max(1, int((time.time() + left_s) * 1000)),",
                 "deadline_unix_ms=0,",
             ),
@@ -734,8 +734,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a fetch admitted after the drain began is not refused (admission not atomic with drain)",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "if self._draining.is_set():\n                refusal = RejectedError(",
+                "kvxferd/transfer/receiver/fetches.py",
+                "if rx._draining.is_set():\n                refusal = RejectedError(",
                 "if False:\n                refusal = RejectedError(",
             ),
         ),
@@ -746,9 +746,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver's shutdown deregisters memory while an outcome is in doubt",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "if safe and joined:\n            self.agents.close()",
-                "self.agents.close()\n        if safe and joined:",
+                "kvxferd/transfer/receiver/shutdown.py",
+                "if safe and joined:\n        rx.agents.close()",
+                "rx.agents.close()\n    if safe and joined:",
             ),
         ),
         (RXWIRE + "test_shutdown_keeps_memory_registered_while_an_outcome_is_in_doubt",),
@@ -852,9 +852,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a receiver's drain deadline ends open fetches as cancelled by the engine",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                'self._drain_end(rx, "still open at the drain deadline (drain_timeout_ms)")',
-                'self._cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")',
+                "kvxferd/transfer/receiver/core.py",
+                'fetches.drain_end(rx, "still open at the drain deadline (drain_timeout_ms)")',
+                'fetches.cancel(rx, RxState.CANCELLED, Reason.CANCELLED, "cancelled by the engine")',
             ),
         ),
         (
@@ -996,8 +996,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a receiver ignores the senders discovery reports until a fetch names one",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "                    self._link(peer.endpoint)\n",
+                "kvxferd/transfer/receiver/links.py",
+                "                    self.open(peer.endpoint)\n",
                 "                    pass\n",
             ),
         ),
@@ -1035,8 +1035,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a RegisterReply sent to a receiver's result socket is dropped without a count",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                '                self.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")',
+                "kvxferd/transfer/receiver/messages.py",
+                '                rx.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")',
                 "                pass",
             ),
         ),
@@ -1077,8 +1077,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sender key the receiver removed from its allow-list still makes fetches done",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "            if sock is self._router and identity and not self.transport.admits(identity):",
+                "kvxferd/transfer/receiver/messages.py",
+                "            if sock is rx._router and identity and not rx.transport.admits(identity):",
                 "            if False:",
             ),
         ),
@@ -1093,8 +1093,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a notification without the fetch's nonce completes it",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "and hmac.compare_digest(nonce, rx.nonce)",
+                "kvxferd/transfer/receiver/messages.py",
+                "and hmac.compare_digest(nonce, f.nonce)",
                 "and True",
             ),
         ),
@@ -1108,7 +1108,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a notification from a NIXL agent other than the fetch's sender completes it",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
+                "kvxferd/transfer/receiver/messages.py",
                 'and (agent == sender or agent.startswith(sender + ".p"))',
                 "and True",
             ),
@@ -1123,8 +1123,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sender key removed from the allow-list still completes fetches by notification",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "if rx.sender_key and not self.transport.admits(rx.sender_key):",
+                "kvxferd/transfer/receiver/messages.py",
+                "if f.sender_key and not self.rx.transport.admits(f.sender_key):",
                 "if False:",
             ),
         ),
@@ -1262,10 +1262,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "kvxferd's receiver presents its receiver id as its routing id again",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
+                "kvxferd/transfer/receiver/links.py",
                 "            # A name of our own: pyzmq's default (the socket's fd) can repeat",
                 "            dealer.disconnect(endpoint)\n"
-                "            dealer.setsockopt(zmq.IDENTITY, self.receiver_id.encode())\n"
+                "            dealer.setsockopt(zmq.IDENTITY, rx.receiver_id.encode())\n"
                 "            dealer.connect(endpoint)\n"
                 "            # A name of our own: pyzmq's default (the socket's fd) can repeat",
             ),
@@ -1299,8 +1299,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the receiver only counts a Reject{not_authorized}; its fetches run to their deadline",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "                self._key_refused(link, msg.detail)",
+                "kvxferd/transfer/receiver/messages.py",
+                "                self.key_refused(link, msg.detail)",
                 "                pass",
             ),
         ),
@@ -1378,7 +1378,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a link lost and not back is never declared down: its fetches wait for their deadline",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
+                "kvxferd/transfer/receiver/links.py",
                 "            if not link.down and link.lost_since is not None and now - link.lost_since >= down_s:",
                 "            if False:",
             ),
@@ -1392,7 +1392,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a fetch toward a down link is queued (and sent once it returns) instead of failing at once",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
+                "kvxferd/transfer/receiver/fetches.py",
                 "        elif link.down:  # nothing is sent that could put its blocks in doubt",
                 "        elif False:",
             ),
@@ -1419,8 +1419,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a link back after an outage re-asks about its doubt only when the backoff says",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "        self._ask_again_now(link.endpoint)\n",
+                "kvxferd/transfer/receiver/messages.py",
+                "        rx.doubts.ask_again_now(link.endpoint)\n",
                 "",
             ),
         ),
@@ -1434,9 +1434,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sender discovery removed keeps its link: libzmq redials the dead port",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "        self._link_down(link, detail)\n        self._close_link(link)",
-                "        self._link_down(link, detail)",
+                "kvxferd/transfer/receiver/links.py",
+                "        self.link_down(link, detail)\n        self.close(link)",
+                "        self.link_down(link, detail)",
             ),
         ),
         (
@@ -1460,8 +1460,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a link that goes down keeps its NIXL agent: its fetches stay in doubt while it is down",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                "        # (_agent_torn) ends its doubts.\n        self._tear_down(link)\n",
+                "kvxferd/transfer/receiver/links.py",
+                "        # (InDoubt.agent_torn) ends its doubts.\n        self.tear_down(link)\n",
                 "",
             ),
         ),
@@ -1474,8 +1474,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a RegisterReply to a Register whose agent was torn down since makes the link ready",
         (
             Edit(
-                "kvxferd/transfer/receiver.py",
-                '            self.stats.add("registers_stale_agent")\n            self._register(link)\n            return\n',
+                "kvxferd/transfer/receiver/messages.py",
+                '            rx.stats.add("registers_stale_agent")\n            rx.links.register(link)\n            return\n',
                 "            pass\n",
             ),
         ),

@@ -165,7 +165,7 @@ def test_a_fetch_naming_an_endpoint_outside_the_allow_list_is_refused_before_any
     assert ei.value.reason in (Reason.BAD_ENDPOINT, Reason.NOT_AUTHORIZED)
     assert "';'" in ei.value.detail
     assert rx.stats.get("endpoints_refused") == 1
-    assert rx.fetches_in_flight() == 0 and not rx._links
+    assert rx.fetches_in_flight() == 0 and not rx.links.links
 
 
 def test_an_operator_rule_replaces_the_default(receiver_for: object) -> None:

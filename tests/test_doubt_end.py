@@ -43,7 +43,7 @@ def test_a_link_back_after_a_freeze_ends_the_doubt_within_3s_and_returns_the_mem
     alloc = IdAllocator(2 * BLOCKS, shuffle_seed=7)
     h = r.fetch("d-0", ep, alloc.take(BLOCKS))  # never published: parked at the sender
     wait_until(lambda: h.session.sent, 10, "the RequestData sent")
-    wait_until(lambda: r.stats.get("registers_sent") >= 1 and r._links[ep].ready, 10, "ready")
+    wait_until(lambda: r.stats.get("registers_sent") >= 1 and r.links.links[ep].ready, 10, "ready")
     tx.signal(signal.SIGSTOP)
     out = h.wait(5)
     assert out is not None and out.reason is Reason.PEER_LOST, out

@@ -719,7 +719,7 @@ def _sessions_of(sender: Sender, request_id: str) -> int:
 
 def _fetches_of(receiver: Receiver, request_id: str) -> int:
     with receiver._lock:
-        return sum(1 for rx in receiver._fetches.values() if rx.request_id == request_id)
+        return sum(1 for rx in receiver.fetches.by_id.values() if rx.request_id == request_id)
 
 
 @contextlib.contextmanager

@@ -52,7 +52,13 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
     "transfer/path_moves.py": ("sender",),  # the data plane's moves, with its Stats
     "transfer/peer_agents.py": ("sender",),
-    "transfer/receiver.py": ("receiver",),
+    "transfer/receiver/core.py": ("receiver",),
+    "transfer/receiver/fetches.py": ("receiver",),
+    "transfer/receiver/groups.py": ("receiver",),
+    "transfer/receiver/in_doubt.py": ("receiver",),
+    "transfer/receiver/links.py": ("receiver",),
+    "transfer/receiver/messages.py": ("receiver",),
+    "transfer/receiver/shutdown.py": ("receiver",),
     "transfer/link_agents.py": ("receiver",),
     "engine/gateway.py": ("gateway",),
     "engine/calls.py": ("gateway",),

@@ -25,8 +25,8 @@ from kvxferd.config import load_receiver_settings
 from kvxferd.errors import Reason, RejectedError
 from kvxferd.testing import ControlledDataPlane
 from kvxferd.transfer import protocol as wire
-from kvxferd.transfer import receiver as receiver_mod
 from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.receiver import fetches as fetches_mod
 from kvxferd.transfer.session import Fence, RxState
 from tests.conditions import wait_until
 
@@ -269,7 +269,7 @@ def test_an_unsolicited_cancel_ack_releases_an_in_doubt_result(
     assert h.close(0.1) is False
     tx.send(wire.CancelAck(request_id=req.request_id, fetch_id=req.fetch_id, in_doubt=False))
     wait_until(lambda: h.close(0) is True, WAIT_S, "blocks reusable after the ack")
-    assert rx._forgotten_in_doubt == 0
+    assert rx.doubts.unresolved == 0
 
 
 def test_cancel_is_resent_for_an_in_doubt_fetch_until_answered(
@@ -323,14 +323,14 @@ def test_a_fetch_racing_shutdown_is_refused_or_ends(
     """A fetch that passed the draining check when shutdown began is refused, never left open."""
     rx = make_rx()
     inside, go = threading.Event(), threading.Event()
-    real_check = receiver_mod.check_blocks
+    real_check = fetches_mod.check_blocks
 
     def slow_check(*args: Any) -> None:
         inside.set()
         go.wait(WAIT_S)
         real_check(*args)
 
-    monkeypatch.setattr(receiver_mod, "check_blocks", slow_check)
+    monkeypatch.setattr(fetches_mod, "check_blocks", slow_check)
     outcome: list[object] = []
 
     def fetch() -> None:

@@ -32,7 +32,8 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     worker_lanes.py  a worker's FIFO lane per receiver and which task starts next (coalescing)
     worker_writes.py  a worker's writes in flight: posting, polling, stall deadline, doubt, release
     worker_outbox.py  a worker's DEALER and FIFO box per result endpoint, each message's deadline
-    receiver.py   the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table
+    receiver/     the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table
+                  (core, handle, fetches, in_doubt, groups, links, messages, shutdown: its __init__ draws them)
     commands.py   what other threads hand the receiver's io thread: one typed command each
     link_agents.py  the receiver's NIXL agent per sender link: spares made ahead, torn down when a
                   link goes down (the proof that ends its doubts, with revocable transports)

@@ -1,7 +1,7 @@
 """What a drain dropped: the ``drain_dropped_*`` counters, the shutdown reports, their words.
 
 The drain itself is each service's own bounded sequence (sender/drain.py;
-receiver.py: its ``shutdown_report``), run on state only that service owns. What both
+receiver/shutdown.py: its ``shutdown_report``), run on state only that service owns. What both
 share lives here: the counters a drain adds (in ``Stats``; /metrics shows them while
 it runs), the report each ``shutdown`` returns, and the counts as the daemon's last log
 line says them (daemon.py)::

@@ -295,7 +295,7 @@ class InDoubtView:
 
 @dataclass(frozen=True, slots=True)
 class LinkView:
-    """The receiver's connection to one sender endpoint (receiver._Link)."""
+    """The receiver's connection to one sender endpoint (receiver/links.py: Link)."""
 
     endpoint: str
     ready: bool
@@ -307,7 +307,7 @@ class LinkView:
     register_deadline: float
 
     @classmethod
-    def of(cls, link: Any) -> LinkView:  # link: receiver._Link
+    def of(cls, link: Any) -> LinkView:  # link: receiver.links.Link
         return cls(
             link.endpoint,
             link.ready,
