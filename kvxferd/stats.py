@@ -4,8 +4,9 @@
 name any component bumps, with its help text and the Prometheus family it is
 exported as; ``tests/test_metrics.py`` reads kvxferd/ with ``ast`` and fails on a
 ``stats.add(...)`` whose name is not here, so a counter cannot exist only inside
-the process. Components: ``sender`` (sender.py, worker.py), ``receiver``
-(receiver/), ``gateway`` (gateway.py); guard.py's counters are everyone's.
+the process. Components: ``sender`` (sender/, worker*.py, path_moves.py), ``receiver``
+(receiver/), ``gateway`` (gateway.py, calls.py, waits.py, handles.py); guard.py's counters
+are everyone's.
 
 Exported names: a plain counter ``<key>`` is ``kvxferd_<key>_total``
 (``kvxferd_gateway_<key>_total`` for the gateway's own Stats). A family's key has

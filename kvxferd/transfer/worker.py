@@ -9,8 +9,8 @@ writes (so none has a lock), each with its state machine in its module:
                       its deadline (a receiver that stops reading delays only itself)
 
 The tasks it takes and what it needs from the sender (the narrow
-:class:`WorkerHost`, so nothing here imports sender.py) are in worker_tasks.py;
-the listener and API callers (kvxferd/transfer/sender.py) only enqueue. One turn::
+:class:`WorkerHost`, so nothing here imports the sender package) are in worker_tasks.py;
+the listener and API callers (kvxferd/transfer/sender/) only enqueue. One turn::
 
     take     move every queued task into its lane (waiting up to the next poll)
     poll     every write in flight once; settle what changed: a write that ended
@@ -56,7 +56,7 @@ from kvxferd.transfer.worker_tasks import (
 )
 from kvxferd.transfer.worker_writes import Change, Write, WritesInFlight
 
-__all__ = [  # the tasks are re-exported: sender.py, parked.py and views.py import them here
+__all__ = [  # the tasks are re-exported: the sender package and views.py import them here
     "STOP",
     "TICK_S",
     "AckTask",

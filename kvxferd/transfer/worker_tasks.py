@@ -1,6 +1,6 @@
 """What a sender worker is handed, the receiver each task goes to, and what it needs from its sender.
 
-The listener and API callers (kvxferd/transfer/sender.py) put tasks on a
+The listener and API callers (kvxferd/transfer/sender/) put tasks on a
 worker's queue (kvxferd/transfer/worker.py); the worker keeps each in its
 receiver's lane (kvxferd/transfer/worker_lanes.py) until it can start it:
 
@@ -12,7 +12,7 @@ receiver's lane (kvxferd/transfer/worker_lanes.py) until it can start it:
     STOP        the worker's last task
 
 What the worker needs from the sender is the narrow :class:`WorkerHost`, so
-nothing here or in the worker's modules imports sender.py.
+nothing here or in the worker's modules imports the sender package.
 """
 
 from __future__ import annotations
