@@ -204,7 +204,8 @@ class Admission:
                 nixl_name = future.result()
             except PeerUnreachable as e:
                 self.stats.add("register_connects_unreachable")
-                detail = f"NIXL metadata not accepted: peer unreachable: {e}"
+                why = str(e).removeprefix("NIXL metadata not accepted: ")
+                detail = f"NIXL metadata not accepted: peer unreachable: {why}"
                 raise Refused(Reason.INCOMPATIBLE, detail[:1024]) from e
             except Exception as e:
                 detail = f"NIXL metadata not accepted: {e}"
