@@ -1497,7 +1497,20 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_dataplane_lock.py::"
             "test_a_register_toward_a_silent_peer_never_holds_another_receivers_register",
+            TXRACES + "test_a_register_whose_connect_is_in_flight_holds_no_other_register",
         ),
+    ),
+    Mutant(
+        "issue24-register-while-connecting-admitted",
+        "a Register of a receiver whose connect is in flight is admitted alongside it",
+        (
+            Edit(
+                "kvxferd/transfer/sender/admission.py",
+                "        if self.connecting.clash(routing_id, msg, agent):",
+                "        if False:",
+            ),
+        ),
+        (TXRACES + "test_a_register_whose_connect_is_in_flight_holds_no_other_register",),
     ),
     Mutant(
         "issue23-new-agent-old-kept",
