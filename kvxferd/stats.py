@@ -250,8 +250,14 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     _c(
         "registers_refused_connecting",
         _S,
-        "REGISTERs refused busy: a Register naming the same route, receiver id, result endpoint"
-        " or NIXL agent was still connecting",
+        "REGISTERs refused busy: 4 Registers naming the same route, receiver id, result"
+        " endpoint or NIXL agent already waited for its connect",
+    ),
+    _c(
+        "registers_waited",
+        _S,
+        "REGISTERs that waited for the connect of an earlier one naming the same route,"
+        " receiver id, result endpoint or NIXL agent (then handled as the next message)",
     ),
     _c(
         "registers_refused_connects",

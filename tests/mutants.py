@@ -1502,12 +1502,12 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "issue24-register-while-connecting-admitted",
-        "a Register of a receiver whose connect is in flight is admitted alongside it",
+        "a Register of a receiver whose connect is in flight starts a connect alongside it",
         (
             Edit(
                 "kvxferd/transfer/sender/admission.py",
-                "        if self.connecting.clash(routing_id, msg, agent):",
-                "        if False:",
+                "        route = self.connecting.clash(routing_id, msg, agent)",
+                "        route = None",
             ),
         ),
         (TXRACES + "test_a_register_whose_connect_is_in_flight_holds_no_other_register",),

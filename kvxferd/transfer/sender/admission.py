@@ -6,7 +6,9 @@ A Register is admitted in four steps, all on the listener thread but the connect
                      (read before NIXL loads anything): a refusal ends it here
     2. incarnations  under the registry lock: who owns what (owner refusal), the same
                      peer again (accepted as is), a connect in flight naming the same route,
-                     receiver, result endpoint or agent, or ``MAX_CONNECTS`` in flight (busy),
+                     receiver, result endpoint or agent (it waits for that connect, and is
+                     handled once it ended; busy beyond ``MAX_WAITING``), ``MAX_CONNECTS``
+                     in flight (busy),
                      the incarnations it replaces, room in the table (evict an idle peer of
                      its identity, or refuse busy); then the replaced ones end
                      (``end_incarnation``) outside the lock
@@ -51,6 +53,7 @@ What a leaving peer held is released here: ``end_incarnation`` (replaced), ``for
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -71,6 +74,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxferd.sender")
 
 MAX_CONNECTS = 32  # Registers whose NIXL connect is in flight at once; beyond: refused busy
+MAX_WAITING = 256  # messages waiting for one connect in flight (its route's, Registers' naming
+# what it names): beyond, a Register is refused busy and another message handled at once
 CONNECT_SHARE = 0.8  # a connect's deadline, as a share of the receiver's register_timeout_ms
 # What ``_connected`` needs of a Register whose connect runs: route, message, identity, agent
 # name (None: NIXL could not name it in advance) and the piece of this rank it reads.
@@ -99,14 +104,18 @@ class _Incarnations:
 
 class _Connecting:
     """The Registers whose connect is in flight (the listener's own; no lock): what each
-    names (its route, receiver id, result endpoint, NIXL agent), none named by two.
+    names (its route, receiver id, result endpoint, NIXL agent), none named by two, and the
+    messages waiting for it (at most ``MAX_WAITING`` each): every later message on its route
+    (a route's messages are answered in order) and Registers naming what it names.
 
-    ``add`` when a connect starts, ``remove`` when its outcome reached the listener.
+    ``add`` when a connect starts, ``remove`` (which hands back its waiting messages, in
+    order of arrival) when its outcome reached the listener.
     """
 
     def __init__(self) -> None:
         self._names: dict[bytes, tuple[object, ...]] = {}  # route -> what its Register names
-        self._named: set[object] = set()
+        self._named: dict[object, bytes] = {}  # what a connect's Register names -> its route
+        self._waiting: dict[bytes, list[Callable[[], None]]] = {}
 
     def __len__(self) -> int:
         return len(self._names)
@@ -120,16 +129,33 @@ class _Connecting:
         )
         return names if agent is None else (*names, ("agent", agent))
 
-    def clash(self, routing_id: bytes, msg: wire.Register, agent: str | None) -> bool:
-        return any(n in self._named for n in self._of(routing_id, msg, agent))
+    def clash(self, routing_id: bytes, msg: wire.Register, agent: str | None) -> bytes | None:
+        """The route of a connect in flight whose Register names what ``msg`` names."""
+        for n in self._of(routing_id, msg, agent):
+            if n in self._named:
+                return self._named[n]
+        return None
+
+    def wait(self, route: bytes, handle: Callable[[], None]) -> bool:
+        """``handle`` runs once ``route``'s connect was answered; False (it does not) when no
+        connect of ``route`` is in flight or ``MAX_WAITING`` messages already wait for it."""
+        if route not in self._names:
+            return False
+        waiting = self._waiting.setdefault(route, [])
+        if len(waiting) >= MAX_WAITING:
+            return False
+        waiting.append(handle)
+        return True
 
     def add(self, routing_id: bytes, msg: wire.Register, agent: str | None) -> None:
         names = self._of(routing_id, msg, agent)
         self._names[routing_id] = names
-        self._named.update(names)
+        self._named.update((n, routing_id) for n in names)
 
-    def remove(self, routing_id: bytes) -> None:
-        self._named.difference_update(self._names.pop(routing_id, ()))
+    def remove(self, routing_id: bytes) -> list[Callable[[], None]]:
+        for n in self._names.pop(routing_id, ()):
+            self._named.pop(n, None)
+        return self._waiting.pop(routing_id, [])
 
 
 class Admission:
@@ -196,9 +222,24 @@ class Admission:
 
         ``in_flight``: the connect ran while the listener went on; what step 2 settled is
         checked again (the sender stopping, room in the table)."""
+        waiting = self.connecting.remove(routing_id) if in_flight else []
+        try:
+            self._end_register(future, routing_id, msg, identity, agent, piece, in_flight)
+        finally:
+            for later in waiting:  # as if they had come after this one's reply
+                later()
+
+    def _end_register(
+        self,
+        future: Future[str],
+        routing_id: bytes,
+        msg: wire.Register,
+        identity: str,
+        agent: str | None,
+        piece: Piece | None,
+        in_flight: bool,
+    ) -> None:
         s = self._s
-        if in_flight:
-            self.connecting.remove(routing_id)
         try:
             try:
                 nixl_name = future.result()
@@ -301,12 +342,16 @@ class Admission:
             self.stats.add("registers_accepted")
             s.listener.reply(routing_id, self._accepted())
             return False
-        if self.connecting.clash(routing_id, msg, agent):
+        route = self.connecting.clash(routing_id, msg, agent)
+        if route is not None:  # handled once that connect ended, as the next message
+            if self.connecting.wait(route, lambda: self.on_register(routing_id, msg, identity)):
+                self.stats.add("registers_waited")
+                return False
             self.stats.add("registers_refused_connecting")
             raise Refused(
                 Reason.BUSY,
-                "a Register naming this route, receiver id, result endpoint or NIXL agent"
-                " is still connecting",
+                f"{MAX_WAITING} Registers naming this route, receiver id, result endpoint or"
+                " NIXL agent already wait for its connect",
             )
         if len(self.connecting) >= MAX_CONNECTS:
             self.stats.add("registers_refused_connects")

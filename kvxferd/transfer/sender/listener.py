@@ -223,6 +223,12 @@ class Listener:
     def _handle_one(
         self, routing_id: bytes, frame: bytes | None, identity: str, max_bytes: int
     ) -> None:
+        # A route whose Register still connects: its later messages wait for that reply
+        # (each route's messages are answered in order; admission.py).
+        if self._s.admission.connecting.wait(
+            routing_id, lambda: self._handle_one(routing_id, frame, identity, max_bytes)
+        ):
+            return
         try:
             msg = wire.decode_to_sender([] if frame is None else [frame], max_bytes)
         except ProtocolError as e:
