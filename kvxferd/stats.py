@@ -250,8 +250,8 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     _c(
         "registers_refused_connecting",
         _S,
-        "REGISTERs refused busy: 4 Registers naming the same route, receiver id, result"
-        " endpoint or NIXL agent already waited for its connect",
+        "REGISTERs refused busy: 256 messages already waited for the connect of a Register"
+        " naming the same route, receiver id, result endpoint or NIXL agent",
     ),
     _c(
         "registers_waited",

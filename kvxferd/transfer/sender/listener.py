@@ -17,7 +17,9 @@ parked fetches and unfetched requests (a heap of TTL deadlines: cost ~ what expi
 tells peers whose key was revoked, and reclaims orphans (admission.py).
 
 It never blocks on a peer: replies go out on the ROUTER without waiting
-(``router_reply``); results and acks go through the workers. The tables are read and
+(``router_reply``); results and acks go through the workers; a REGISTER's NIXL connect runs
+on a connect thread and is answered when it ended (admission.py), the later messages of
+its route waiting for that reply. The tables are read and
 changed under the sender's registry lock (``Sender._lock``); ``PeerTable.seen`` is this
 thread's own.
 """
