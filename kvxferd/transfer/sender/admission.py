@@ -350,8 +350,8 @@ class Admission:
             self.stats.add("registers_refused_connecting")
             raise Refused(
                 Reason.BUSY,
-                f"{MAX_WAITING} Registers naming this route, receiver id, result endpoint or"
-                " NIXL agent already wait for its connect",
+                f"{MAX_WAITING} messages already wait for the connect of a Register naming"
+                " this route, receiver id, result endpoint or NIXL agent",
             )
         if len(self.connecting) >= MAX_CONNECTS:
             self.stats.add("registers_refused_connects")
