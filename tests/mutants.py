@@ -1571,6 +1571,23 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_dataplane.py::test_a_closed_data_plane_says_so_to_the_probes",),
     ),
+    Mutant(
+        "issue24-register-again-probed",
+        "a Register sent again with the metadata of a peer already loaded is probed: toward an"
+        " agent its receiver tore down since, the probe fails and the link is refused for good"
+        " instead of told to register again",
+        (
+            Edit(
+                "kvxferd/transfer/dataplane.py",
+                "            return next((p for p, m in self._peers.meta.items() if m == metadata), None)",
+                "            return None",
+            ),
+        ),
+        (
+            "tests/test_teardown.py::"
+            "test_a_frozen_senders_late_write_never_lands_in_blocks_released_by_the_teardown",
+        ),
+    ),
 )
 
 
