@@ -493,6 +493,9 @@ class NixlDataPlane:
         connect toward an unreachable peer, and only the caller waits); path 0 loads the peer
         once the probe connected, which then takes milliseconds.
         """
+        known = self._known(metadata)
+        if known is not None:
+            return known
         peer = self._connects.probe(metadata)
         with self._lock:
             self._peers.claim(peer)
@@ -504,7 +507,21 @@ class NixlDataPlane:
         fails with :class:`PeerUnreachable` (the probe failed, or ``timeout_s`` passed while
         it still waited: nothing is loaded then, even if the connect succeeds later) or with
         the load's error. Callbacks run on the connect thread (or the deadline's timer)."""
+        known = self._known(metadata)
+        if known is not None:
+            done: Future[str] = Future()
+            done.set_result(known)
+            return done
         return self._connects.start(metadata, timeout_s, self._load_peer)
+
+    def _known(self, metadata: bytes) -> str | None:
+        """The peer already loaded with exactly ``metadata`` (a Register sent again), or None.
+
+        Such a Register connects nothing: path 0 holds the peer already, and a probe toward
+        it could fail where the load never would (an agent its receiver has torn down since
+        the Register left: the reply tells it to register again with a fresh one)."""
+        with self._lock:
+            return next((p for p, m in self._peers.meta.items() if m == metadata), None)
 
     def _load_peer(self, metadata: bytes, peer: str) -> str:
         """``add_peer_async``'s load, on its connect thread once the probe reached ``peer``."""
