@@ -1,1 +1,1 @@
-"""kvxferd's tests (a package, so ``python -m tests.peers`` runs the integration peers)."""
+"""kvxferd's tests (a package, so ``python -m tests.support.peers`` runs the integration peers)."""

@@ -35,9 +35,9 @@ from kvxferd.transfer.control import SocketLimits, connect_dealer, process_conte
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.session import RxState
-from tests.child import ROOT
-from tests.conditions import wait_until
-from tests.peers import check_request, fill_request
+from tests.support.child import ROOT
+from tests.support.conditions import wait_until
+from tests.support.peers import check_request, fill_request
 from tests.test_daemon import DaemonProcess, daemon_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

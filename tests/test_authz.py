@@ -3,7 +3,7 @@
 Unit tests drive kvxferd/transfer/ownership.py directly; the others run the real Sender
 (the controllable data plane of tests/test_races.py) behind a real CURVE
 ROUTER, with raw peers that each authenticate with a key of their own
-(tests/authz_world.py), so every identity is the one ZAP authenticated.
+(tests/support/authz_world.py), so every identity is the one ZAP authenticated.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from kvxferd.errors import Reason
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.ownership import IdentityLimits, Ownership, nixl_agent_name
 from kvxferd.transfer.session import TxState
-from tests.authz_world import CurvePeer, CurveWorld, Keys, world
-from tests.conditions import wait_until
+from tests.support.authz_world import CurvePeer, CurveWorld, Keys, world
+from tests.support.conditions import wait_until
 from tests.test_races import BLOCKS, WAIT_S, Harness, h
 
 __all__ = ["h", "world"]

@@ -1,7 +1,7 @@
 """The impostor scenario with real NIXL: another key presenting the victim's NIXL metadata is refused, the victim's bytes arrive exact.
 
 A real Sender and a real Receiver (NIXL over UCX, DRAM pools) run behind real
-CURVE sockets (tests/authz_world.py); the impostor is a raw peer with a key of
+CURVE sockets (tests/support/authz_world.py); the impostor is a raw peer with a key of
 its own that sends a Register carrying the victim receiver's own NIXL agent
 metadata and the victim's memory addresses.
 """
@@ -20,7 +20,7 @@ from kvxferd.transfer.ownership import nixl_agent_name
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.session import RxState
-from tests.authz_world import CurvePeer, CurveWorld, Keys, world
+from tests.support.authz_world import CurvePeer, CurveWorld, Keys, world
 
 __all__ = ["world"]
 

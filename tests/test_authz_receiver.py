@@ -1,7 +1,7 @@
 """Authorisation on the receiver: a Result is taken only from the sender the fetch was sent to.
 
 The real Sender and Receiver (controllable data planes) run behind real CURVE
-sockets (tests/authz_world.py): the receiver's result ROUTER authenticates every
+sockets (tests/support/authz_world.py): the receiver's result ROUTER authenticates every
 peer, the sender's workers dial it with the sender's key, and a forger dials it
 with a key of its own. The receivers here ask for done Results (``notifications``
 off): the Result path is what these tests check; the notification path's checks are
@@ -15,8 +15,8 @@ import zmq
 
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.session import RxState
-from tests.authz_world import CurveWorld, Keys, world
-from tests.conditions import wait_until
+from tests.support.authz_world import CurveWorld, Keys, world
+from tests.support.conditions import wait_until
 from tests.test_races import BLOCKS, QUIET_S, WAIT_S, Harness, h
 
 __all__ = ["h", "world"]

@@ -3,7 +3,7 @@
 The token tests run the engine protocol end to end (tests/test_gateway.py's real
 Sender and Receiver with real NIXL behind Gateways, driven by Clients); the
 allowed_receivers tests run the real Sender behind real CURVE with raw peers of
-two keys (tests/authz_world.py).
+two keys (tests/support/authz_world.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvxferd.errors import Reason
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
-from tests.authz_world import CurvePeer, CurveWorld, Keys, world
+from tests.support.authz_world import CurvePeer, CurveWorld, Keys, world
 from tests.test_gateway import (
     CALL_S,
     _attach,

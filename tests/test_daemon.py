@@ -44,9 +44,9 @@ from kvxferd.engine.client import AsyncClient, Client, Outcome, attach_pool
 from kvxferd.launch import LaunchError
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.receiver import Receiver
-from tests.child import ChildProcess
-from tests.conditions import wait_until
-from tests.peers import request_content
+from tests.support.child import ChildProcess
+from tests.support.conditions import wait_until
+from tests.support.peers import request_content
 
 pytestmark = pytest.mark.integration
 

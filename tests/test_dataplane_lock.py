@@ -12,7 +12,7 @@ until the queue holds its backlog + 1); Linux then drops every further SYN towar
 connect there waits out its SYN retries. Everything stays on this host's loopback.
 
 The sender (a child running :class:`kvxferd.transfer.sender.Sender` and the test publisher,
-``tests.peers``) publishes nothing at first; a healthy receiver (``tests.peers``) asks for
+``tests.support.peers``) publishes nothing at first; a healthy receiver (``tests.support.peers``) asks for
 ``FETCHES`` requests, which the sender parks. Once the sender reports them parked, a third
 child sends a REGISTER with the silent peer's metadata: the sender's connect thread loads it
 and waits in NIXL. The sender sees its own connect toward the silent port in SYN_SENT, and only
@@ -43,9 +43,9 @@ from typing import Any
 
 import pytest
 
-from tests.child import ChildProcess
-from tests.conditions import wait_until
-from tests.peers import PeerProcess
+from tests.support.child import ChildProcess
+from tests.support.conditions import wait_until
+from tests.support.peers import PeerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -479,7 +479,7 @@ def _sender(settings: str, silent_port: str, mode: str = "parked") -> int:
     toward ``silent_port`` is reported when it starts."""
     from kvxferd.config import load_sender_settings
     from kvxferd.transfer.sender import Sender
-    from tests.peers import Publisher
+    from tests.support.peers import Publisher
 
     port = int(silent_port)
     overrides = {"listen": "tcp://127.0.0.1:0", **json.loads(settings)}

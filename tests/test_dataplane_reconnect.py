@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvxferd.transfer.dataplane import PathStalled
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_dataplane import _expected, _Pair, _wait
 
 

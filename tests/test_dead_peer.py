@@ -9,7 +9,7 @@ sender's connection being refused (the first redial, 100 ms after the kill):
 out. Once its lease expired, a socket listening on the dead port counts the
 receiver's connection attempts: fewer than 5 in 10 s.
 
-A SIGSTOPped sender (``tests/peers.py`` children, the receiver in the test
+A SIGSTOPped sender (``tests/support/peers.py`` children, the receiver in the test
 process): once its link is down a fetch toward it fails ``peer_lost`` at once
 with nothing sent, while another sender's fetches on the same receiver go on.
 """
@@ -32,9 +32,9 @@ from kvxferd.errors import Reason
 from kvxferd.service.probes import ReceiverProbe
 from kvxferd.transfer.pool import IdAllocator
 from kvxferd.transfer.receiver import Receiver
-from tests.conditions import wait_until
-from tests.etcd_server import ETCD, SKIP_REASON, EtcdServer
-from tests.peers import check_request
+from tests.support.conditions import wait_until
+from tests.support.etcd_server import ETCD, SKIP_REASON, EtcdServer
+from tests.support.peers import check_request
 from tests.test_daemon import TCP_DATA_PLANE, DaemonProcess, Engines, blocks_of, daemon_env
 from tests.test_receiver_restart import BLOCKS, STARTUP_S, Spawn, pool, receivers, spawn
 from tests.test_receiver_restart import DEADLINES as RESTART_DEADLINES

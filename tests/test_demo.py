@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 
 
 def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -44,8 +44,8 @@ from kvxferd.config import (
 )
 from kvxferd.endpoints import advertise_host, advertised
 from kvxferd.launch import LaunchError
-from tests.child import ChildProcess
-from tests.conditions import wait_until
+from tests.support.child import ChildProcess
+from tests.support.conditions import wait_until
 
 pytestmark = pytest.mark.integration
 

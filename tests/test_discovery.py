@@ -164,7 +164,7 @@ class TestDns:
         q: queue.Queue[PeerEvent] = queue.Queue()
         w = self._watch("no-such-service.invalid", q)
         try:
-            from tests.conditions import wait_until
+            from tests.support.conditions import wait_until
 
             wait_until(lambda: w.count("reads") >= 2, WAIT_S, "resolved twice")
             assert w.connected and w.snapshot().peers == {} and q.empty()

@@ -22,8 +22,8 @@ import pytest
 
 from kvxferd.config import DiscoverySettings
 from kvxferd.discovery import make_watcher
-from tests.conditions import wait_until
-from tests.etcd_server import ETCD, SKIP_REASON, EtcdServer
+from tests.support.conditions import wait_until
+from tests.support.etcd_server import ETCD, SKIP_REASON, EtcdServer
 from tests.test_daemon import DaemonProcess
 
 pytestmark = [

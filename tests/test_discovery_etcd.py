@@ -1,6 +1,6 @@
 """etcd discovery against a real etcd: leases, keep-alive, watch, lease loss and an etcd outage.
 
-Each test starts its own etcd on loopback (tests/etcd_server.py), so a kill in
+Each test starts its own etcd on loopback (tests/support/etcd_server.py), so a kill in
 one never touches another; the TTL is 2 s so expiries happen within the test.
 """
 
@@ -27,8 +27,8 @@ from kvxferd.discovery import (
 )
 from kvxferd.discovery.etcd import EtcdClient, EtcdRegistrar, EtcdWatcher, directory
 from kvxferd.discovery.record import encode_record
-from tests.conditions import wait_until
-from tests.etcd_server import ETCD, SKIP_REASON, EtcdServer
+from tests.support.conditions import wait_until
+from tests.support.etcd_server import ETCD, SKIP_REASON, EtcdServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)]
 

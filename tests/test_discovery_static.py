@@ -12,7 +12,7 @@ from pathlib import Path
 from kvxferd.config import DiscoverySettings
 from kvxferd.discovery import PeerAdded, PeerChanged, PeerEvent, PeerRemoved, make_watcher
 from kvxferd.discovery.static import StaticWatcher
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 
 WAIT_S = 10.0
 

@@ -1,6 +1,6 @@
 """Doubt ends on proof, and soon after the proof can come: a link back after a freeze settles it at once.
 
-The sender is a ``tests/peers.py`` child; the receiver runs in the test
+The sender is a ``tests/support/peers.py`` child; the receiver runs in the test
 process so the test can watch each fetch's handle, its fence and the aux slots.
 """
 
@@ -15,7 +15,7 @@ from kvxferd.config import load_receiver_settings
 from kvxferd.errors import Reason
 from kvxferd.transfer.pool import IdAllocator
 from kvxferd.transfer.receiver import Receiver
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_dead_peer import FROZEN_DEADLINES
 from tests.test_receiver_restart import BLOCKS, STARTUP_S, Spawn, pool, receivers, spawn
 

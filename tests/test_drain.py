@@ -31,7 +31,7 @@ from kvxferd.errors import Reason
 from kvxferd.transfer.session import TxState
 from tests import test_daemon as td
 from tests import test_races as races
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 
 pytestmark = pytest.mark.integration
 

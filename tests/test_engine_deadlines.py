@@ -18,7 +18,7 @@ import torch
 from kvxferd.engine.client import Client, EngineUnavailable
 from kvxferd.engine.engine_protocol import EngineReason
 from tests import test_daemon
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_daemon import CALL_S, Engines, Spawn, daemon_env, gauge
 
 pytestmark = pytest.mark.integration

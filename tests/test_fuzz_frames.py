@@ -2,7 +2,7 @@
 
 Two real daemon processes (``python -m kvxferd sender|receiver``, real ZMQ, real NIXL)
 serve a legitimate engine loop (publish, fetch, verify every byte, close) while this
-process sends pre-built hostile messages (tests/hostile.py), non-blocking, in windows,
+process sends pre-built hostile messages (tests/support/hostile.py), non-blocking, in windows,
 at four sockets: the sender's listener ROUTER, the receiver's result ROUTER (ZMQ, the
 wire protocol) and the engine gateway of each (an ``ipc://`` unix stream of
 length-prefixed frames, the engine protocol). One run (a module fixture) per peer
@@ -78,9 +78,9 @@ from kvxferd.engine.channel import LENGTH, FrameReader, ipc_address
 from kvxferd.engine.client import Client, attach_pool
 from kvxferd.errors import ProtocolError, Reason
 from kvxferd.transfer import protocol as wire
-from tests import hostile
-from tests.conditions import wait_until
-from tests.peers import request_content
+from tests.support import hostile
+from tests.support.conditions import wait_until
+from tests.support.peers import request_content
 from tests.test_daemon import DaemonProcess, daemon_env, http_get, metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]

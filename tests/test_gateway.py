@@ -42,7 +42,7 @@ from kvxferd.engine.gateway import Gateway
 from kvxferd.errors import Reason
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 
 pytestmark = pytest.mark.integration
 

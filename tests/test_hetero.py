@@ -24,7 +24,7 @@ from kvxferd.transfer.reshard import readers_for
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.session import RxState, TxState
 from kvxferd.transfer.topology import LayoutKind, Topology
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_topology_reshard import ELEM, SWEEP, Case, _World
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -25,7 +25,7 @@ from kvxferd.transfer.dataplane import NixlDataPlane
 from kvxferd.transfer.reshard import Piece, plan_rank, readers_for
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.topology import LayoutKind, Topology
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_hetero import Daemons, _run_case
 from tests.test_hetero import daemons as daemons  # the fixture
 from tests.test_topology_reshard import REQ_BLOCKS, SWEEP, Case, _kvpool, _wait, _World

@@ -1,4 +1,4 @@
-"""xPyD across namespace hosts (tests/hosts.py): 2 prefill x 2 decode hosts over UCX TCP, link cuts.
+"""xPyD across namespace hosts (tests/support/hosts.py): 2 prefill x 2 decode hosts over UCX TCP, link cuts.
 
 Prefill hosts h0, h1 each run a sender; decode hosts h2, h3 each run a receiver; this
 process is the engine of all four. Every pair (p0|p1 -> d0|d1) carries requests whose
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import pytest
 
 from kvxferd.faults.harness import CALL_TIMEOUT_S, FAULT_DEADLINES, Engine, p99
-from tests.conditions import wait_until
-from tests.hosts import FETCH_BOUND_S, HostNet, PairTraffic, report, why_no_hosts
+from tests.support.conditions import wait_until
+from tests.support.hosts import FETCH_BOUND_S, HostNet, PairTraffic, report, why_no_hosts
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ import torch
 from kvxferd.errors import Reason
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.session import TxState
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_daemon import DaemonProcess, Engines, http_get, metrics
 from tests.test_races import BLOCKS, QUIET_S, WAIT_S, Harness, h
 

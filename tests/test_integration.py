@@ -1,6 +1,6 @@
 """Real processes, real ZMQ on loopback, real NIXL (UCX between processes): no test doubles.
 
-The peers are ``tests/peers.py`` children; they report in JSON lines on stdout.
+The peers are ``tests/support/peers.py`` children; they report in JSON lines on stdout.
 A Sender or Receiver in the test process is used where the test must watch or
 steer it closely (kill a peer while its writes are in flight, time a shutdown).
 Every child is killed in teardown and every wait has a deadline.
@@ -29,8 +29,8 @@ from kvxferd.transfer.pool import IdAllocator
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.session import RxState, TxState
-from tests.conditions import wait_until
-from tests.peers import PeerProcess, Publisher, check_request, request_content
+from tests.support.conditions import wait_until
+from tests.support.peers import PeerProcess, Publisher, check_request, request_content
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.journal import BUCKETS_S, OTHER, Ending, Journal
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_races import BLOCKS, WAIT_S, Harness, h
 
 __all__ = ["h"]  # the fixture, shared with tests/test_races.py

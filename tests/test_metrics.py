@@ -30,7 +30,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.transfer import protocol as wire
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_daemon import DaemonProcess, Engines, http_get
 from tests.test_gateway import RawEngine
 

@@ -17,7 +17,7 @@ from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.session import RxState
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,7 +1,7 @@
 """Partitions under load across namespace hosts: the bound on doubt while a link is down (``make faults``).
 
 2 prefill hosts (p0, p1) and 2 decode hosts (d0, d1), UCX over TCP, CURVE; this process
-is the engine of all four and keeps every pair fetching (tests/hosts.py: every byte of a
+is the engine of all four and keeps every pair fetching (tests/support/hosts.py: every byte of a
 done verified, a handle whose close does not answer True is asked again until it does).
 The link p0<->d1 is cut at the switch (silence, as a failed link), first for 15 s, then
 for 70 s. Figures (``pytest -s``; ``KVXFERD_HOSTS_FIGURES=FILE`` writes them as JSON
@@ -38,8 +38,8 @@ import pytest
 
 from kvxferd.config import Deadlines
 from kvxferd.faults.harness import EXIT_BOUND_S, FAULT_DEADLINES, Daemon, Engine
-from tests.conditions import wait_until
-from tests.hosts import FETCH_BOUND_S, HostNet, PairTraffic, report, why_no_hosts
+from tests.support.conditions import wait_until
+from tests.support.hosts import FETCH_BOUND_S, HostNet, PairTraffic, report, why_no_hosts
 
 pytestmark = pytest.mark.integration
 

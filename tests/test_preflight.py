@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.child import ROOT
 from tests.conftest import SuiteKeys
+from tests.support.child import ROOT
 from tests.test_daemon import DaemonProcess, daemon_env
 
 pytestmark = pytest.mark.integration

@@ -26,7 +26,7 @@ import zmq
 
 from kvxferd.config import load_sender_settings
 from kvxferd.transfer.sender import Sender
-from tests.peers import request_content
+from tests.support.peers import request_content
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -35,8 +35,8 @@ from kvxferd.testing import ControlledDataPlane
 from kvxferd.transfer.journal import Ending
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
-from tests.conditions import wait_until
-from tests.peers import PeerProcess, check_request, fill_request
+from tests.support.conditions import wait_until
+from tests.support.peers import PeerProcess, check_request, fill_request
 
 WAIT_S = 5.0
 POOL = dict(num_layers=2, num_blocks=16, block_elems=16, aux_slots=4, aux_slot_bytes=64)

@@ -1,6 +1,6 @@
 """The receiver across sender faults, with real processes and real NIXL: a restart loses no fetch, a thaw resolves doubt.
 
-Senders are ``tests/peers.py`` children (SIGKILLed, restarted on the same
+Senders are ``tests/support/peers.py`` children (SIGKILLed, restarted on the same
 endpoint, SIGSTOPped and resumed); the receiver runs in the test process so the
 test can watch each fetch's handle and its blocks.
 """
@@ -25,8 +25,8 @@ from kvxferd.errors import Reason
 from kvxferd.transfer.pool import IdAllocator
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.session import RxState
-from tests.conditions import wait_until
-from tests.peers import PeerProcess, check_request, request_content
+from tests.support.conditions import wait_until
+from tests.support.peers import PeerProcess, check_request, request_content
 from tests.test_daemon import DaemonProcess, Engines, daemon_env, gauge
 from tests.test_integration import DEADLINES as INTEGRATION_DEADLINES
 from tests.test_integration import _peer_args

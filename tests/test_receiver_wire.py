@@ -28,7 +28,7 @@ from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.receiver import fetches as fetches_mod
 from kvxferd.transfer.session import Fence, RxState
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ the sender's allow-list directory and the lists are re-read as SIGHUP does
 naming the fetch; the receiver ends every fetch open toward that sender within a
 second, ``not_authorized``, its blocks released only on the sender's CancelAck (the
 sender still honours a revoked key's Cancel), never by guess. The last test drives the
-sender alone (tests/authz_world.py: real CURVE sockets, the controllable data plane) to
+sender alone (tests/support/authz_world.py: real CURVE sockets, the controllable data plane) to
 show that a parked fetch of a revoked key is never written; the last one runs a real
 sender daemon and sends it SIGHUP.
 """
@@ -28,9 +28,9 @@ from kvxferd.errors import Reason
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.session import RxState
-from tests.authz_world import CurvePeer, CurveWorld, Keys, world
-from tests.conditions import wait_until
-from tests.peers import fill_request
+from tests.support.authz_world import CurvePeer, CurveWorld, Keys, world
+from tests.support.conditions import wait_until
+from tests.support.peers import fill_request
 from tests.test_auth import (
     DEADLINES,
     POOL,

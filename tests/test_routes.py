@@ -27,8 +27,8 @@ from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.sender import Sender
-from tests.conditions import wait_until
-from tests.peers import check_request, fill_request
+from tests.support.conditions import wait_until
+from tests.support.peers import check_request, fill_request
 from tests.test_auth import DEADLINES, POOL, Keyring, keys
 
 __all__ = ["keys"]

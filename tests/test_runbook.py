@@ -16,7 +16,7 @@ from kvxferd.service.metrics import (
     Snapshot,
     SnapshotCollector,
 )
-from tests.child import ROOT
+from tests.support.child import ROOT
 
 RUNBOOK = ROOT / "docs" / "operations.md"
 

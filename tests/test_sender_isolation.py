@@ -22,8 +22,8 @@ import pytest
 
 from kvxferd.config import load_sender_settings
 from kvxferd.transfer.sender import Sender
-from tests.conditions import wait_until
-from tests.peers import PeerError, PeerProcess, Publisher
+from tests.support.conditions import wait_until
+from tests.support.peers import PeerError, PeerProcess, Publisher
 
 pytestmark = pytest.mark.integration
 

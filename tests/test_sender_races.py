@@ -20,7 +20,7 @@ from kvxferd.errors import Reason
 from kvxferd.testing import ControlledXfer
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.session import SliceState, TxState
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_races import BLOCKS, QUIET_S, WAIT_S, Harness, RawPeer, h, xfer_of
 
 __all__ = ["h"]  # the fixture, shared with tests/test_races.py

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_daemon import (
     REQ_BLOCKS,
     TCP_DATA_PLANE,

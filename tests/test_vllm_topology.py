@@ -32,7 +32,7 @@ from kvxferd.integrations.vllm.metadata import Load, RemoteKv, Save, StepPlan
 from kvxferd.integrations.vllm.settings import load_settings
 from kvxferd.integrations.vllm.worker import WorkerSide
 from kvxferd.transfer.topology import layout_of
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_gateway import (  # noqa: F401 - fixtures
     CALL_S,
     Started,

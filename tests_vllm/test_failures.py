@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_daemon import DaemonProcess
 from tests_vllm.conftest import POOL_BLOCKS, Rig, _rig
 from tests_vllm.engine import MAX_MODEL_LEN

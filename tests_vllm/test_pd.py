@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvxferd.engine.client import Client
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests_vllm.conftest import PD, POOL_BLOCKS
 from tests_vllm.rig import MODEL_LAYERS, VOCAB, counter, sessions
 

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import pytest
 
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests_vllm.conftest import Rig
 from tests_vllm.rig import ROOT, counter
 from tests_vllm.test_pd import BLOCK, BLOCK_BYTES, prompts

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conditions import wait_until
+from tests.support.conditions import wait_until
 from tests.test_daemon import DaemonProcess
 from tests_vllm.conftest import Rig, _rig
 from tests_vllm.rig import MODEL_LAYERS, EngineProcess, counter, sessions

@@ -2,8 +2,8 @@
 
 As root, from the repository root::
 
-    python -m tests.hosts_experiment                       # kernel TCP, 15 s cut both ways
-    python -m tests.hosts_experiment --rto-max-ms 1000 --retries2 5 --one-way --cut-s 8
+    python -m tests.support.hosts_experiment                       # kernel TCP, 15 s cut both ways
+    python -m tests.support.hosts_experiment --rto-max-ms 1000 --retries2 5 --one-way --cut-s 8
 
 Four hosts as tests/test_hosts.py builds them; ``--loops`` engine loops on p0->d0 (so that
 KV writes are in flight when the link goes) and 2 on p0->d1 (the same sender's other pair).
@@ -17,7 +17,7 @@ import argparse
 import json
 import time
 
-from tests.hosts import HostNet, why_no_hosts
+from tests.support.hosts import HostNet, why_no_hosts
 from tests.test_hosts import PORT, stalled
 
 RECOVER_WAIT_S = 30.0

@@ -4,7 +4,7 @@
 :class:`kvxferd.launch.Child`: stdout read line by line on the launcher's reader
 thread, each line handed to a subclass's :meth:`ChildProcess._take` under the
 launcher's condition variable, stderr to a file (read back for failure messages),
-bounded waits, and a kill that also frees a SIGSTOPped child. :class:`tests.peers.PeerProcess`
+bounded waits, and a kill that also frees a SIGSTOPped child. :class:`tests.support.peers.PeerProcess`
 (the test peers) and ``DaemonProcess`` in tests/test_daemon.py (the real daemon)
 build on it.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvxferd.launch import Child
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Lines(Child):

@@ -1,6 +1,6 @@
 """Peers for integration tests: a sender and a receiver child process that report in JSON lines.
 
-A test starts them with :class:`PeerProcess` (``python -m tests.peers sender|receiver ...``
+A test starts them with :class:`PeerProcess` (``python -m tests.support.peers sender|receiver ...``
 from the repository root) and talks to them only through their stdout lines and
 signals: no pickle, no multiprocessing queues. Every line a peer writes to stdout
 is one JSON object with an ``"event"`` key::
@@ -55,7 +55,7 @@ from kvxferd.transfer.pool import IdAllocator, KvPool
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.sender import Sender, TxHandle
 from kvxferd.transfer.session import RxOutcome, RxState
-from tests.child import ChildProcess
+from tests.support.child import ChildProcess
 
 Emit = Callable[..., None]
 
@@ -506,7 +506,9 @@ def receiver_main(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tests.peers", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tests.support.peers", description=__doc__.splitlines()[0]
+    )
     sub = p.add_subparsers(dest="role", required=True)
     s = sub.add_parser("sender", help="publish requests until SIGTERM")
     s.add_argument("--settings", default="{}", help="JSON overrides for load_sender_settings")
@@ -546,10 +548,12 @@ class PeerError(AssertionError):
 
 
 class PeerProcess(ChildProcess):
-    """A peer child (``python -m tests.peers ROLE ...``): its JSON events, signals, bounded waits."""
+    """A peer child (``python -m tests.support.peers ROLE ...``): its JSON events, signals, bounded waits."""
 
     def __init__(self, role: str, args: list[str], log_dir: Path, name: str) -> None:
-        super().__init__("tests.peers", [role, *args], log_dir / f"{name}.stderr", name, env={})
+        super().__init__(
+            "tests.support.peers", [role, *args], log_dir / f"{name}.stderr", name, env={}
+        )
         self.role = role
         self.noise: list[str] = []  # stdout lines that were not JSON
         self._events: list[dict[str, Any]] = []
