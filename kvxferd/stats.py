@@ -248,38 +248,6 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         " or result endpoint",
     ),
     _c(
-        "registers_refused_connecting",
-        _S,
-        "REGISTERs refused busy: 256 messages already waited for the connect of a Register"
-        " naming the same route, receiver id, result endpoint or NIXL agent",
-    ),
-    _c(
-        "registers_waited",
-        _S,
-        "REGISTERs that waited for the connect of an earlier one naming the same route,"
-        " receiver id, result endpoint or NIXL agent (then handled as the next message)",
-    ),
-    _c(
-        "registers_refused_connects",
-        _S,
-        "REGISTERs refused busy: 32 Registers' NIXL connects already in flight",
-    ),
-    _c(
-        "register_connects_started",
-        _S,
-        "REGISTERs whose NIXL connect ran on a connect thread while the listener went on",
-    ),
-    _c(
-        "register_connects_unreachable",
-        _S,
-        "REGISTERs refused incompatible: the NIXL connect did not reach the peer in time",
-    ),
-    _c(
-        "register_connects_dropped",
-        _S,
-        "REGISTERs not answered: the sender stopped while their NIXL connect ran",
-    ),
-    _c(
         "messages_refused_identity",
         _S,
         "RequestData/Cancel refused not_authorized: sent on a route registered by another identity",

@@ -1489,34 +1489,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        "issue24-register-connect-on-listener",
-        "the sender's listener waits for a Register's NIXL connect (every other receiver waits)",
-        (
-            Edit(
-                "kvxferd/transfer/sender/admission.py",
-                "        if future.done():  # nothing to wait for",
-                "        if future.exception() or True:  # nothing to wait for",
-            ),
-        ),
-        (
-            "tests/test_dataplane_lock.py::"
-            "test_a_register_toward_a_silent_peer_never_holds_another_receivers_register",
-            TXRACES + "test_a_register_whose_connect_is_in_flight_holds_no_other_register",
-        ),
-    ),
-    Mutant(
-        "issue24-register-while-connecting-admitted",
-        "a Register of a receiver whose connect is in flight starts a connect alongside it",
-        (
-            Edit(
-                "kvxferd/transfer/sender/admission.py",
-                "        route = self.connecting.clash(routing_id, msg, agent)",
-                "        route = None",
-            ),
-        ),
-        (TXRACES + "test_a_register_whose_connect_is_in_flight_holds_no_other_register",),
-    ),
-    Mutant(
         "issue23-new-agent-old-kept",
         "a receiver registering a new NIXL agent leaves its old one live at the sender",
         (

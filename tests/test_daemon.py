@@ -368,7 +368,7 @@ def test_readiness_drops_with_draining_while_liveness_stays_during_a_drain(
     """After SIGTERM a receiver with an open fetch answers /readyz 503 naming draining and /healthz 200 until it exits."""
     # A drain long enough for probes answered on a loaded host (3 pytest processes on 2
     # cores): the window to see it in is the drain itself.
-    drain_s, shutdown_s = 4.0, 6.0
+    drain_s, shutdown_s = 6.0, 8.0
     env = daemon_env(
         KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS=int(drain_s * 1000),
         KVXFERD_DEADLINES__SHUTDOWN_TIMEOUT_MS=int(shutdown_s * 1000),
@@ -388,7 +388,10 @@ def test_readiness_drops_with_draining_while_liveness_stays_during_a_drain(
         seen.append((r_status, r_body, h_status, h_body))
         return r_status == 503 and h_status == 200
 
-    t = wait_until(drained_view, drain_s, "readiness 503 with liveness 200 during the drain")
+    try:
+        t = wait_until(drained_view, drain_s, "readiness 503 with liveness 200 during the drain")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the last answers: {seen[-3:]}") from None
     r_status, r_body, h_status, h_body = seen[-1]
     assert "draining" in r_body.splitlines(), r_body
     assert rx.alive() and t - (rx.signalled_at or 0) < drain_s

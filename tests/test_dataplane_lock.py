@@ -14,16 +14,12 @@ connect there waits out its SYN retries. Everything stays on this host's loopbac
 The sender (a child running :class:`kvxferd.transfer.sender.Sender` and the test publisher,
 ``tests.support.peers``) publishes nothing at first; a healthy receiver (``tests.support.peers``) asks for
 ``FETCHES`` requests, which the sender parks. Once the sender reports them parked, a third
-child sends a REGISTER with the silent peer's metadata: the sender's connect thread loads it
-and waits in NIXL. The sender sees its own connect toward the silent port in SYN_SENT, and only
+child sends a REGISTER with the silent peer's metadata: the sender's listener loads it and
+waits in NIXL. The sender sees its own connect toward the silent port in SYN_SENT, and only
 then publishes the requests; each write of a parked fetch reports whether that connect was
 still in SYN_SENT when its request ended. Every one must have been: a write that waited for
 the load (the data plane's lock or the writers' NIXL agent held) ends only once it failed.
 No retries: each step waits for a condition with a deadline.
-
-The listener itself never waits for that connect (``Admission.on_register`` hands it to a
-connect thread): a receiver that registers while it is still in SYN_SENT is answered and
-fetches its requests byte-exact before NIXL gives up.
 """
 
 from __future__ import annotations
@@ -315,77 +311,6 @@ def test_an_unreachable_register_never_delays_another_receivers_writes(
     assert all(e["verified"] for e in fetched), "a healthy fetch failed"
 
 
-SYN_CNT_LONG = 4  # about 31 s of SYN retries: room for a receiver to start, register and fetch
-LATE = 4  # requests the receiver that registers after the silent REGISTER fetches
-
-
-def test_a_register_toward_a_silent_peer_never_holds_another_receivers_register(
-    silent_peer: SilentPeer, spawn: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """While the sender's connect toward the silent peer is in SYN_SENT (NIXL gives up after
-    about 31 s; the connect's deadline, 0.8 x ``register_timeout_ms``, is later), a receiver
-    that registers after the silent REGISTER is answered and each of its ``LATE`` fetches is
-    written byte-exact before that connect ends. A listener that waited for the connect
-    would answer it only once NIXL gave up. The silent REGISTER is then refused
-    ``incompatible`` (peer unreachable)."""
-    for k, v in UCX_ENV.items():
-        monkeypatch.setenv(k, v)  # every child inherits them
-    [port] = silent_peer.ports
-    tx_settings = dict(
-        num_threads=2,
-        inline_write_max_bytes=0,
-        pool=_pool(LATE * BLOCKS),
-        deadlines=DEADLINES,
-        dataplane=dict(ucx_tls="tcp"),
-    )
-    tx = spawn(
-        "sender",
-        "tx",
-        json.dumps(tx_settings),
-        str(port),
-        "late",
-        env={"UCX_TCP_SYN_CNT": str(SYN_CNT_LONG)},
-    )
-    ready = tx.wait_event("ready", STARTUP_S)
-    bad = spawn("register", "bad", ready["endpoint"], str(silent_peer.meta_path))
-    blocked = tx.wait_event("blocked", STARTUP_S)  # its connect toward the silent peer
-    rx_settings = dict(
-        pool=_pool(LATE * BLOCKS), deadlines=DEADLINES, dataplane=dict(ucx_tls="tcp")
-    )
-    rx = spawn(
-        "receiver",
-        "rx",
-        "--settings",
-        json.dumps(rx_settings),
-        "--endpoint",
-        ready["endpoint"],
-        "--prefix",
-        "late",
-        "--ids",
-        f"0:{LATE}",
-        "--blocks",
-        str(BLOCKS),
-        "--window",
-        str(LATE),
-    )
-    fetched = rx.wait_events("fetched", LATE, STARTUP_S)
-    assert all(e["verified"] for e in fetched), f"a fetch was not byte-exact: {fetched}"
-    ended = tx.wait_events("ended", LATE, STARTUP_S)
-    reply = bad.wait_event("reply", STARTUP_S)
-    print(
-        f"requests ended {[round(e['at'] - blocked['at'], 3) for e in ended]} s after the"
-        f" sender saw its connect; the silent REGISTER was answered after"
-        f" {reply['at'] - blocked['at']:.2f} s ({reply['detail']})"
-    )
-    late = [e for e in ended if not e["connecting"] or e["state"] != "complete"]
-    assert not late, (
-        f"{len(late)} of {LATE} fetches of a receiver that registered while the sender"
-        f" connected toward the silent peer ended only after that connect: {late}"
-    )
-    assert not reply["ok"] and reply["reason"] == "incompatible", reply
-    assert "peer unreachable" in reply["detail"], reply
-
-
 DEADLINE_S = 2.0  # add_peer_async's, well inside the 7 s the connect waits in NIXL
 
 
@@ -470,13 +395,10 @@ def _silent(out: str) -> int:
     return 0
 
 
-def _sender(settings: str, silent_port: str, mode: str = "parked") -> int:
+def _sender(settings: str, silent_port: str) -> int:
     """A sender whose publisher waits: until ``FETCHES`` fetches are parked (reported), then
     until this process connects toward ``silent_port`` (reported); then it publishes them.
-    Each ``ended`` request says whether that connect was still in SYN_SENT.
-
-    ``mode`` "late": ``LATE`` requests (``late-i``) are published at once, and the connect
-    toward ``silent_port`` is reported when it starts."""
+    Each ``ended`` request says whether that connect was still in SYN_SENT."""
     from kvxferd.config import load_sender_settings
     from kvxferd.transfer.sender import Sender
     from tests.support.peers import Publisher
@@ -491,13 +413,6 @@ def _sender(settings: str, silent_port: str, mode: str = "parked") -> int:
             fields["connecting"] = syn_sent_to(port)
         _emit(event, **fields)
 
-    if mode == "late":
-        pub = Publisher(sender, prefix="late", count=LATE, blocks=BLOCKS, emit=emit)
-        pub.start()
-        wait_until(lambda: syn_sent_to(port), STARTUP_S, "a connect toward the silent peer", 0.001)
-        _emit("blocked")
-        wait_until(lambda: pub.finished, STARTUP_S, "every request ended")
-        return _after_the_silent_register(sender, pub)
     pub = Publisher(sender, prefix="ok", count=FETCHES, blocks=BLOCKS, emit=emit)
     pub.paused.set()
     wait_until(lambda: sender.view().parked_count >= FETCHES, STARTUP_S, "fetches parked")
@@ -507,13 +422,6 @@ def _sender(settings: str, silent_port: str, mode: str = "parked") -> int:
     pub.paused.clear()
     pub.start()
     wait_until(lambda: pub.finished, STARTUP_S, "every request ended")
-    return _after_the_silent_register(sender, pub)
-
-
-def _after_the_silent_register(sender: Any, pub: Any) -> int:
-    """Stop once the silent REGISTER was answered (its connect runs on after the fetches
-    ended; a sender stopping meanwhile leaves it unanswered)."""
-    wait_until(lambda: sender.stats.get("registers_refused") >= 1, STARTUP_S, "the silent REGISTER")
     pub.stop()
     sender.shutdown()
     return 0

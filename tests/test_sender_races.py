@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -284,47 +283,6 @@ def test_a_replaced_idle_receiver_is_removed_at_once(h: Harness) -> None:
     h.peer(sx, "peer-new", result_endpoint=old.result_endpoint)
     assert "peer-old" not in dp.peers and "peer-new" in dp.peers
     assert sx.stats.get("peers_replaced") == 1
-
-
-def test_a_register_whose_connect_is_in_flight_holds_no_other_register(h: Harness) -> None:
-    """While one Register's NIXL connect is in flight (its future held), another receiver
-    registers; a Register of the connecting receiver on another route (a reconnect) waits,
-    starting no connect of its own; the held Register is answered once its connect ended,
-    then the waiting one is handled and answered."""
-    sx, dp = h.sender(num_threads=1)
-    held: list[Future[str]] = []
-    load = dp.add_peer_async
-
-    def hold(metadata: bytes, timeout_s: float) -> Future[str]:
-        if metadata != b"peer-slow":
-            return load(metadata, timeout_s)
-        f: Future[str] = Future()
-        held.append(f)
-        return f
-
-    setattr(dp, "add_peer_async", hold)  # noqa: B010
-    slow = RawPeer(sx, "peer-slow")
-    h._closers.append(slow.close)
-    replies: list[wire.RegisterReply] = []
-    waiter = threading.Thread(target=lambda: replies.append(slow.try_register()), daemon=True)
-    waiter.start()
-    wait_until(lambda: bool(held), WAIT_S, "the slow Register's connect started")
-    h.peer(sx, "peer-fast")  # answered while the connect is in flight
-    again = RawPeer(sx, "peer-slow")
-    h._closers.append(again.close)
-    later: list[wire.RegisterReply] = []
-    waiter2 = threading.Thread(target=lambda: later.append(again.try_register()), daemon=True)
-    waiter2.start()
-    wait_until(lambda: sx.stats.get("registers_waited") == 1, WAIT_S, "the reconnect waits")
-    assert len(held) == 1 and not replies and not later, "answered before the connect ended"
-    held[0].set_result(dp.add_peer(b"peer-slow"))
-    waiter.join(WAIT_S)
-    assert replies and replies[0].ok, replies
-    wait_until(lambda: len(held) == 2, WAIT_S, "the waiting Register's connect")
-    held[1].set_result(dp.add_peer(b"peer-slow"))
-    waiter2.join(WAIT_S)
-    assert later and later[0].ok, later
-    assert "peer-slow" in dp.peers and sx.stats.get("register_connects_started") == 2
 
 
 def test_close_racing_the_last_write_never_leaks_the_session(h: Harness) -> None:

@@ -84,9 +84,6 @@ with no lock of ours held:
   between still blocks it). ``add_peer_async`` does the same on a ``kvxferd-tx-connect``
   thread and returns a future at once, which fails with :class:`PeerUnreachable` at its
   deadline even while NIXL still waits (then nothing is loaded): with it no caller waits.
-  The sender's listener uses ``add_peer_async`` for every REGISTER
-  (:class:`~kvxferd.transfer.sender.admission.Admission`) and never waits for NIXL;
-  ``add_peer`` is for callers that may wait (tests, benchmarks).
 * ``remove_peer`` changes the tables under ``_lock``, then calls ``remove_remote_agent``.
 * A reload in place (``max_paths`` 1, :class:`~kvxferd.transfer.path_moves.PathMoves`)
   releases ``_lock`` around its probe, its ``remove_remote_agent``/``add_remote_agent`` and

@@ -1,31 +1,16 @@
 """Peers coming and going on a sender: a Register admitted in steps, and what a leaving peer held.
 
-A Register is admitted in four steps, all on the listener thread but the connect::
+A Register is admitted on the listener thread, in four steps::
 
     1. validate      the result endpoint, the layout and topology, the NIXL agent's name
                      (read before NIXL loads anything): a refusal ends it here
     2. incarnations  under the registry lock: who owns what (owner refusal), the same
-                     peer again (accepted as is), a connect in flight naming the same route,
-                     receiver, result endpoint or agent (it waits for that connect, and is
-                     handled once it ended; busy beyond ``MAX_WAITING``), ``MAX_CONNECTS``
-                     in flight (busy),
-                     the incarnations it replaces, room in the table (evict an idle peer of
-                     its identity, or refuse busy); then the replaced ones end
-                     (``end_incarnation``) outside the lock
-    3. load          the connect: ``add_peer_async`` on a ``kvxferd-tx-connect`` thread (its
-                     deadline ``CONNECT_SHARE`` of ``register_timeout_ms``, inside the
-                     receiver's wait); the listener goes on at once. Its future's callback
-                     hands the outcome back (``IoHooks.call_soon``); on the listener
-                     ``_connected`` re-checks what may have changed meanwhile (the sender
-                     stopping: the agent is removed, no reply; the table full: evict an idle
-                     peer or refuse busy) and ``load_peer`` prepares the descriptor lists
+                     peer again (accepted as is), the incarnations it replaces, room in the
+                     table (evict an idle peer of its identity, or refuse busy); then the
+                     replaced ones end (``end_incarnation``) outside the lock
+    3. load          the data plane loads the peer's NIXL metadata and prepares its
+                     descriptor lists (``load_peer``; NIXL may block here)
     4. bind          under the lock the peer enters the table (peers.py); then the reply
-
-**Threads rule.** The listener never waits for NIXL: a connect toward an unreachable peer
-(seconds, until its deadline) holds only its own connect thread, and every other receiver's
-Register, RequestData and Cancel is read meanwhile. The connects in flight (``_Connecting``)
-are the listener's own state; the connect threads touch nothing here but ``IoHooks.call_soon``
-(and, once the listener has stopped, ``PeerAgents.retire`` of the agent they loaded).
 
 Receivers are keyed by incarnation (``receiver_id`` = name-uuid, also their NIXL agent's
 name), never by address. Which peer state changes how::
@@ -53,7 +38,6 @@ What a leaving peer held is released here: ``end_incarnation`` (replaced), ``for
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -61,25 +45,14 @@ from kvxferd.endpoints import connect_problem
 from kvxferd.errors import Reason
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.ownership import nixl_agent_name
-from kvxferd.transfer.peer_connects import PeerUnreachable
 from kvxferd.transfer.reshard import Piece, piece_for
 from kvxferd.transfer.session import SliceState
 from kvxferd.transfer.worker import ForgetTask, Peer
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from kvxferd.transfer.sender.api import Sender
 
 log = logging.getLogger("kvxferd.sender")
-
-MAX_CONNECTS = 32  # Registers whose NIXL connect is in flight at once; beyond: refused busy
-MAX_WAITING = 256  # messages waiting for one connect in flight (its route's, Registers' naming
-# what it names): beyond, a Register is refused busy and another message handled at once
-CONNECT_SHARE = 0.8  # a connect's deadline, as a share of the receiver's register_timeout_ms
-# What ``_connected`` needs of a Register whose connect runs: route, message, identity, agent
-# name (None: NIXL could not name it in advance) and the piece of this rank it reads.
-_Args = tuple[bytes, wire.Register, str, "str | None", "Piece | None"]
 
 
 class Refused(Exception):
@@ -102,73 +75,15 @@ class _Incarnations:
     evicted: Peer | None = None
 
 
-class _Connecting:
-    """The Registers whose connect is in flight (the listener's own; no lock): what each
-    names (its route, receiver id, result endpoint, NIXL agent), none named by two, and the
-    messages waiting for it (at most ``MAX_WAITING`` each): every later message on its route
-    (a route's messages are answered in order) and Registers naming what it names.
-
-    ``add`` when a connect starts, ``remove`` (which hands back its waiting messages, in
-    order of arrival) when its outcome reached the listener.
-    """
-
-    def __init__(self) -> None:
-        self._names: dict[bytes, tuple[object, ...]] = {}  # route -> what its Register names
-        self._named: dict[object, bytes] = {}  # what a connect's Register names -> its route
-        self._waiting: dict[bytes, list[Callable[[], None]]] = {}
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    @staticmethod
-    def _of(routing_id: bytes, msg: wire.Register, agent: str | None) -> tuple[object, ...]:
-        names: tuple[object, ...] = (
-            ("route", routing_id),
-            ("receiver", msg.receiver_id),
-            ("endpoint", msg.result_endpoint),
-        )
-        return names if agent is None else (*names, ("agent", agent))
-
-    def clash(self, routing_id: bytes, msg: wire.Register, agent: str | None) -> bytes | None:
-        """The route of a connect in flight whose Register names what ``msg`` names."""
-        for n in self._of(routing_id, msg, agent):
-            if n in self._named:
-                return self._named[n]
-        return None
-
-    def wait(self, route: bytes, handle: Callable[[], None]) -> bool:
-        """``handle`` runs once ``route``'s connect was answered; False (it does not) when no
-        connect of ``route`` is in flight or ``MAX_WAITING`` messages already wait for it."""
-        if route not in self._names:
-            return False
-        waiting = self._waiting.setdefault(route, [])
-        if len(waiting) >= MAX_WAITING:
-            return False
-        waiting.append(handle)
-        return True
-
-    def add(self, routing_id: bytes, msg: wire.Register, agent: str | None) -> None:
-        names = self._of(routing_id, msg, agent)
-        self._names[routing_id] = names
-        self._named.update((n, routing_id) for n in names)
-
-    def remove(self, routing_id: bytes) -> list[Callable[[], None]]:
-        for n in self._names.pop(routing_id, ()):
-            self._named.pop(n, None)
-        return self._waiting.pop(routing_id, [])
-
-
 class Admission:
     """Registers admitted and peers released, on the listener thread of ``sender``."""
 
     def __init__(self, sender: Sender) -> None:
         self._s = sender
         self.stats = sender.stats
-        self.connecting = _Connecting()
 
     def on_register(self, routing_id: bytes, msg: wire.Register, identity: str = "") -> None:
-        """Admit ``msg``: steps 1-2, then its connect starts (3) and the listener goes on;
-        ``_connected`` ends it once the connect did. A refusal is counted and replied."""
+        """Admit ``msg`` (steps 1-4) and reply; a refusal is counted and replied."""
         try:
             piece = self._validate(msg)  # 1
             # Read the NIXL agent's name before NIXL loads anything: loading an impostor's
@@ -176,112 +91,11 @@ class Admission:
             agent = nixl_agent_name(msg.agent_metadata)
             if not self._incarnations(routing_id, msg, identity, agent):  # 2
                 return
-        except Refused as r:
-            return self._refuse(routing_id, r.reason, r.detail)
-        self._connect(routing_id, msg, identity, agent, piece)  # 3
-
-    def _connect(
-        self,
-        routing_id: bytes,
-        msg: wire.Register,
-        identity: str,
-        agent: str | None,
-        piece: Piece | None,
-    ) -> None:
-        """Step 3's connect: the data plane connects and loads on a thread of its own."""
-        s = self._s
-        timeout_s = CONNECT_SHARE * s.settings.deadlines.register_timeout_ms / 1000
-        future = s.dataplane.add_peer_async(msg.agent_metadata, timeout_s)
-        args: _Args = (routing_id, msg, identity, agent, piece)
-        if future.done():  # nothing to wait for (a data plane that loads at once)
-            return self._connected(future, *args)
-        self.connecting.add(routing_id, msg, agent)
-        self.stats.add("register_connects_started")
-        future.add_done_callback(lambda f: self._hand_back(f, args))
-        return None
-
-    def _hand_back(self, future: Future[str], args: _Args) -> None:
-        """The connect ended (its thread or deadline timer): the listener takes it from here.
-        Once the listener has stopped, what the connect loaded is removed."""
-        if self._s.io.call_soon(lambda: self._connected(future, *args, in_flight=True)):
-            return
-        if future.exception() is None:
-            self._s.agents.retire(future.result())
-
-    def _connected(
-        self,
-        future: Future[str],
-        routing_id: bytes,
-        msg: wire.Register,
-        identity: str,
-        agent: str | None,
-        piece: Piece | None,
-        in_flight: bool = False,
-    ) -> None:
-        """The connect ended (listener thread): the rest of step 3, then step 4 and the reply.
-
-        ``in_flight``: the connect ran while the listener went on; what step 2 settled is
-        checked again (the sender stopping, room in the table)."""
-        waiting = self.connecting.remove(routing_id) if in_flight else []
-        try:
-            self._end_register(future, routing_id, msg, identity, agent, piece, in_flight)
-        finally:
-            for later in waiting:  # as if they had come after this one's reply
-                later()
-
-    def _end_register(
-        self,
-        future: Future[str],
-        routing_id: bytes,
-        msg: wire.Register,
-        identity: str,
-        agent: str | None,
-        piece: Piece | None,
-        in_flight: bool,
-    ) -> None:
-        s = self._s
-        try:
-            try:
-                nixl_name = future.result()
-            except PeerUnreachable as e:
-                self.stats.add("register_connects_unreachable")
-                why = str(e).removeprefix("NIXL metadata not accepted: ")
-                detail = f"NIXL metadata not accepted: peer unreachable: {why}"
-                raise Refused(Reason.INCOMPATIBLE, detail[:1024]) from e
-            except Exception as e:
-                detail = f"NIXL metadata not accepted: {e}"
-                raise Refused(Reason.INCOMPATIBLE, detail[:1024]) from e
-            if in_flight and not self._still_admitted(routing_id, identity, nixl_name):
-                return
-            peer = self.load_peer(routing_id, msg, identity, agent, piece, nixl_name)
+            peer = self.load_peer(routing_id, msg, identity, agent, piece)  # 3
         except Refused as r:
             return self._refuse(routing_id, r.reason, r.detail)
         self._bind(peer)  # 4
-        s.listener.reply(routing_id, self._accepted())
-        return None
-
-    def _still_admitted(self, routing_id: bytes, identity: str, nixl_name: str) -> bool:
-        """After a connect in flight: False (nothing replied) when the sender is stopping;
-        Refused busy when the table filled meanwhile and no peer is idle. Either way the
-        agent just loaded is removed (once no write toward it is in flight)."""
-        s = self._s
-        if s._stopping.is_set():
-            s.agents.retire(nixl_name)
-            self.stats.add("register_connects_dropped")
-            return False
-        with s._lock:
-            full = s.peers.get(routing_id) is None and s.peers.full(identity)
-            evicted = self._evict_idle_locked(identity) if full else None
-        if evicted is not None:
-            self.forget_peer(evicted)
-        elif full:
-            s.agents.retire(nixl_name)
-            raise Refused(
-                Reason.BUSY,
-                "max_peers (or this identity's max_peers_per_identity) reached while its"
-                " NIXL connect was in flight and every peer of this identity has work in flight",
-            )
-        return True
+        self._s.listener.reply(routing_id, self._accepted())
 
     def _accepted(self) -> wire.RegisterReply:
         """The reply to an accepted Register: it carries this rank's record, if any."""
@@ -342,20 +156,6 @@ class Admission:
             self.stats.add("registers_accepted")
             s.listener.reply(routing_id, self._accepted())
             return False
-        route = self.connecting.clash(routing_id, msg, agent)
-        if route is not None:  # handled once that connect ended, as the next message
-            if self.connecting.wait(route, lambda: self.on_register(routing_id, msg, identity)):
-                self.stats.add("registers_waited")
-                return False
-            self.stats.add("registers_refused_connecting")
-            raise Refused(
-                Reason.BUSY,
-                f"{MAX_WAITING} messages already wait for the connect of a Register naming"
-                " this route, receiver id, result endpoint or NIXL agent",
-            )
-        if len(self.connecting) >= MAX_CONNECTS:
-            self.stats.add("registers_refused_connects")
-            raise Refused(Reason.BUSY, f"{MAX_CONNECTS} Registers already connecting")
         for old in plan.replaced:
             if old.receiver_id == msg.receiver_id:
                 # The same process on a new route: its NIXL agent is the one it sends. A new
@@ -397,15 +197,18 @@ class Admission:
         identity: str,
         agent: str | None,
         piece: Piece | None,
-        nixl_name: str,
     ) -> Peer:
-        """Step 3's rest, once the data plane loaded the peer's NIXL metadata as
-        ``nixl_name``: the descriptor lists are prepared (NIXL, milliseconds).
+        """Step 3: the data plane loads the peer's NIXL metadata and prepares its lists.
 
-        It reads no table but the agent's owner. Refused when the agent it names is
-        another identity's.
+        The one step that calls NIXL (``add_peer`` may block for seconds toward an
+        unreachable address); it reads no table but the agent's owner. Refused when NIXL
+        does not accept the metadata or the agent it names is another identity's.
         """
         s = self._s
+        try:
+            nixl_name = s.dataplane.add_peer(msg.agent_metadata)
+        except Exception as e:
+            raise Refused(Reason.INCOMPATIBLE, f"NIXL metadata not accepted: {e}"[:1024]) from e
         if agent is None:
             with s._lock:
                 owner = s.ownership.agent_owner(nixl_name)

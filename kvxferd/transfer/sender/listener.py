@@ -17,9 +17,7 @@ parked fetches and unfetched requests (a heap of TTL deadlines: cost ~ what expi
 tells peers whose key was revoked, and reclaims orphans (admission.py).
 
 It never blocks on a peer: replies go out on the ROUTER without waiting
-(``router_reply``); results and acks go through the workers; a REGISTER's NIXL connect runs
-on a connect thread and is answered when it ended (admission.py), the later messages of
-its route waiting for that reply. The tables are read and
+(``router_reply``); results and acks go through the workers. The tables are read and
 changed under the sender's registry lock (``Sender._lock``); ``PeerTable.seen`` is this
 thread's own.
 """
@@ -225,12 +223,6 @@ class Listener:
     def _handle_one(
         self, routing_id: bytes, frame: bytes | None, identity: str, max_bytes: int
     ) -> None:
-        # A route whose Register still connects: its later messages wait for that reply
-        # (each route's messages are answered in order; admission.py).
-        if self._s.admission.connecting.wait(
-            routing_id, lambda: self._handle_one(routing_id, frame, identity, max_bytes)
-        ):
-            return
         try:
             msg = wire.decode_to_sender([] if frame is None else [frame], max_bytes)
         except ProtocolError as e:
