@@ -1,11 +1,11 @@
-"""The data plane's tables (routes.py, peer_table.py): their transitions and counts."""
+"""The data plane's tables (routes.py, loaded_peers.py): their transitions and counts."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from kvxferd.transfer.peer_table import PeerTable
+from kvxferd.transfer.loaded_peers import LoadedPeers
 from kvxferd.transfer.routes import Routes
 
 
@@ -41,7 +41,7 @@ def test_a_write_in_flight_past_stall_s_is_stalled_until_released() -> None:
 def test_a_claim_holds_another_claim_of_the_same_name_only() -> None:
     """A second claim of a claimed name waits for the unclaim; another name never does."""
     lock = threading.Lock()
-    t = PeerTable(lock)
+    t = LoadedPeers(lock)
     second = threading.Event()
 
     def claim_again() -> None:
@@ -65,7 +65,7 @@ def test_a_claim_holds_another_claim_of_the_same_name_only() -> None:
 
 def test_a_peer_is_live_until_removed_or_closed() -> None:
     """Lists made for a peer are installed only while it is known and the plane open."""
-    t = PeerTable(threading.Lock())
+    t = LoadedPeers(threading.Lock())
     t.add("rx", b"meta")
     assert "rx" in t and t.live("rx") and t.names() == {"rx"}
     t.closed = True

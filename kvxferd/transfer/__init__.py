@@ -10,7 +10,7 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     dataplane.py  the NIXL agent behind a narrow interface: register once, add peers, post WRITEs, poll
     peer_connects.py  connects toward new peers: probe agents, the kvxferd-tx-connect threads, deadlines
     dlists.py     prepared descriptor lists: made with NIXL, the table of those in use and retired
-    peer_table.py  the data plane's peers: their metadata, claims on a name being loaded or removed
+    loaded_peers.py the data plane's peers: their metadata, claims on a name being loaded or removed
     routes.py     each peer's path, writes in flight per (peer, path), broken transports
     path_moves.py  paths (local agents); moving a failed or stalled peer to a fresh one
                   (the kvxferd-dp-connect threads), reloads in place

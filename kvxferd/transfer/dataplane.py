@@ -71,7 +71,7 @@ NIXL facts this wrapper leans on (measured on 2-core hosts, see docs):
   strict and rw) holds every call on the agent while ``add_remote_agent`` waits: a WRITE to a
   healthy peer on the same agent waited the full 7.1 s, even with no lock of ours held.
 
-**Locking rule.** ``_lock`` guards the tables (:class:`~kvxferd.transfer.peer_table.PeerTable`
+**Locking rule.** ``_lock`` guards the tables (:class:`~kvxferd.transfer.loaded_peers.LoadedPeers`
 with ``closed``, :class:`~kvxferd.transfer.routes.Routes`,
 :class:`~kvxferd.transfer.dlists.PreparedLists`, the paths), none of which has a lock of its
 own; no NIXL call that talks to a peer or prepares a list runs under it. What can block runs
@@ -93,7 +93,7 @@ with no lock of ours held:
   under it; the list that loses a race (two threads preparing, the peer removed or prepared
   again meanwhile, ``close()`` meanwhile) is released by the thread that made it.
 
-Loads and removals of one peer name are serialised by a *claim* (``PeerTable.claim``, a
+Loads and removals of one peer name are serialised by a *claim* (``LoadedPeers.claim``, a
 condition on ``_lock``): a second ``add_peer`` of the same agent, a removal, or a post toward
 that peer waits for the claim; posts toward other peers never do. A reload whose peer was
 removed or prepared again meanwhile (or the plane closed) installs nothing.
@@ -123,11 +123,11 @@ from kvxferd.transfer.dlists import (
     release,
 )
 from kvxferd.transfer.layout import Descs, IdArray, Layout, prepped_indices
+from kvxferd.transfer.loaded_peers import LoadedPeers
 from kvxferd.transfer.path_moves import Path, PathMoves
 from kvxferd.transfer.path_moves import PathStalled as PathStalled
 from kvxferd.transfer.peer_connects import PeerConnects
 from kvxferd.transfer.peer_connects import PeerUnreachable as PeerUnreachable
-from kvxferd.transfer.peer_table import PeerTable
 from kvxferd.transfer.reshard import Piece, prepared_indices
 from kvxferd.transfer.routes import Key, Routes
 from kvxferd.transfer.topology import Topology
@@ -311,7 +311,7 @@ class Prep:
     0's local list fails (set False under the lock; never True again).
     """
 
-    def __init__(self, pool: KvPool, want: bool, lock: threading.Lock, peers: PeerTable) -> None:
+    def __init__(self, pool: KvPool, want: bool, lock: threading.Lock, peers: LoadedPeers) -> None:
         self._pool = pool
         self.want = want
         self._lock = lock
@@ -371,7 +371,7 @@ class NixlDataPlane:
 
     ``stall_s``: a write toward a peer still in progress this long makes the next post
     toward that peer go through a fresh connection (another path), if ``max_paths`` allows.
-    Its state lives in tables guarded by ``_lock``: :class:`PeerTable` (``_peers``),
+    Its state lives in tables guarded by ``_lock``: :class:`LoadedPeers` (``_peers``),
     :class:`Routes` (``_routes``), :class:`PreparedLists` (``_lists``), the paths; moves to
     fresh paths and reloads in place are :class:`PathMoves`' (``_moves``).
     """
@@ -398,7 +398,7 @@ class NixlDataPlane:
         self._paths.append(self._open_path(0))
         self._agent = self._paths[0].agent  # the agent peers know (metadata, progress)
         self._lock = threading.Lock()  # guards every table below
-        self._peers = PeerTable(self._lock)  # known peers, their claims, closed
+        self._peers = LoadedPeers(self._lock)  # known peers, their claims, closed
         self._layout = pool.layout
         self._lists = PreparedLists()  # each (peer, path)'s prepared lists, the retired ones
         self._routes = Routes()  # each peer's path, writes in flight, broken transports

@@ -21,7 +21,7 @@ A spare path goes::
     owned --its peer moved on--> free
 
 **Locking rule.** No lock of its own: it is handed the data plane's lock and the tables that
-lock guards (:class:`Routes`, :class:`~kvxferd.transfer.peer_table.PeerTable`,
+lock guards (:class:`Routes`, :class:`~kvxferd.transfer.loaded_peers.LoadedPeers`,
 :class:`~kvxferd.transfer.dlists.PreparedLists`, the list of paths, appended under it).
 ``route_locked`` runs with that lock held and releases it only inside a reload in place;
 the connect thread takes it only to read and change the tables, never across a NIXL call.
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvxferd.transfer.dlists import Args, Lists, PieceArgs, PreparedLists, Whole, release
+from kvxferd.transfer.loaded_peers import LoadedPeers
 from kvxferd.transfer.peer_connects import PeerConnects
-from kvxferd.transfer.peer_table import PeerTable
 from kvxferd.transfer.routes import Key, Routes
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class PathMoves:
         self,
         lock: threading.Lock,
         routes: Routes,
-        peers: PeerTable,
+        peers: LoadedPeers,
         lists: PreparedLists,
         connects: PeerConnects,
         paths: list[Path],

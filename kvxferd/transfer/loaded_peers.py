@@ -22,7 +22,7 @@ import threading
 from collections import Counter
 
 
-class PeerTable:
+class LoadedPeers:
     """Known peers and their metadata, the names being loaded or removed, and ``closed``."""
 
     def __init__(self, lock: threading.Lock) -> None:
