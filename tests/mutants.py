@@ -1576,6 +1576,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_dataplane.py::test_a_closed_data_plane_says_so_to_the_probes",),
     ),
     Mutant(
+        "issue24-io-thread-leaves-tasks",
+        "the vLLM io thread stops its loop with tasks pending and never closes it: the garbage"
+        " collector destroys them later, inside whatever runs then",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/io_thread.py",
+                'threading.Thread(target=self._run, name="kvxferd-vllm-io"',
+                'threading.Thread(target=self.loop.run_forever, name="kvxferd-vllm-io"',
+            ),
+        ),
+        (
+            "tests/test_vllm_io_thread.py::"
+            "test_shutdown_cancels_the_tasks_still_pending_and_closes_the_loop",
+        ),
+    ),
+    Mutant(
         "issue24-register-again-probed",
         "a Register sent again with the metadata of a peer already loaded is probed: toward an"
         " agent its receiver tore down since, the probe fails and the link is refused for good"
