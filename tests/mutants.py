@@ -1592,6 +1592,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "engine-client-waits-in-select",
+        "the engine client waits for its reply with select(): in an engine holding more than"
+        " 1024 descriptors every call fails with ValueError",
+        (
+            Edit(
+                "kvxferd/engine/channel.py",
+                "    p = select.poll()\n    p.register(fd, select.POLLOUT if writable else select.POLLIN)\n"
+                "    return bool(p.poll(max(0.0, timeout_s) * 1000.0))\n",
+                "    r, w, _ = select.select([] if writable else [fd], [fd] if writable else [], [],"
+                " max(0.0, timeout_s))\n    return bool(r or w)\n",
+            ),
+        ),
+        (
+            "tests/test_gateway.py::"
+            "test_calls_work_from_a_process_holding_more_than_1024_descriptors",
+        ),
+    ),
+    Mutant(
         "issue24-register-again-probed",
         "a Register sent again with the metadata of a peer already loaded is probed: toward an"
         " agent its receiver tore down since, the probe fails and the link is refused for good"

@@ -366,42 +366,47 @@ def test_readiness_drops_with_draining_while_liveness_stays_during_a_drain(
     daemons: Spawn, engines: Engines
 ) -> None:
     """After SIGTERM a receiver with an open fetch answers /readyz 503 naming draining and /healthz 200 until it exits."""
-    # A drain long enough for probes answered on a loaded host (3 pytest processes on 2
-    # cores): the window to see it in is the drain itself.
-    drain_s, shutdown_s = 6.0, 8.0
+    # The drain is long and the test ends it: how fast a loaded host (3 pytest processes
+    # on 2 cores) answers probes does not decide what the test sees. The engine's cancel
+    # during the drain cuts the fetch (drain_dropped_cut) and the daemon exits 3 at once.
+    drain_s, shutdown_s = 40.0, 45.0
     env = daemon_env(
         KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS=int(drain_s * 1000),
         KVXFERD_DEADLINES__SHUTDOWN_TIMEOUT_MS=int(shutdown_s * 1000),
-        KVXFERD_DEADLINES__KV_TRANSFER_TIMEOUT_MS=20_000,  # the fetch outlives the drain
+        KVXFERD_DEADLINES__KV_TRANSFER_TIMEOUT_MS=60_000,  # the fetch outlives the drain
     )
     tx, rx, ct, pt, cr, pr = start_pair(daemons, engines, env)
-    # A fetch of a request nobody published stays open: the receiver's drain waits drain_timeout.
+    # A fetch of a request nobody published stays open: the receiver's drain waits for it.
     g = cr.fetch("never-published", tx.endpoint, blocks_of(0))
     assert cr.poll(g) is None
     port = rx.probe_port
     rx.signal(signal.SIGTERM)
-    seen: list[tuple[int, str, int, str]] = []
+    signalled = time.monotonic()
+    seen: list[tuple[float, int, str, int, str]] = []
 
     def drained_view() -> bool:
-        r_status, r_body = http_get(port, "/readyz", timeout=1.0)
-        h_status, h_body = http_get(port, "/healthz", timeout=1.0)
-        seen.append((r_status, r_body, h_status, h_body))
+        r_status, r_body = http_get(port, "/readyz", timeout=2.0)
+        h_status, h_body = http_get(port, "/healthz", timeout=2.0)
+        seen.append((round(time.monotonic() - signalled, 2), r_status, r_body, h_status, h_body))
         return r_status == 503 and h_status == 200
 
     try:
-        t = wait_until(drained_view, drain_s, "readiness 503 with liveness 200 during the drain")
+        wait_until(drained_view, 20.0, "readiness 503 with liveness 200 during the drain")
     except AssertionError as e:
-        raise AssertionError(f"{e}; the last answers: {seen[-3:]}") from None
-    r_status, r_body, h_status, h_body = seen[-1]
+        raise AssertionError(
+            f"{e}; alive={rx.alive()}; the answers (s after SIGTERM): {seen[:3]} ... {seen[-3:]}"
+        ) from None
+    _, r_status, r_body, h_status, h_body = seen[-1]
     assert "draining" in r_body.splitlines(), r_body
-    assert rx.alive() and t - (rx.signalled_at or 0) < drain_s
-    # It stays that way for the rest of the drain (polled a few times).
+    assert rx.alive()
+    # It stays that way while the fetch is open (polled a few times).
     for _ in range(5):
-        r_status, r_body = http_get(port, "/readyz", timeout=1.0)
-        h_status, _ = http_get(port, "/healthz", timeout=1.0)
-        if not rx.alive() or r_status == 0:
-            break
+        r_status, r_body = http_get(port, "/readyz", timeout=2.0)
+        h_status, _ = http_get(port, "/healthz", timeout=2.0)
+        assert rx.alive(), rx.describe()
         assert r_status == 503 and "draining" in r_body and h_status == 200, (r_body, h_status)
+    cut_at = time.monotonic()
+    cr.cancel(g)
     code, elapsed = rx.wait_exit(shutdown_s + 1.0 + MARGIN_S)
     report("receiver with an open fetch (drain incomplete)", code, elapsed)
     print(
@@ -409,7 +414,8 @@ def test_readiness_drops_with_draining_while_liveness_stays_during_a_drain(
     )
     assert code == 3, rx.describe()
     assert "drain incomplete: 1 fetch cut, 0 in doubt; exit 3" in last_daemon_line(rx)
-    assert drain_s - 0.2 <= elapsed <= shutdown_s + 1.0 + MARGIN_S, elapsed
+    # It exited because the fetch was cut, not at the end of its drain.
+    assert time.monotonic() - cut_at < 10.0 + MARGIN_S, elapsed
 
 
 # -- 2. systemd notify ---------------------------------------------------------------------

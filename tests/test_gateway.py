@@ -229,6 +229,40 @@ def test_describe_reports_role_pool_and_endpoint(
     assert (lay.num_layers, lay.num_blocks, lay.block_bytes, lay.kv_offset) == (2, 64, 1024, 0)
 
 
+@pytest.fixture
+def fds_past_select() -> Iterator[None]:
+    """Descriptors 0..1100 taken, as in an engine process (vLLM, NCCL, pools) holding many."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is below 1300 (ulimit -Hn to raise)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_calls_work_from_a_process_holding_more_than_1024_descriptors(
+    gateways: tuple[Started, Started], fds_past_select: None
+) -> None:
+    """A client whose socket is past select()'s FD_SETSIZE still calls (it waits with poll)."""
+    (_, _, tx_ep), (_, _, rx_ep) = gateways
+    tx = Client(tx_ep, timeout_s=CALL_S)
+    try:
+        for _ in range(3):  # each call waits for its reply on the socket's descriptor
+            assert tx.describe().role == "sender"
+        assert tx._chan is not None and tx._chan.fileno() > 1024  # noqa: SLF001
+    finally:
+        tx.close_client()
+
+
 def test_engine_reasons_cover_every_service_reason() -> None:
     """Every service Reason has the same spelling in the engine protocol."""
     assert {r.value for r in Reason} <= {r.value for r in EngineReason}

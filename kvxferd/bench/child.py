@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import select
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from kvxferd.bench.plan import Plan
 from kvxferd.bench.side import _Group, _Side
 from kvxferd.bench.zmq_path import ZmqRx, ZmqTx
 from kvxferd.config import DataPlaneSettings
+from kvxferd.engine.channel import wait_fd
 
 
 class _LineReader:
@@ -38,8 +38,7 @@ class _LineReader:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([self.fd], [], [], left)
-            if ready:
+            if wait_fd(self.fd, left):
                 chunk = os.read(self.fd, 1 << 20)
                 if not chunk:
                     raise EOFError

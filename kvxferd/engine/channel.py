@@ -37,6 +37,18 @@ RECV_CHUNK = 1 << 18
 _MAX_READS = 64  # reads per call of ``recv``: a fast peer cannot keep one thread forever
 
 
+def wait_fd(fd: int, timeout_s: float, *, writable: bool = False) -> bool:
+    """Wait up to ``timeout_s`` for ``fd`` to turn readable (or writable); whether it did.
+
+    ``poll``, not ``select``: an engine process (vLLM with its workers, NCCL and pools)
+    easily holds more than 1024 descriptors, and ``select`` refuses any descriptor past
+    ``FD_SETSIZE`` (ValueError), which took the engine's calls down with it.
+    """
+    p = select.poll()
+    p.register(fd, select.POLLOUT if writable else select.POLLIN)
+    return bool(p.poll(max(0.0, timeout_s) * 1000.0))
+
+
 class ChannelClosed(Exception):
     """The peer closed the connection, or it broke, or it sent a frame past the bound."""
 
@@ -190,7 +202,7 @@ class StreamChannel:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ChannelClosed("the daemon is not reading (send timed out)")
-            select.select([], [self.sock], [], left)
+            wait_fd(self.sock.fileno(), left, writable=True)
             self.flush()
 
     def close(self) -> None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,7 +60,7 @@ import zmq
 
 from kvxferd.auth import Curve
 from kvxferd.engine import engine_protocol as ep
-from kvxferd.engine.channel import ChannelClosed, StreamChannel, ZmqChannel
+from kvxferd.engine.channel import ChannelClosed, StreamChannel, ZmqChannel, wait_fd
 from kvxferd.engine.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.engine.errors import EngineError, EngineRejected, EngineUnavailable
 from kvxferd.engine.mapping import PoolMapping, attach_pool
@@ -644,7 +643,7 @@ class Client:
                 return
             # ZMQ's fd is edge-triggered and another caller's send may take an edge: look
             # again every few ms there; a unix stream is level-triggered.
-            select.select([chan.fileno()], [], [], min(left, 0.005 if zmq_chan else left))
+            wait_fd(chan.fileno(), min(left, 0.005 if zmq_chan else left))
 
     def _hand_over(self) -> None:
         """The reading caller is done: wake one caller still waiting, to read in its place."""
