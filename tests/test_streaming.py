@@ -1,9 +1,12 @@
 """Streamed publishes: KV written layer by layer as the engine marks layers ready (issue 25).
 
 A real Sender and Receiver (real NIXL, UCX moving DRAM) in this process; the test plays
-the prefill engine (publish with ``streamed=True``, then progress marks) and watches the
-receiver's pool: each layer lands only after it was marked, later layers stay untouched,
-and the fetch is done only once the last layer landed. Every wait has a deadline.
+the prefill engine (publish with ``streamed=True``, then progress marks, in process or
+through the engine gateway) and watches the receiver's pool: each layer lands only after
+it was marked, later layers stay untouched, and the fetch is done only once the last
+layer landed. One deterministic test uses a controlled data plane (kvxferd.testing) to
+decide when each WRITE ends and check the order of a stream's writes. Every wait has a
+deadline.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from kvxferd.engine.client import AsyncClient, Client
 from kvxferd.engine.engine_protocol import EngineReason
 from kvxferd.engine.gateway import Gateway
 from kvxferd.errors import Reason, RejectedError
+from kvxferd.testing import ControlledDataPlane
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.sender import Sender
 from kvxferd.transfer.session import RxState, TxState
 from tests.support.conditions import wait_until
+from tests.test_hetero import Daemons, _pool
+from tests.test_topology_reshard import SWEEP, Case, _World
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -225,8 +231,15 @@ def test_another_request_to_the_same_receiver_is_written_while_a_stream_waits(
     fill(sender, SRC, 4, range(LAYERS))
     tx.progress(1)
     wait_until(lambda: landed(receiver, 0, 4), WAIT_S, "layer 0")
-    plain = sender.publish("plain-4", [30])
-    other = receiver.fetch("plain-4", sender.endpoint, [30], want_aux=False)
+    # A request the stream's worker writes too (lanes are per worker and receiver).
+    worker = sender._worker_for("stream-4", receiver.receiver_id)
+    rid = next(
+        r
+        for r in (f"plain-4-{i}" for i in range(1000))
+        if sender._worker_for(r, receiver.receiver_id) is worker
+    )
+    plain = sender.publish(rid, [30])
+    other = receiver.fetch(rid, sender.endpoint, [30], want_aux=False)
     out = other.wait(WAIT_S)
     assert out is not None and out.state is RxState.DONE, out
     assert not h.session.ended
@@ -338,3 +351,175 @@ def test_bad_progress_frames_are_counted_and_fail_the_publish(
         assert out is not None and out.state == "failed", out
         assert out.reason is EngineReason.BAD_PROGRESS and "decreasing" in out.detail, out
     assert sender.stats.get("stream_marks_refused_decreasing") >= 1
+
+
+# -- heterogeneous TP/PP: each prefill rank streams its own pool -------------------------------
+@pytest.mark.parametrize("name", ["PP2->PP1", "2P1D (TP2->TP1)"])
+def test_each_prefill_rank_streams_its_own_layers_to_a_resharded_fetch(name: str) -> None:
+    """Each prefill rank publishes streamed and marks its own pool's layers; the decode
+    rank's pieces follow their rank's marks: only the marked layers land (PP: the stage
+    that marked all of its layers lands, the other stays untouched), the fetch is done
+    only once every rank marked every layer, byte-exact against the reference."""
+    case = SWEEP[name]
+    w = _World(Case(**case.__dict__), seed=5)
+    d = Daemons()
+    try:
+        senders = {}
+        for t in w.prefill:
+            s = d.sender(t, _pool(t, w.num_blocks[("p", t.rank)]))
+            w.fill("p", t, s.pool.kv_bytes_view())
+            senders[t.rank] = s
+        endpoints = [senders[r].endpoint for r in range(len(w.prefill))]
+        [dt] = w.decode
+        r = d.receiver(dt, _pool(dt, w.num_blocks[("d", dt.rank)]))
+        w.fill("d", dt, r.pool.kv_bytes_view())
+        before = r.pool.kv_bytes_view().clone()
+        txs = {
+            t.rank: senders[t.rank].publish("req-s", w.ids[("p", t.rank)].tolist(), streamed=True)
+            for t in w.prefill
+        }
+        h = r.fetch(
+            "req-s",
+            endpoints[0],
+            w.ids[("d", dt.rank)].tolist(),
+            sender_endpoints=endpoints,
+            want_aux=False,
+        )
+        want, got = w.want[dt.rank], r.pool.kv_bytes_view()
+        if name.startswith("PP2"):  # stage 0 marks all its layers, stage 1 none
+            stage0 = w.prefill[0]
+            wait_until(lambda: len(senders[0].published.fetches) == 1, WAIT_S, "attached")
+            txs[0].progress(stage0.num_stage_layers)
+            split = stage0.layer_end
+            wait_until(lambda: torch.equal(got[:split], want[:split]), WAIT_S, "stage 0 landed")
+            assert torch.equal(got[split:], before[split:]), "stage 1's layers landed unmarked"
+            assert h.wait(QUIET_S) is None, "done with stage 1's layers missing"
+        for t in w.prefill:  # every rank, layer by layer
+            for n in range(txs[t.rank].session.layers_ready + 1, t.num_stage_layers + 1):
+                txs[t.rank].progress(n)
+                assert n == t.num_stage_layers or not h.session.ended
+        out = h.wait(WAIT_S)
+        assert out is not None and out.state is RxState.DONE, out
+        assert torch.equal(got, want), "the decode pool differs from the reference"
+        for rank, tx in txs.items():
+            txo = tx.wait(WAIT_S)
+            assert txo is not None and txo.state is TxState.COMPLETE, (rank, txo)
+            assert senders[rank].stats.get("stream_writes") >= 1
+    finally:
+        d.close()
+
+
+# -- the sender's ending of a stream: shutdown, stall -------------------------------------------
+def short_sender(name: str, **deadlines: int) -> Sender:
+    return Sender(
+        load_sender_settings(
+            name=name,
+            listen="tcp://127.0.0.1:0",
+            pool=POOL,
+            deadlines={**DEADLINES, "drain_timeout_ms": 300, **deadlines},
+            inline_write_max_bytes=0,
+        )
+    ).start()
+
+
+def test_a_stream_with_no_mark_for_the_stall_bound_fails_and_its_fetch_at_once(
+    receiver: Receiver,
+) -> None:
+    """No mark for stream_stall_timeout_ms: the publish fails stream_stalled (counted) and
+    its fetch ends failed then, long before its own timeout, with only layer 0 written."""
+    clear(receiver)
+    sx = short_sender("stream-stall", stream_stall_timeout_ms=500)
+    try:
+        h = parked_fetch(sx, receiver, "stream-stall-1")
+        tx = sx.publish("stream-stall-1", SRC, streamed=True)
+        fill(sx, SRC, 8, range(LAYERS))
+        tx.progress(1)
+        out = h.wait(WAIT_S)  # the fetch's own timeout is 20 s
+        assert out is not None and out.state is RxState.FAILED, out
+        assert out.reason is Reason.SESSION_FAILED and "no progress mark" in out.detail, out
+        txo = tx.wait(WAIT_S)
+        assert txo is not None and txo.reason is Reason.STREAM_STALLED, txo
+        assert sx.stats.get("streams_stalled") == 1 and sx.stats.get("streams_aborted") == 1
+        assert landed(receiver, 0, 8) and untouched(receiver, range(1, LAYERS))
+        assert tx.close(WAIT_S)
+    finally:
+        sx.shutdown(timeout=4.0)
+
+
+def test_the_senders_shutdown_mid_stream_fails_the_fetch_at_its_drain_not_its_timeout(
+    receiver: Receiver,
+) -> None:
+    """A sender shutting down with a stream open ends it at the drain's deadline: the fetch
+    fails shutting_down then (its own timeout is 20 s) and nothing lands after layer 0."""
+    clear(receiver)
+    sx = short_sender("stream-shut")
+    stopped = False
+    try:
+        h = parked_fetch(sx, receiver, "stream-shut-1")
+        tx = sx.publish("stream-shut-1", SRC, streamed=True)
+        fill(sx, SRC, 9, range(LAYERS))
+        tx.progress(1)
+        wait_until(lambda: landed(receiver, 0, 9), WAIT_S, "layer 0")
+        t0 = time.monotonic()
+        report = sx.shutdown(timeout=4.0)
+        stopped = True
+        out = h.wait(WAIT_S)
+        assert out is not None and out.state is RxState.FAILED, out
+        assert out.reason is Reason.SHUTTING_DOWN, out
+        assert time.monotonic() - t0 < 4.0
+        assert report.writes_in_doubt == 0 and untouched(receiver, range(1, LAYERS))
+    finally:
+        if not stopped:
+            sx.shutdown(timeout=4.0)
+
+
+# -- the order of a stream's writes (a controlled data plane decides when each WRITE ends) -------
+def test_a_streams_writes_go_one_range_at_a_time_in_layer_order() -> None:
+    """Deterministic: a mark that comes while a range is in flight posts nothing until that
+    WRITE ended; then one WRITE of exactly the layers not yet written; only the WRITE of the
+    last layer carries the done notification, and the fetch is done only when it ends."""
+    pool = dict(num_layers=LAYERS, num_blocks=16, block_elems=16, dtype="uint8", aux_slots=4)
+    dp = ControlledDataPlane("order-tx", prepped=True)
+    sx = Sender(
+        load_sender_settings(
+            name="order-tx",
+            listen="tcp://127.0.0.1:0",
+            pool=pool,
+            deadlines=DEADLINES,
+            inline_write_max_bytes=0,
+        ),
+        dataplane=dp,
+    ).start()
+    dp.notify_as = sx.sender_id
+    rx = Receiver(
+        load_receiver_settings(name="order-rx", pool=pool, deadlines=DEADLINES),
+        dataplane=ControlledDataPlane("order-rx"),
+    ).start()
+    try:
+        h = parked_fetch(sx, rx, "order-1")
+        tx = sx.publish("order-1", SRC, streamed=True)
+        tx.progress(1)
+        x0 = dp.wait_posted(1)
+        assert x0.layers == (0, 1) and not x0.notif
+        tx.progress(3)  # while [0, 1) is in flight
+        with dp.posted:  # watched for QUIET_S: nothing may be posted while [0, 1) runs
+            more = dp.posted.wait_for(lambda: len(dp.xfers) > 1, QUIET_S)
+        assert not more, "a second range was posted while the first was in flight"
+        x0.finish(True)
+        x1 = dp.wait_posted(2)
+        assert x1.layers == (1, 3) and not x1.notif
+        tx.progress(LAYERS)
+        x1.finish(True)
+        x2 = dp.wait_posted(3)
+        assert x2.layers == (3, LAYERS) and x2.notif, x2
+        assert h.wait(QUIET_S) is None, "done before the last layer's WRITE ended"
+        x2.finish(True)
+        out = h.wait(WAIT_S)
+        assert out is not None and out.state is RxState.DONE, out
+        assert out.nbytes == len(SRC) * LAYERS * sx.pool.layout.block_bytes
+        assert sx.stats.get("stream_writes") == 3
+    finally:
+        for x in dp.xfers:
+            x.finish(True)
+        rx.shutdown(timeout=4.0)
+        sx.shutdown(timeout=4.0)
