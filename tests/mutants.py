@@ -1703,6 +1703,32 @@ MUTANTS: tuple[Mutant, ...] = (
         (STREAM + "test_a_streams_writes_go_one_range_at_a_time_in_layer_order",),
     ),
     Mutant(
+        "issue25-stream-result-overtakes-its-write",
+        "the task that refuses an ended stream's fetch starts while a range of that fetch is"
+        " still in flight: its failed Result goes out while the WRITE may still land",
+        (
+            Edit(
+                "kvxferd/transfer/worker_lanes.py",
+                "            while lane and not writes.lane_busy(rid):\n",
+                "            while lane and (\n"
+                "                not writes.lane_busy(rid)\n"
+                "                or (isinstance(lane[0], WriteTask) and lane[0].session.ended)\n"
+                "            ):\n",
+            ),
+            Edit(
+                "kvxferd/transfer/worker_lanes.py",
+                "                    if writes.session_busy(task.session.session_id):\n",
+                "                    if writes.session_busy(task.session.session_id) and not (\n"
+                "                        task.session.ended\n"
+                "                    ):\n",
+            ),
+        ),
+        (
+            STREAM
+            + "test_a_stream_cancelled_with_a_range_in_flight_fails_its_fetch_when_that_write_ends",
+        ),
+    ),
+    Mutant(
         "issue25-connection-close-leaves-stream",
         "the gateway does nothing when an engine's connection closes: its open stream runs"
         " until the stall bound",

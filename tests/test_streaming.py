@@ -190,7 +190,7 @@ def test_cancel_mid_stream_fails_the_fetch_at_once_and_writes_nothing_after(
     while time.monotonic() < deadline:
         assert untouched(receiver, range(1, LAYERS)), "a layer landed after the failed outcome"
         time.sleep(0.01)
-    assert tx.close(WAIT_S)
+    assert tx.close(WAIT_S) and h.close(WAIT_S), "blocks not released by close"
 
 
 def test_bad_marks_are_refused_counted_and_fail_the_publish(sender: Sender) -> None:
@@ -474,10 +474,12 @@ def test_the_senders_shutdown_mid_stream_fails_the_fetch_at_its_drain_not_its_ti
 
 
 # -- the order of a stream's writes (a controlled data plane decides when each WRITE ends) -------
-def test_a_streams_writes_go_one_range_at_a_time_in_layer_order() -> None:
-    """Deterministic: a mark that comes while a range is in flight posts nothing until that
-    WRITE ended; then one WRITE of exactly the layers not yet written; only the WRITE of the
-    last layer carries the done notification, and the fetch is done only when it ends."""
+Controlled = tuple[Sender, ControlledDataPlane, Receiver]
+
+
+@pytest.fixture
+def controlled() -> Iterator[Controlled]:
+    """A Sender whose WRITEs end when the test says (prepared lists) and its Receiver."""
     pool = dict(num_layers=LAYERS, num_blocks=16, block_elems=16, dtype="uint8", aux_slots=4)
     dp = ControlledDataPlane("order-tx", prepped=True)
     sx = Sender(
@@ -496,30 +498,61 @@ def test_a_streams_writes_go_one_range_at_a_time_in_layer_order() -> None:
         dataplane=ControlledDataPlane("order-rx"),
     ).start()
     try:
-        h = parked_fetch(sx, rx, "order-1")
-        tx = sx.publish("order-1", SRC, streamed=True)
-        tx.progress(1)
-        x0 = dp.wait_posted(1)
-        assert x0.layers == (0, 1) and not x0.notif
-        tx.progress(3)  # while [0, 1) is in flight
-        with dp.posted:  # watched for QUIET_S: nothing may be posted while [0, 1) runs
-            more = dp.posted.wait_for(lambda: len(dp.xfers) > 1, QUIET_S)
-        assert not more, "a second range was posted while the first was in flight"
-        x0.finish(True)
-        x1 = dp.wait_posted(2)
-        assert x1.layers == (1, 3) and not x1.notif
-        tx.progress(LAYERS)
-        x1.finish(True)
-        x2 = dp.wait_posted(3)
-        assert x2.layers == (3, LAYERS) and x2.notif, x2
-        assert h.wait(QUIET_S) is None, "done before the last layer's WRITE ended"
-        x2.finish(True)
-        out = h.wait(WAIT_S)
-        assert out is not None and out.state is RxState.DONE, out
-        assert out.nbytes == len(SRC) * LAYERS * sx.pool.layout.block_bytes
-        assert sx.stats.get("stream_writes") == 3
+        yield sx, dp, rx
     finally:
         for x in dp.xfers:
             x.finish(True)
         rx.shutdown(timeout=4.0)
         sx.shutdown(timeout=4.0)
+
+
+def test_a_streams_writes_go_one_range_at_a_time_in_layer_order(controlled: Controlled) -> None:
+    """Deterministic: a mark that comes while a range is in flight posts nothing until that
+    WRITE ended; then one WRITE of exactly the layers not yet written; only the WRITE of the
+    last layer carries the done notification, and the fetch is done only when it ends."""
+    sx, dp, rx = controlled
+    h = parked_fetch(sx, rx, "order-1")
+    tx = sx.publish("order-1", SRC, streamed=True)
+    tx.progress(1)
+    x0 = dp.wait_posted(1)
+    assert x0.layers == (0, 1) and not x0.notif
+    tx.progress(3)  # while [0, 1) is in flight
+    with dp.posted:  # watched for QUIET_S: nothing may be posted while [0, 1) runs
+        more = dp.posted.wait_for(lambda: len(dp.xfers) > 1, QUIET_S)
+    assert not more, "a second range was posted while the first was in flight"
+    x0.finish(True)
+    x1 = dp.wait_posted(2)
+    assert x1.layers == (1, 3) and not x1.notif
+    tx.progress(LAYERS)
+    x1.finish(True)
+    x2 = dp.wait_posted(3)
+    assert x2.layers == (3, LAYERS) and x2.notif, x2
+    assert h.wait(QUIET_S) is None, "done before the last layer's WRITE ended"
+    x2.finish(True)
+    out = h.wait(WAIT_S)
+    assert out is not None and out.state is RxState.DONE, out
+    assert out.nbytes == len(SRC) * LAYERS * sx.pool.layout.block_bytes
+    assert sx.stats.get("stream_writes") == 3
+
+
+def test_a_stream_cancelled_with_a_range_in_flight_fails_its_fetch_when_that_write_ends(
+    controlled: Controlled,
+) -> None:
+    """Deterministic: cancelled while a range's WRITE is in flight, the fetch does not end
+    before that WRITE ended (its blocks could still change), then fails at once, and no
+    further range is posted."""
+    sx, dp, rx = controlled
+    h = parked_fetch(sx, rx, "order-2")
+    tx = sx.publish("order-2", SRC, streamed=True)
+    tx.progress(1)
+    x0 = dp.wait_posted(1)
+    tx.progress(2)
+    assert tx.cancel()
+    assert h.wait(QUIET_S) is None, "the fetch ended while its range's WRITE was in flight"
+    x0.finish(True)
+    out = h.wait(WAIT_S)
+    assert out is not None and out.state is RxState.FAILED, out
+    assert out.reason is Reason.CANCELLED, out
+    with dp.posted:
+        assert not dp.posted.wait_for(lambda: len(dp.xfers) > 1, QUIET_S), "written after"
+    assert tx.close(WAIT_S) and h.close(WAIT_S)
