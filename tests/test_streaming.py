@@ -125,6 +125,8 @@ def test_a_parked_fetch_is_written_layer_by_layer_and_done_only_after_the_last(
         fill(sender, SRC, 1, range(layer, layer + 1))
         tx.progress(layer + 1)
         wait_until(lambda layer=layer: landed(receiver, layer, 1), WAIT_S, f"layer {layer}")
+        [view] = [v for v in sender.view().sessions if v.request_id == "stream-1"]
+        assert view.layers_ready == layer + 1  # what /debug/state shows
         if layer + 1 < LAYERS:
             assert untouched(receiver, range(layer + 1, LAYERS)), f"after layer {layer}"
             assert not h.session.ended, f"done with layers missing (after layer {layer})"
