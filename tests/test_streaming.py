@@ -256,25 +256,31 @@ def test_another_request_to_the_same_receiver_is_written_while_a_stream_waits(
 
 # -- through the engine gateway ---------------------------------------------------------------
 @pytest.fixture
-def gateway(sender: Sender) -> Iterator[str]:
-    """The sender's engine gateway on a private ipc:// socket; its endpoint."""
+def gateway(sender: Sender) -> Iterator[Gateway]:
+    """The sender's engine gateway on a private ipc:// socket (started: ``endpoint`` set)."""
     d = tempfile.mkdtemp(prefix="kvst-")
     gw = Gateway(sender, f"ipc://{d}/tx.sock")
     try:
-        yield gw.start()
+        gw.start()
+        yield gw
     finally:
         gw.stop(2.0)
         shutil.rmtree(d, ignore_errors=True)
 
 
+def endpoint(gw: Gateway) -> str:
+    assert gw.endpoint is not None
+    return gw.endpoint
+
+
 def test_an_engine_streams_through_the_gateway_with_progress_frames(
-    sender: Sender, receiver: Receiver, gateway: str
+    sender: Sender, receiver: Receiver, gateway: Gateway
 ) -> None:
     """Client.publish(streamed=True), then one Progress frame per layer (never answered):
     the parked fetch follows them and is done after the last; the publish completes."""
     clear(receiver)
     h = parked_fetch(sender, receiver, "stream-gw-1")
-    with Client(gateway, timeout_s=WAIT_S) as engine:
+    with Client(endpoint(gateway), timeout_s=WAIT_S) as engine:
         hid = engine.publish("stream-gw-1", SRC, streamed=True)
         for layer in range(LAYERS):
             fill(sender, SRC, 5, range(layer, layer + 1))
@@ -290,7 +296,7 @@ def test_an_engine_streams_through_the_gateway_with_progress_frames(
 
 
 def test_an_async_engine_streams_with_progress_from_its_loop(
-    sender: Sender, receiver: Receiver, gateway: str
+    sender: Sender, receiver: Receiver, gateway: Gateway
 ) -> None:
     """AsyncClient.progress is a plain method called on the loop that published."""
     clear(receiver)
@@ -298,7 +304,7 @@ def test_an_async_engine_streams_with_progress_from_its_loop(
     fill(sender, SRC, 6, range(LAYERS))
 
     async def engine() -> Any:
-        client = AsyncClient(gateway, timeout_s=WAIT_S)
+        client = AsyncClient(endpoint(gateway), timeout_s=WAIT_S)
         try:
             hid = await client.publish("stream-gw-2", SRC, streamed=True)
             for layer in range(LAYERS):
@@ -315,14 +321,14 @@ def test_an_async_engine_streams_with_progress_from_its_loop(
 
 
 def test_an_engine_connection_closed_mid_stream_fails_the_fetch_at_once(
-    sender: Sender, receiver: Receiver, gateway: str
+    sender: Sender, receiver: Receiver, gateway: Gateway
 ) -> None:
     """The engine's connection closes after one layer: the stream is cancelled, the parked
     fetch ends failed (cancelled) at once, and nothing lands after."""
     clear(receiver)
     h = parked_fetch(sender, receiver, "stream-gw-3")
     fill(sender, SRC, 7, range(LAYERS))
-    engine = Client(gateway, timeout_s=WAIT_S)
+    engine = Client(endpoint(gateway), timeout_s=WAIT_S)
     hid = engine.publish("stream-gw-3", SRC, streamed=True)
     engine.progress(hid, 1)
     wait_until(lambda: landed(receiver, 0, 7), WAIT_S, "layer 0")
@@ -340,11 +346,11 @@ def test_an_engine_connection_closed_mid_stream_fails_the_fetch_at_once(
 
 
 def test_bad_progress_frames_are_counted_and_fail_the_publish(
-    sender: Sender, receiver: Receiver, gateway: str
+    sender: Sender, receiver: Receiver, gateway: Gateway
 ) -> None:
     """A Progress for an unknown handle is counted by the gateway; a decreasing one fails the
     publish, whose outcome says bad_progress; neither is answered."""
-    with Client(gateway, timeout_s=WAIT_S) as engine:
+    with Client(endpoint(gateway), timeout_s=WAIT_S) as engine:
         engine.progress(12345, 1)  # no such handle on this connection
         hid = engine.publish("stream-gw-4", [1], streamed=True)
         engine.progress(hid, 2)
@@ -353,6 +359,8 @@ def test_bad_progress_frames_are_counted_and_fail_the_publish(
         assert out is not None and out.state == "failed", out
         assert out.reason is EngineReason.BAD_PROGRESS and "decreasing" in out.detail, out
     assert sender.stats.get("stream_marks_refused_decreasing") >= 1
+    assert gateway.stats.get("stream_marks_refused_unknown") == 1
+    assert gateway.stats.get("calls_progress") == 3
 
 
 # -- heterogeneous TP/PP: each prefill rank streams its own pool -------------------------------
