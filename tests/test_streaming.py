@@ -488,8 +488,9 @@ Controlled = tuple[Sender, ControlledDataPlane, Receiver]
 
 
 @pytest.fixture
-def controlled() -> Iterator[Controlled]:
-    """A Sender whose WRITEs end when the test says (prepared lists) and its Receiver."""
+def controlled(request: pytest.FixtureRequest) -> Iterator[Controlled]:
+    """A Sender whose WRITEs end when the test says (prepared lists) and its Receiver;
+    parametrized indirectly, the param overrides the sender's deadlines."""
     pool = dict(num_layers=LAYERS, num_blocks=16, block_elems=16, dtype="uint8", aux_slots=4)
     dp = ControlledDataPlane("order-tx", prepped=True)
     sx = Sender(
@@ -497,7 +498,7 @@ def controlled() -> Iterator[Controlled]:
             name="order-tx",
             listen="tcp://127.0.0.1:0",
             pool=pool,
-            deadlines=DEADLINES,
+            deadlines={**DEADLINES, **getattr(request, "param", {})},
             inline_write_max_bytes=0,
         ),
         dataplane=dp,
@@ -565,4 +566,28 @@ def test_a_stream_cancelled_with_a_range_in_flight_fails_its_fetch_when_that_wri
     assert out.reason is Reason.CANCELLED, out
     with dp.posted:
         assert not dp.posted.wait_for(lambda: len(dp.xfers) > 1, QUIET_S), "written after"
+    assert tx.close(WAIT_S) and h.close(WAIT_S)
+
+
+@pytest.mark.parametrize("controlled", [{"xfer_stall_timeout_ms": 300}], indirect=True)
+def test_a_stalled_range_leaves_its_fetch_in_doubt_like_any_write(controlled: Controlled) -> None:
+    """Deterministic: a range whose WRITE stalls makes the fetch in doubt (its blocks held),
+    the stream ends, no later mark posts anything, and the WRITE's late end resolves the
+    doubt (CancelAck in_doubt=false): the receiver's blocks become reusable."""
+    sx, dp, rx = controlled
+    h = parked_fetch(sx, rx, "order-3")
+    tx = sx.publish("order-3", SRC, streamed=True)
+    tx.progress(1)
+    x0 = dp.wait_posted(1)
+    out = h.wait(WAIT_S)
+    assert out is not None and out.state is RxState.FAILED, out
+    assert out.reason is Reason.STALLED, out
+    assert not h.session.reusable.is_set(), "blocks reusable with a WRITE in flight"
+    txo = tx.wait(WAIT_S)
+    assert txo is not None and txo.in_doubt, txo
+    tx.progress(LAYERS)  # taken by the ended publish: nothing more is written
+    with dp.posted:
+        assert not dp.posted.wait_for(lambda: len(dp.xfers) > 1, QUIET_S), "written after"
+    x0.finish(True)
+    assert h.session.reusable.wait(WAIT_S), "the late end did not resolve the doubt"
     assert tx.close(WAIT_S) and h.close(WAIT_S)
