@@ -143,12 +143,13 @@ def test_a_fetch_arriving_mid_stream_gets_what_is_ready_then_follows(
     sender: Sender, receiver: Receiver
 ) -> None:
     """A fetch that attaches after two layers were marked gets both at once, then the rest
-    as they are marked; two fetches (expected_fetches 2) follow the same marks."""
+    as they are marked (and the aux after the last); two fetches (expected_fetches 2) follow
+    the same marks."""
     clear(receiver)
-    tx = sender.publish("stream-2", SRC, streamed=True, expected_fetches=2)
+    tx = sender.publish("stream-2", SRC, streamed=True, expected_fetches=2, aux=b"stream-aux")
     fill(sender, SRC, 2, range(2))
     sender.progress("stream-2", 2)
-    h = receiver.fetch("stream-2", sender.endpoint, DST, want_aux=False)
+    h = receiver.fetch("stream-2", sender.endpoint, DST)  # with the aux, after the last layer
     wait_until(lambda: landed(receiver, 0, 2) and landed(receiver, 1, 2), WAIT_S, "ready layers")
     assert untouched(receiver, range(2, LAYERS)) and not h.session.ended
     other = [20, 21, 22]
@@ -158,6 +159,7 @@ def test_a_fetch_arriving_mid_stream_gets_what_is_ready_then_follows(
     for handle in (h, h2):
         out = handle.wait(WAIT_S)
         assert out is not None and out.state is RxState.DONE, out
+    assert h.session.outcome is not None and h.session.outcome.aux == b"stream-aux"
     assert all(landed(receiver, layer, 2) for layer in range(LAYERS))
     kv = receiver.pool.kv_bytes_view()
     for s, d in zip(SRC, other, strict=True):
