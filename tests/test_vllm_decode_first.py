@@ -209,3 +209,19 @@ def test_a_receipt_for_a_finished_request_is_not_kept() -> None:
     assert s.request_finished(r) == (False, None)
     s.update_connector_output({"d1"}, {"d1": Receipt(False, reason="expired")})
     assert s._receipts == {}
+
+
+def test_params_for_another_prompt_are_receipted_recomputed() -> None:
+    """Params describing another prompt length load nothing, and the receipt says recomputed: mismatch."""
+    s = consumer()
+    params = RemoteKv("t-1", SENDER, 40, 2).to_params()
+    r = Req("d1", list(range(50)), params)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, Blocks([1, 2]), 0)
+    r.status = Status.FINISHED_LENGTH_CAPPED
+    receipt = s.request_finished(r)[1]["kvxferd_receipt"]  # type: ignore[index]
+    assert (receipt["loaded"], receipt["recomputed"], receipt["reason"]) == (
+        False,
+        True,
+        "mismatch",
+    )

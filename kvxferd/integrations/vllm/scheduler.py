@@ -168,10 +168,10 @@ class SchedulerSide:
                     len(request.prompt_token_ids or ()),
                 )
             self._plan.release.append(remote)
-            if num_external_tokens <= 0:
-                self._receipts[rid] = Receipt(False, True, "prefix_cached", source=remote.sender)
-            else:
-                self._receipts[rid] = Receipt(False, True, "mismatch", source=remote.sender)
+            # Not loaded: the prompt was cached here already, or the params describe another.
+            matched = self._matches(request, remote)
+            why = "prefix_cached" if matched else "mismatch"
+            self._receipts[rid] = Receipt(False, not matched, why, source=remote.sender)
             return
         block_ids = blocks.get_block_ids()[0][: remote.num_blocks]
         skip = (remote.num_tokens - num_external_tokens) // self.block_size
