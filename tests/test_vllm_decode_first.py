@@ -225,3 +225,17 @@ def test_params_for_another_prompt_are_receipted_recomputed() -> None:
         True,
         "mismatch",
     )
+
+
+def test_the_receipt_counts_reach_vllm_as_deltas() -> None:
+    """Each step hands vLLM's KV connector stats the loads and recomputes since the last step, once."""
+    from kvxferd.integrations.vllm.counters import Stats
+
+    st = Stats()
+    st.add(loaded=2)
+    st.recomputed_for("timeout")
+    assert st.receipt_delta() == {"loaded": 2, "recomputed": 1, "recomputed{timeout}": 1}
+    assert st.receipt_delta() == {}
+    st.recomputed_for("expired")
+    assert st.receipt_delta() == {"recomputed": 1, "recomputed{expired}": 1}
+    assert st.snapshot()["recomputed{timeout}"] == 1

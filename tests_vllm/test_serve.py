@@ -187,3 +187,23 @@ def test_proxy_between_two_servers(rig: Rig, children: Children) -> None:
     assert [x["flow"] for x in lines] == ["prefill-first"] + ["decode-first"] * len(ps), lines
     assert all(x["receipt"]["loaded"] and x["receipt"]["bytes"] > 0 for x in lines[:-1]), lines
     assert lines[-1]["receipt"] is None and lines[-1]["status"] == 200, lines[-1]
+    # vLLM's own Prometheus metrics count the same loads (the connector's KV connector stats).
+    wait_until(
+        lambda: (
+            prom(f"http://127.0.0.1:{d_port}/metrics", "vllm:kvxferd_kv_loaded_total")
+            == 2 * len(ps) + 1
+        ),
+        30,
+        "vLLM's metrics count every load",
+    )
+
+
+def prom(url: str, name: str) -> float:
+    """A Prometheus family's value summed over its samples (0 when absent)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(ln.rsplit(" ", 1)[1])
+        for ln in text.splitlines()
+        if ln.startswith(name + "{") or ln.startswith(name + " ")
+    )

@@ -105,6 +105,7 @@ class SchedulerSide:
         self._loading: set[str] = set()  # req ids handed to the worker, not reported finished
         self._refused: dict[str, str] = {}  # req id -> why its router-chosen transfer was refused
         self._receipts: dict[str, Receipt] = {}  # req id -> its load's receipt (ranks merged)
+        self._mismatched = 0  # requests computed here because their params did not fit, unreported
         self._plan = StepPlan()
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -172,6 +173,7 @@ class SchedulerSide:
             matched = self._matches(request, remote)
             why = "prefix_cached" if matched else "mismatch"
             self._receipts[rid] = Receipt(False, not matched, why, source=remote.sender)
+            self._mismatched += not matched
             return
         block_ids = blocks.get_block_ids()[0][: remote.num_blocks]
         skip = (remote.num_tokens - num_external_tokens) // self.block_size
@@ -245,6 +247,11 @@ class SchedulerSide:
             return self.zero_copy, published.to_params()
         self._plan.unpublish.append(published.transfer_id)
         return self.zero_copy, None
+
+    def take_counts(self) -> dict[str, int]:
+        """Requests recomputed because their params did not fit, since the last call."""
+        n, self._mismatched = self._mismatched, 0
+        return {"recomputed": n, "recomputed{mismatch}": n} if n else {}
 
     def sender_moved(self, rank: int, endpoint: str) -> None:
         """Rank ``rank``'s sender daemon restarted on ``endpoint``: later params name it."""
