@@ -66,9 +66,9 @@ class Children:
         )
         self.procs.append((p, log))
 
-    def tail(self, name: str) -> str:
+    def tail(self, name: str, lines: int = 20) -> str:
         try:
-            return "\n".join((self.log_dir / f"{name}.log").read_text().splitlines()[-20:])
+            return "\n".join((self.log_dir / f"{name}.log").read_text().splitlines()[-lines:])
         except OSError:
             return ""
 
@@ -195,6 +195,12 @@ def test_proxy_between_two_servers(rig: Rig, children: Children) -> None:
         ),
         30,
         "vLLM's metrics count every load",
+    )
+    # ... and its periodic log line (every VLLM_LOG_STATS_INTERVAL, 10 s).
+    wait_until(
+        lambda: "KV Transfer metrics: loaded=" in children.tail("decode", 400),
+        30,
+        "vLLM's log line of the connector's counts",
     )
 
 
