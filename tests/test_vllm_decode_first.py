@@ -107,6 +107,8 @@ def test_decode_first_prefill_publishes_under_the_routers_id_and_token() -> None
         ("px-1", "short"),  # under MIN_TOKEN_CHARS
         ("px-1", "x" * 129),
         ("px-1", "has space and more than 16"),
+        ("px-1", TOKEN + "\n"),  # $ alone would let a trailing newline through
+        ("px-1\n", TOKEN),
         ("px-1", 1234567890123456789),
         ("has space", TOKEN),
         ("x" * 257, TOKEN),

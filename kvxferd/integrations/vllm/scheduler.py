@@ -96,9 +96,8 @@ class SchedulerSide:
         self.senders = list(senders or ([sender] if sender else []))
         self.sender_keys = list(sender_keys or [sender_key] * len(self.senders))
         self.zero_copy = zero_copy
-        self.recompute = (
-            recompute  # kv_load_failure_policy "recompute": a failed load is prefilled here
-        )
+        # kv_load_failure_policy "recompute": vLLM prefills a request whose load failed here.
+        self.recompute = recompute
         self._kv_cache_manager: Any = None
         self._to_save: dict[str, Any] = {}  # req id -> vLLM Request, prompt not yet complete
         self._published: dict[str, RemoteKv] = {}  # req id -> what its Save published
