@@ -172,13 +172,26 @@ class EngineProcess:
 
     def call(self, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one command; its reply (EngineError if the engine reported an error or died)."""
+        self.send(cmd)
+        return self.reply(timeout)
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        """Send one command without waiting: two engines run at once, each answered by ``reply``."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+
+    def reply(self, timeout: float) -> dict[str, Any]:
+        """The next reply (EngineError if the engine reported an error or died)."""
         reply = self._next(timeout)
         if reply.get("event") == "error":
             raise EngineError(f"{self.name}: {reply['error']}\n{self.describe()}")
         return reply
+
+    def start_run(self, requests: list[dict[str, Any]], timeout: float = 120.0, **kw: Any) -> float:
+        """Send a run command; the bound to pass to ``reply`` for its result."""
+        self.send({"op": "run", "requests": requests, "timeout_s": timeout, **kw})
+        return timeout + 30
 
     def run(
         self, requests: list[dict[str, Any]], timeout: float = 120.0, **kw: Any

@@ -2,6 +2,9 @@
 
 Each side counts its own outcomes: Publishes the saves, Loads the loads and releases.
 The counters only grow; :meth:`Stats.snapshot` reads them all under the one lock.
+A decode request's fate is counted once: ``loaded`` (its KV was put into vLLM's
+blocks), ``recomputed`` with ``recomputed{<reason>}`` (its load failed and vLLM
+prefills it locally, policy "recompute"), or only ``load_failures`` (policy "fail").
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ class Stats:
     saves: int = 0
     save_failures: int = 0  # no pool room or the publish failed: the decode side will fail to load
     loads: int = 0  # loads that put the remote KV into vLLM's blocks
+    loaded: int = 0  # the same count, under the receipt's name
+    recomputed: int = 0  # failed loads vLLM prefills locally (policy "recompute"), by reason:
+    recomputed_reasons: dict[str, int] = field(default_factory=dict)  # -> recomputed{<reason>}
     loaded_blocks: int = 0
     loaded_bytes: int = 0
     load_failures: int = 0
@@ -29,12 +35,31 @@ class Stats:
     load_transfer_us: int = 0
     load_handoff_us: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reported: dict[str, int] = field(default_factory=dict, repr=False)  # receipt_delta's last
+
+    def receipt_delta(self) -> dict[str, int]:
+        """``loaded``, ``recomputed`` and ``recomputed{<reason>}`` since the last call
+        (vLLM's KV connector stats, each step); empty when nothing changed."""
+        with self.lock:
+            now = {"loaded": self.loaded, "recomputed": self.recomputed}
+            now.update({f"recomputed{{{r}}}": n for r, n in self.recomputed_reasons.items()})
+            delta = {k: n - self._reported.get(k, 0) for k, n in now.items()}
+            self._reported = now
+        return {k: n for k, n in delta.items() if n}
 
     def add(self, **counts: int) -> None:
         with self.lock:
             for k, v in counts.items():
                 setattr(self, k, getattr(self, k) + v)
 
-    def snapshot(self) -> dict[str, int]:
+    def recomputed_for(self, reason: str) -> None:
         with self.lock:
-            return {k: getattr(self, k) for k in self.__slots__ if k != "lock"}  # type: ignore[attr-defined]
+            self.recomputed += 1
+            self.recomputed_reasons[reason] = self.recomputed_reasons.get(reason, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        skip = ("lock", "recomputed_reasons", "_reported")
+        with self.lock:
+            out = {k: getattr(self, k) for k in self.__slots__ if k not in skip}  # type: ignore[attr-defined]
+            out.update({f"recomputed{{{r}}}": n for r, n in self.recomputed_reasons.items()})
+            return out
