@@ -183,6 +183,7 @@ def _fetch_msg(
     instance: Instance = ((), (), ()),
     wait_ms: int = 0,
     close: bool = False,
+    digest: bool | None = None,
 ) -> Build:
     lb, le = layers if layers is not None else (0, 0)
     blocks = _blocks(block_ids)
@@ -190,6 +191,7 @@ def _fetch_msg(
     return lambda call_id, deadline: ep.Fetch(
         wait_ms=wait_ms,
         close=close,
+        digest=digest,
         token=token,
         sender_key=sender_key,
         sender_endpoints=endpoints,
@@ -406,6 +408,7 @@ class Client:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> int:
         """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``; the handle id.
 
@@ -415,6 +418,8 @@ class Client:
         first; pass rank 0's as ``sender_endpoint``), with per-rank ``tokens`` and
         ``sender_keys`` if its Publishes gave them: the daemon reads from each rank what
         the reshard mapping gives this rank (needs ``describe(topology=...)`` first).
+        ``digest``: check what landed against the sender's digest before the fetch is done
+        (a mismatch fails it ``digest_mismatch``); None: the daemon's ``integrity.digest``.
         """
         reply = self._call(
             _fetch_msg(
@@ -427,6 +432,7 @@ class Client:
                 token,
                 sender_key,
                 (sender_endpoints, tokens, sender_keys),
+                digest=digest,
             )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
@@ -447,6 +453,7 @@ class Client:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> Outcome:
         """``fetch``, answered once: its Outcome when the fetch ended (closed when ``close``:
         ``outcome.closed`` says whether the blocks may be reused now).
@@ -469,6 +476,7 @@ class Client:
                 (sender_endpoints, tokens, sender_keys),
                 _ms(timeout) or 1,
                 close,
+                digest,
             ),
             timeout,
         )
@@ -943,6 +951,7 @@ class AsyncClient:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> int:
         """See :meth:`Client.fetch`."""
         reply = await self._call(
@@ -956,6 +965,7 @@ class AsyncClient:
                 token,
                 sender_key,
                 (sender_endpoints, tokens, sender_keys),
+                digest=digest,
             )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
@@ -976,6 +986,7 @@ class AsyncClient:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> Outcome:
         """See :meth:`Client.fetch_wait`."""
         reply = await self._call(
@@ -991,6 +1002,7 @@ class AsyncClient:
                 (sender_endpoints, tokens, sender_keys),
                 _ms(timeout) or 1,
                 close,
+                digest,
             ),
             timeout,
         )

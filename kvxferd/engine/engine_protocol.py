@@ -109,6 +109,7 @@ class EngineReason(StrEnum):
     PEER_RESTARTED = "peer_restarted"
     BAD_ENDPOINT = "bad_endpoint"
     NOT_AUTHORIZED = "not_authorized"
+    DIGEST_MISMATCH = "digest_mismatch"  # a failed load: what landed is not what was written
     # The gateway's own.
     UNKNOWN_HANDLE = "unknown_handle"  # never issued, already closed, or another connection's
     WRONG_ROLE = "wrong_role"  # Publish on a receiver, Fetch on a sender
@@ -218,6 +219,9 @@ class Fetch(_Msg, tag="fetch", frozen=True, omit_defaults=True):
     sender_keys: Annotated[list[PublicKey], Meta(max_length=4096)] = []
     wait_ms: WaitMs = 0  # > 0: answered once, with the Outcome (see the module docstring)
     close: bool = False  # with wait_ms: close the handle once it ended
+    # The per-request digest (kvxferd/transfer/digest.py): None means the daemon's
+    # ``integrity.digest``; true/false overrides it for this fetch.
+    digest: bool | None = None
 
 
 class Lookup(_Msg, tag="lookup", frozen=True):
