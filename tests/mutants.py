@@ -1626,6 +1626,60 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_frozen_senders_late_write_never_lands_in_blocks_released_by_the_teardown",
         ),
     ),
+    Mutant(
+        "issue25-digest-mismatch-ignored",
+        "the receiver applies a checked fetch's done Result whatever its digest check found: a"
+        " corrupted block is reported done",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/digests.py",
+                "if ours is not None and c.theirs and hmac.compare_digest(ours, c.theirs):",
+                "if True:",
+            ),
+        ),
+        (
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_one_byte_flipped_after_the_write_fails_the_fetch",
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_two_destination_blocks_exchanged_fail_the_fetch",
+            "tests/test_digest.py::test_each_piece_of_an_instance_fetch_is_checked",
+        ),
+    ),
+    Mutant(
+        "issue25-digest-not-positional",
+        "the digest weighs every word alike (a plain sum): blocks exchanged or in another slot"
+        " keep the digest",
+        (
+            Edit(
+                "kvxferd/transfer/digest.py",
+                "a = (ra.to(data.device) * (x * wa).sum(1)).sum()",
+                "a = x.sum(dtype=torch.int64)",
+            ),
+            Edit(
+                "kvxferd/transfer/digest.py",
+                "b = (rb.to(data.device) * (x * wb).sum(1)).sum()",
+                "b = x.sum(dtype=torch.int64)",
+            ),
+        ),
+        (
+            "tests/test_digest.py::test_moved_content_changes_the_digest",
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_two_destination_blocks_exchanged_fail_the_fetch",
+        ),
+    ),
+    Mutant(
+        "issue25-digest-pieces-unchecked",
+        "the pieces of an instance fetch do not ask for the digest the fetch asked for: a"
+        " corrupted piece makes the heterogeneous fetch done",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/groups.py",
+                "                    digest=g.digest,",
+                "                    digest=False,",
+            ),
+        ),
+        ("tests/test_digest.py::test_each_piece_of_an_instance_fetch_is_checked",),
+    ),
 )
 
 
