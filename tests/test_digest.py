@@ -86,6 +86,18 @@ def test_a_fetch_digest_is_the_digest_of_its_layers_blocks_ranges_then_aux() -> 
     assert got == reference(parts + aux.numpy().tobytes())
 
 
+def test_the_torch_path_computes_the_same_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expressions a CUDA pool runs with torch (here on CPU tensors, numpy views off) give
+    the numpy path's digest: a CPU sender and a CUDA receiver agree."""
+    kv = _bytes(3 * 8 * 5000, seed=6).view(3, 8, 5000)
+    blocks, ranges = np.array([5, 0, 3]), (np.array([4000, 0]), np.array([1000, 2222]))
+    aux = torch.arange(99, dtype=torch.uint8)
+    want = dg.kv_digest(kv, (0, 3), blocks, ranges, aux), dg.kv_digest(kv, (1, 2), blocks)
+    monkeypatch.setattr(dg, "_native", lambda data: data)
+    got = dg.kv_digest(kv, (0, 3), blocks, ranges, aux), dg.kv_digest(kv, (1, 2), blocks)
+    assert got == want
+
+
 def test_any_single_byte_change_changes_the_digest() -> None:
     """Each byte of a stream of two rows and a tail, changed alone, changes the digest."""
     data = _bytes(2 * dg.ROW_BYTES + 9, seed=2)
