@@ -535,7 +535,7 @@ class IntegritySettings(_Frozen):
 
     digest: bool = Field(False, description="ask every fetch's sender for a digest and check it")
     digest_inline_bytes: int = Field(
-        1 << 20,
+        256 << 10,
         ge=0,
         le=1 << 30,
         description="a fetch of at most this many bytes is checked on the io thread; a larger"
