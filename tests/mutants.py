@@ -1643,6 +1643,7 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_digest.py::TestFetchDigest::"
             "test_two_destination_blocks_exchanged_fail_the_fetch",
             "tests/test_digest.py::test_each_piece_of_an_instance_fetch_is_checked",
+            "tests/test_gateway.py::test_a_digest_mismatch_reaches_the_engine_as_a_failed_load",
         ),
     ),
     Mutant(
