@@ -61,12 +61,16 @@ def function_gbps(sizes_mib: tuple[int, ...] = SIZES_MIB, reps: int = 7) -> list
     return out
 
 
-def run_digest_cost(opts: Options) -> dict[str, Any]:
-    """The function's speed, then the three paths on WORKLOADS (``opts`` gives reps and bounds)."""
+def run_digest_cost(
+    opts: Options,
+    workloads: tuple[Workload, ...] = WORKLOADS,
+    sizes_mib: tuple[int, ...] = SIZES_MIB,
+) -> dict[str, Any]:
+    """The function's speed, then the three paths on ``workloads`` (``opts``: reps, bounds)."""
     load0 = os.getloadavg()
     t0 = time.monotonic()
-    function = function_gbps()
-    results = _Runner(replace(opts, workloads=WORKLOADS), sys.stderr).run_workloads()
+    function = function_gbps(sizes_mib)
+    results = _Runner(replace(opts, workloads=workloads), sys.stderr).run_workloads()
     return {
         "machine": machine_info(),
         "dataplane_text": dataplane_description(opts.dataplane),
