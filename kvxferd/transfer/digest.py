@@ -3,8 +3,9 @@
 A fetch that asks for it (``RequestData.digest``) gets a 16-byte digest in its done
 Result, computed by the sender over the source bytes it wrote; the receiver computes
 the same function over what landed in its own blocks and fails the fetch
-``digest_mismatch`` when they differ (docs/protocol.md section 4, Result). Both sides run
-it with torch on the pool's own device (CPU tensors, or the CUDA pool), chunk by chunk.
+``digest_mismatch`` when they differ (docs/protocol.md section 4.1). Both sides run it
+where the pool is, chunk by chunk: a CUDA pool with torch on its device, a CPU pool with
+numpy on views of its tensors (below).
 
 The stream. For each layer ``l`` the fetch writes (ascending), each of its blocks ``i``
 (in the fetch's order: ``src_blocks[i]`` at the sender, ``dst_blocks[i]`` at the
@@ -25,12 +26,12 @@ key). Integer sums mod 2^64 do not depend on the order of a reduction, so a CPU 
 and a CUDA receiver agree bit for bit.
 
 One code path, two array libraries: the same expressions run on torch tensors of a CUDA
-pool and, for a CPU pool, on numpy views of its tensors (no copy). On the CPU, torch's
-intra-op threads made the digest 5 to 10 times slower than one thread on a loaded 2-core
-host (1 MiB: 69 ms on 2 threads against 6.5 ms on one, load average 12), and
-``torch.set_num_threads`` is process-wide (an engine embedding kvxferd has its own use
-for it); numpy runs the chunk on the calling thread. CPU chunks are 1 MiB (they stay in
-cache: 1.3 GB/s against 0.6 GB/s for 64 MiB in one piece).
+pool and, for a CPU pool, on numpy views of its tensors (no copy), on the calling thread.
+Measured in one process on this project's 2-core host (load average 7): 16 MiB took 7 ms
+with numpy, 50 ms with torch on 2 intra-op threads, 80 ms on one; 64 MiB 28, 222 and
+345 ms; with the host busier (load 12) torch's 2 threads were 10 times slower again than
+its one. ``torch.set_num_threads`` is process-wide, and an engine embedding kvxferd has
+its own use for it. CPU chunks are 1 MiB (they stay in cache).
 
 What it catches, honestly:
 
@@ -39,7 +40,7 @@ What it catches, honestly:
   words less than 8 GiB apart (a swap of two values): lane A changes by
   ``(w_a - w_b)(x_b - x_a)``, and ``w_a - w_b`` has a valuation of at most 12 (two
   columns) or 14 plus that of the row distance (one column), so the product's stays
-  below 64. Lane A alone is linear in the position: a block moved as a whole can
+  below 64. Lane A's weights are structured, not random: a block moved as a whole can
   cancel out in it, which is what lane B is for.
 * **With high probability**: other corruptions (a block in the wrong slot, two blocks
   swapped, a layer shifted, a half-written block). Lane B's weights are pseudo-random
