@@ -1669,6 +1669,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue25-digest-after-completion",
+        "the sender takes its digest after marking the slice written: an engine that reuses"
+        " its source blocks once the request completes makes a good transfer mismatch",
+        (
+            Edit(
+                "kvxferd/transfer/worker.py",
+                "                if sl.digest:  # before the request completes: its engine may then"
+                " reuse them\n                    sl.written_digest = self._digest(task)\n"
+                "                s.slice_written(sl)\n",
+                "                s.slice_written(sl)\n                if sl.digest:\n"
+                "                    sl.written_digest = self._digest(task)\n",
+            ),
+        ),
+        (
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_source_blocks_reused_at_completion_do_not_fail_the_check",
+        ),
+    ),
+    Mutant(
         "issue25-digest-pieces-unchecked",
         "the pieces of an instance fetch do not ask for the digest the fetch asked for: a"
         " corrupted piece makes the heterogeneous fetch done",

@@ -257,6 +257,26 @@ class TestFetchDigest:
         out, _ = pair.fetch("req-swap")
         assert out is not None and out.reason is Reason.DIGEST_MISMATCH, out
 
+    def test_source_blocks_reused_at_completion_do_not_fail_the_check(self, pair: Pair) -> None:
+        """The sender's digest is taken before its request completes: an engine that reuses
+        (overwrites) its source blocks the moment the outcome is committed does not turn a
+        good transfer into a digest_mismatch."""
+        tx = pair.sender.publish("req-reuse", [1, 2, 3], aux=b"first token")
+        told = tx.session.on_end
+        assert told is not None
+
+        def reuse(session: Any) -> None:  # runs where the outcome is committed
+            pair.sender.pool.kv_bytes_view()[:, [1, 2, 3]] = 0
+            told(session)
+
+        tx.session.on_end = reuse
+        h = pair.rx.fetch("req-reuse", pair.sender.endpoint, [5, 6, 7])
+        out = h.wait(WAIT_S)
+        assert out is not None and out.state is RxState.DONE, out
+        assert h.close(WAIT_S)
+        end = tx.wait(WAIT_S)
+        assert end is not None and end.state is TxState.COMPLETE, end
+
     @pytest.mark.parametrize("pair", [{"digest": True, "digest_inline_bytes": 0}], indirect=True)
     def test_a_large_fetch_is_checked_off_the_io_thread(self, pair: Pair) -> None:
         """Over digest_inline_bytes the check runs on the kvxferd-rx-digest thread; its verdict

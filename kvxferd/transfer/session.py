@@ -137,6 +137,7 @@ class Slice:
     # notification with it instead of a done Result (worker.py); b"": a done Result.
     notify: bytes = b""
     digest: bool = False  # RequestData.digest: its done Result carries the written bytes' digest
+    written_digest: bytes = b""  # worker thread only: that digest, computed before slice_written
     posted_at: float = 0.0  # worker thread only: monotonic time its first WRITE was posted
     written_at: float = 0.0  # worker thread only: when its last WRITE was released
     attached_at: float = field(default_factory=time.monotonic)  # readiness and /debug/state

@@ -348,6 +348,8 @@ class Worker:
                     self._slice_over(task)
                 continue
             if ok:
+                if sl.digest:  # before the request completes: its engine may then reuse them
+                    sl.written_digest = self._digest(task)
                 s.slice_written(sl)
             self._slice_over(task)
 
@@ -388,7 +390,6 @@ class Worker:
             # Its last WRITE carried the done notification (worker_writes.py): no Result.
             stats.add("slices_done_notified")
             return
-        digest = self._digest(task) if rep.status == "done" and sl.digest else b""
         self.outbox.enqueue(
             task.peer,
             wire.Result(
@@ -401,14 +402,18 @@ class Worker:
                 aux_bytes=task.session.aux_len
                 if rep.status == "done" and task.slice.aux_slot >= 0
                 else 0,
-                digest=digest,
+                digest=sl.written_digest if rep.status == "done" else b"",
             ),
         )
 
     def _digest(self, task: WriteTask) -> bytes:
         """The digest of the bytes ``task``'s slice wrote (digest.py), over its source blocks,
         layers and (for a mapped peer) its piece's source ranges, then its aux payload;
-        b"" when it cannot be computed (counted; the receiver then fails the fetch)."""
+        b"" when it cannot be computed (counted; the receiver then fails the fetch).
+
+        Computed once the slice's last write ended and before the slice is marked written:
+        the request's outcome (and with it the engine's right to reuse the source blocks)
+        may follow that mark at once."""
         s, sl, peer, pool = task.session, task.slice, task.peer, self.host.pool
         layers, ranges = (sl.layer_begin, sl.layer_end), None
         if peer.piece is not None and peer.topology is not None:
