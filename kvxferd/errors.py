@@ -52,9 +52,7 @@ class Reason(StrEnum):
     PEER_RESTARTED = "peer_restarted"  # the sender restarted (new incarnation); fetch not re-sent
     BAD_ENDPOINT = "bad_endpoint"  # an endpoint kvxferd will not connect to (see endpoints.py)
     NOT_AUTHORIZED = "not_authorized"  # the peer's identity may not do this (ownership.py, auth.py)
-    DIGEST_MISMATCH = (
-        "digest_mismatch"  # what landed differs from what the sender wrote (digest.py)
-    )
+    DIGEST_MISMATCH = "digest_mismatch"  # what landed is not what the sender wrote (digest.py)
 
 
 class KvxferdError(Exception):

@@ -341,9 +341,9 @@ class Receiver:
         ``sender_key``: the sender's public key (Z85) from the publish side; its Results
         and CancelAcks are taken only from that identity ("" with security off).
         ``digest``: check what landed against its sender's digest (receiver/digests.py);
-        None: ``integrity.digest``. Refusals are :class:`RejectedError` with a reason (draining, malformed,
-        bad_endpoint, not_authorized, too_large, bad_blocks, busy), raised on the
-        caller's thread.
+        None: ``integrity.digest``. Refusals are :class:`RejectedError` with a reason
+        (draining, malformed, bad_endpoint, not_authorized, too_large, bad_blocks, busy),
+        raised on the caller's thread.
         """
         if digest is None:
             digest = self.settings.integrity.digest
