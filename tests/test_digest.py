@@ -314,11 +314,15 @@ class TestFetchDigest:
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "one piece corrupted"])
-def test_each_piece_of_an_instance_fetch_is_checked(corrupt: bool) -> None:
-    """2P1D (TP2 -> TP1): each piece carries its own digest over its sub-ranges of the blocks;
-    intact, the instance fetch is done and byte-exact; one byte of one piece's range flipped,
-    it fails digest_mismatch."""
-    w = _World(SWEEP["2P1D (TP2->TP1)"], seed=5)
+@pytest.mark.parametrize(
+    "case", ["2P1D (TP2->TP1)", "PP2->PP1", "GQA: prefill TP4 over 2 heads -> TP1"]
+)
+def test_each_piece_of_an_instance_fetch_is_checked(case: str, corrupt: bool) -> None:
+    """One decode rank reading two pieces (two TP ranks' heads, two PP stages' layers, or
+    two of four GQA replicas): each piece carries its own digest over its sub-ranges and
+    layers; intact, the instance fetch is done and byte-exact; one byte of the second
+    piece's range flipped, it fails digest_mismatch."""
+    w = _World(SWEEP[case], seed=5)
     senders: list[Sender] = []
     receiver: Receiver | None = None
     try:
@@ -348,7 +352,7 @@ def test_each_piece_of_an_instance_fetch_is_checked(corrupt: bool) -> None:
         if corrupt:
 
             def flip(f: RxSession) -> None:
-                if f.prefill_rank == 1:  # the first byte the second rank's piece wrote
+                if f.prefill_rank > 0:  # the first byte the second piece wrote
                     piece = piece_for(d, rx.groups.records[f.sender_endpoint])
                     assert piece is not None
                     block, off = int(f.dst_blocks[0]), int(piece.ranges.dst[0])
