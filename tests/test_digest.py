@@ -45,6 +45,14 @@ def reference(stream: bytes) -> bytes:
     return struct.pack("<QQ", (a + n * dg._K_A) & M64, (b + n * dg._K_B) & M64)
 
 
+def mix(x: int) -> int:
+    """docs/protocol.md §4.1's mix, in Python integers."""
+    z = (x + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return (z ^ (z >> 31)) | 1
+
+
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
 
@@ -56,6 +64,14 @@ def _digest(data: torch.Tensor) -> bytes:
 
 
 # -- the function ---------------------------------------------------------------------------------
+
+
+def test_the_weights_are_the_documented_mix() -> None:
+    """The code's splitmix64 is the one docs/protocol.md spells out (another implementation
+    following the document computes the same digest)."""
+    xs = [0, 1, 4095, 1 << 40, (1 << 64) - 1]
+    got = dg._mix(np.array(xs, dtype=np.uint64)).tolist()
+    assert got == [mix(x) for x in xs]
 
 
 @pytest.mark.parametrize("n", [1, 5, dg.ROW_BYTES, dg.ROW_BYTES + 3, 3 * dg.ROW_BYTES + 17])
