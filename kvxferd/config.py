@@ -530,12 +530,33 @@ class AccessSettings(_Frozen):
         return self
 
 
+class IntegritySettings(_Frozen):
+    """The per-request digest (kvxferd/transfer/digest.py, docs/protocol.md section 4).
+
+    With ``digest`` on, each fetch asks its sender for a digest of the bytes it wrote
+    (a done Result carries it instead of a NIXL notification) and the receiver checks
+    what landed before the fetch is done: a mismatch fails it ``digest_mismatch``. An
+    engine's Fetch may override it per fetch. Off by default: on this project's CPU
+    pools it costs more than the transfer's own CPU time (docs/performance.md, Issue 25).
+    """
+
+    digest: bool = Field(False, description="ask every fetch's sender for a digest and check it")
+    digest_inline_bytes: int = Field(
+        256 << 10,
+        ge=0,
+        le=1 << 30,
+        description="a fetch of at most this many bytes is checked on the io thread; a larger"
+        " one on the kvxferd-rx-digest thread (its check would hold other fetches' messages)",
+    )
+
+
 class ReceiverSettings(_RoleSettings):
     """The generation-side process: fetches requests into its own blocks."""
 
     name: str = Field("kvxferd-receiver", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     result_endpoint: str = Field("tcp://127.0.0.1:0", pattern=r"^(tcp|ipc)://.{1,240}$")
     access: AccessSettings = AccessSettings()
+    integrity: IntegritySettings = IntegritySettings()
 
 
 S = TypeVar("S", bound=_RoleSettings)

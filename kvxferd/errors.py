@@ -54,6 +54,7 @@ class Reason(StrEnum):
     NOT_AUTHORIZED = "not_authorized"  # the peer's identity may not do this (ownership.py, auth.py)
     BAD_PROGRESS = "bad_progress"  # a streamed publish's progress mark was refused (local only)
     STREAM_STALLED = "stream_stalled"  # no progress mark for stream_stall_timeout_ms (local only)
+    DIGEST_MISMATCH = "digest_mismatch"  # what landed is not what the sender wrote (digest.py)
 
 
 class KvxferdError(Exception):

@@ -190,6 +190,12 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         _S,
         "Done slices told to their receiver by a NIXL notification instead of a Result",
     ),
+    _c("digests_computed", _S, "Done Results carrying a digest of the bytes written (asked for)"),
+    _c(
+        "digest_errors",
+        _S,
+        "Digests the sender could not compute: the done Result carries none (the receiver fails it)",
+    ),
     _c(
         "writes_coalesced",
         _S,
@@ -451,6 +457,17 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Notification records dropped: wrong nonce, or not from the sender the fetch was sent to",
     ),
     _c("notifications_unknown", _R, "NIXL notifications that were not kvxferd's (dropped)"),
+    _c("digests_checked", _R, "Done fetches whose digest was checked against what landed"),
+    _c(
+        "digests_checked_off_io",
+        _R,
+        "Of those, checked on the kvxferd-rx-digest thread (over integrity.digest_inline_bytes)",
+    ),
+    _c(
+        "digest_mismatches",
+        _R,
+        "Fetches failed digest_mismatch: what landed is not what the sender wrote",
+    ),
     _c(
         "cancels_sent", _R, "CANCELs sent (a cancel, a timeout, or asking again about one in doubt)"
     ),

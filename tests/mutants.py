@@ -1799,6 +1799,80 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_vllm_decode_first.py::test_a_receipt_for_a_finished_request_is_not_kept",),
     ),
+    Mutant(
+        "issue25-digest-mismatch-ignored",
+        "the receiver applies a checked fetch's done Result whatever its digest check found: a"
+        " corrupted block is reported done",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/digests.py",
+                "if ours is not None and c.theirs and hmac.compare_digest(ours, c.theirs):",
+                "if True:",
+            ),
+        ),
+        (
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_one_byte_flipped_after_the_write_fails_the_fetch",
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_two_destination_blocks_exchanged_fail_the_fetch",
+            "tests/test_digest.py::test_each_piece_of_an_instance_fetch_is_checked",
+            "tests/test_gateway.py::test_a_digest_mismatch_reaches_the_engine_as_a_failed_load",
+        ),
+    ),
+    Mutant(
+        "issue25-digest-not-positional",
+        "the digest weighs every word alike (a plain sum): blocks exchanged or in another slot"
+        " keep the digest",
+        (
+            Edit(
+                "kvxferd/transfer/digest.py",
+                "a = (ra * (x * wa).sum(1)).sum()",
+                "a = x.sum(1).sum()",
+            ),
+            Edit(
+                "kvxferd/transfer/digest.py",
+                "b = (rb * (x * wb).sum(1)).sum()",
+                "b = x.astype(np.int64).sum()",
+            ),
+        ),
+        (
+            "tests/test_digest.py::test_moved_content_changes_the_digest",
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_two_destination_blocks_exchanged_fail_the_fetch",
+        ),
+    ),
+    Mutant(
+        "issue25-digest-after-completion",
+        "the sender takes its digest after marking the slice written: an engine that reuses"
+        " its source blocks once the request completes makes a good transfer mismatch",
+        (
+            Edit(
+                "kvxferd/transfer/worker.py",
+                "                if sl.digest:  # before the request completes: its engine may then"
+                " reuse them\n                    sl.written_digest = self._digest(task)\n"
+                "                s.slice_written(sl)\n",
+                "                s.slice_written(sl)\n                if sl.digest:\n"
+                "                    sl.written_digest = self._digest(task)\n",
+            ),
+        ),
+        (
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_source_blocks_reused_at_completion_do_not_fail_the_check",
+        ),
+    ),
+    Mutant(
+        "issue25-digest-pieces-unchecked",
+        "the pieces of an instance fetch do not ask for the digest the fetch asked for: a"
+        " corrupted piece makes the heterogeneous fetch done",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/groups.py",
+                "                    digest=g.digest,",
+                "                    digest=False,",
+            ),
+        ),
+        ("tests/test_digest.py::test_each_piece_of_an_instance_fetch_is_checked",),
+    ),
 )
 
 

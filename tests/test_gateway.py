@@ -365,6 +365,37 @@ def test_fetch_wait_and_publish_wait_are_one_round_trip_each(
         assert a.get("calls_close", 0) == b.get("calls_close", 0)
 
 
+def test_a_digest_mismatch_reaches_the_engine_as_a_failed_load(
+    clients: tuple[Client, Client], receiver: Receiver
+) -> None:
+    """A Fetch asking for the digest (digest=True over the engine API) whose bytes were
+    changed between the write and the check ends failed with reason digest_mismatch in the
+    engine's Outcome, its blocks reusable; the same Fetch untouched is done."""
+    tx, rx = clients
+    tx_info = tx.describe()
+    src_kv, dst_kv = _attach(tx_info), _attach(rx.describe())
+    data = _fill(src_kv, [20, 21], seed=8)
+    ep_ = tx_info.endpoint or ""
+    tx.publish("gw-digest-ok", [20, 21])
+    out = rx.fetch_wait("gw-digest-ok", ep_, [22, 23], CALL_S, want_aux=False, digest=True)
+    assert out.ok and torch.equal(dst_kv[:, [22, 23], :], data), out
+    checked = receiver.stats.get("digests_checked")
+    assert checked >= 1
+
+    def flip(f: Any) -> None:
+        receiver.pool.kv_bytes_view()[0, int(f.dst_blocks[0]), 5] ^= 0xFF
+
+    receiver.digests.landed = flip
+    try:
+        tx.publish("gw-digest-bad", [20, 21])
+        out = rx.fetch_wait("gw-digest-bad", ep_, [22, 23], CALL_S, want_aux=False, digest=True)
+    finally:
+        receiver.digests.landed = None
+    assert out.state == "failed" and out.reason is EngineReason.DIGEST_MISMATCH, out
+    assert out.closed is True and out.reusable, out
+    assert receiver.stats.get("digests_checked") == checked + 1
+
+
 def test_a_fetch_wait_not_ended_in_its_wait_returns_its_open_handle(
     clients: tuple[Client, Client],
 ) -> None:

@@ -59,6 +59,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/receiver/in_doubt.py": ("receiver",),
     "transfer/receiver/links.py": ("receiver",),
     "transfer/receiver/messages.py": ("receiver",),
+    "transfer/receiver/digests.py": ("receiver",),
     "transfer/receiver/shutdown.py": ("receiver",),
     "transfer/link_agents.py": ("receiver",),
     "engine/gateway.py": ("gateway",),

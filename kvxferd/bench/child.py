@@ -150,6 +150,9 @@ class _ChildServer:
         def make(path: str, k: int) -> _Side:
             kinds: dict[str, Callable[[], _Side]] = {
                 "kvxferd": (lambda: KvxTx(plan, dp)) if tx else (lambda: KvxRx(plan, dp, k)),
+                "kvxferd-digest": (lambda: KvxTx(plan, dp))
+                if tx
+                else (lambda: KvxRx(plan, dp, k, digest=True)),
                 "engine": lambda: self._engine_side(plan, k),
                 "nixl": (lambda: RawTx(plan, True)) if tx else (lambda: RawRx(plan, k, True)),
                 "nixl-default": (lambda: RawTx(plan, False))

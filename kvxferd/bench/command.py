@@ -70,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "same bytes per request, alternating repetitions, ratios to 1P1D; --reps, --json (~15 s)",
     )
     p.add_argument(
+        "--digest",
+        action="store_true",
+        help="the per-request digest's cost: its GB/s for 1-64 MiB, and the kvxferd path with "
+        "and without it next to raw NIXL, repetitions alternating; --reps, --json (~2 min)",
+    )
+    p.add_argument(
         "--engine-path",
         dest="engine_path",
         action="store_true",
@@ -170,6 +176,8 @@ def main_bench(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
         return main_curve_cost(args)
     if getattr(args, "hetero", False):
         return main_hetero(args)
+    if getattr(args, "digest", False):
+        return main_digest(args, child_module)
     if getattr(args, "curves", False):
         return main_curves(args, child_module)
     if getattr(args, "scale", False):
@@ -284,3 +292,29 @@ def main_hetero(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as f:
             json.dump(doc, f, indent=1)
     return 0
+
+
+def main_digest(args: argparse.Namespace, child_module: str = "kvxferd") -> int:
+    """``kvxferd bench --digest``: the digest's cost, its tables, --json. 0 ok, 1 failed, 2 bad usage."""
+    from kvxferd.bench.digest_cost import format_digest_cost, run_digest_cost
+
+    if args.quick or args.only or args.plot_path or args.curves or args.scale:
+        print(
+            "kvxferd bench: --digest takes none of --quick, --only, --plot, --curves, --scale",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        args.quick = True  # the quick preset's repetition sizes: the run stays near 2 minutes
+        doc = run_digest_cost(options_from_args(args, child_module))
+    except BenchError as e:
+        print(f"kvxferd bench: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_digest_cost(doc))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    ok = all(
+        p["verified"] and not p["failures"] for w in doc["workloads"] for p in w["paths"].values()
+    )
+    return 0 if ok else 1

@@ -111,9 +111,12 @@ class KvxTx(_Side):
 
 
 class KvxRx(_Destination):
-    """kvxferd's Receiver, fetching with a window of ``inflight`` and timing each fetch."""
+    """kvxferd's Receiver, fetching with a window of ``inflight`` and timing each fetch
+    (``digest``: each fetch checks the per-request digest, kvxferd/transfer/digest.py)."""
 
-    def __init__(self, plan: Plan, dataplane: DataPlaneSettings, index: int) -> None:
+    def __init__(
+        self, plan: Plan, dataplane: DataPlaneSettings, index: int, *, digest: bool = False
+    ) -> None:
         from kvxferd.config import load_receiver_settings
         from kvxferd.transfer.receiver import Receiver
 
@@ -126,6 +129,7 @@ class KvxRx(_Destination):
         )
         self.receiver: Receiver | None = Receiver(settings).start()
         self.endpoint = ""
+        self.digest = digest
 
     def kv(self) -> npt.NDArray[np.uint8]:
         assert self.receiver is not None
@@ -166,6 +170,7 @@ class KvxRx(_Destination):
                     self.endpoint,
                     self.slots[i % w.inflight],
                     want_aux=False,
+                    digest=self.digest,
                 )
             except Exception as e:
                 sys.stderr.write(f"bench: fetch refused: {e!r}\n")

@@ -222,7 +222,7 @@ class _Runner:
         everyone = [tx, *rxs]
         step = dict(path=path, rep=rep, count=count)
         _ask_all(everyone, STEP_TIMEOUT_S, "prepare", **step)
-        drivers = rxs if path in ("kvxferd", "engine") else [tx]
+        drivers = rxs if path in ("kvxferd", "kvxferd-digest", "engine") else [tx]
         runs = _ask_all(drivers, plan.run_timeout_s(count) + STEP_TIMEOUT_S, "run", **step)
         finals = _ask_all(everyone, plan.run_timeout_s(count) + STEP_TIMEOUT_S, "finish", **step)
         bad = [f["detail"] for f in finals[1:] if not f["verified"]]

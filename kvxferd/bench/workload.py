@@ -7,7 +7,8 @@ from typing import Literal
 
 from kvxferd.config import DataPlaneSettings
 
-Path_ = Literal["kvxferd", "engine", "nixl", "nixl-default", "zmq"]
+# kvxferd-digest: the kvxferd path, each fetch checking the per-request digest (--digest).
+Path_ = Literal["kvxferd", "kvxferd-digest", "engine", "nixl", "nixl-default", "zmq"]
 # Library workloads: kvxferd's Sender/Receiver in the bench children. Engine workloads: real
 # daemons driven through kvxferd.engine.client. Both against the two raw-NIXL baselines (nixl_path.py).
 LIBRARY_PATHS: tuple[Path_, ...] = ("kvxferd", "nixl", "nixl-default", "zmq")

@@ -201,6 +201,7 @@ def _fetch_msg(
     instance: Instance = ((), (), ()),
     wait_ms: int = 0,
     close: bool = False,
+    digest: bool | None = None,
 ) -> Build:
     lb, le = layers if layers is not None else (0, 0)
     blocks = _blocks(block_ids)
@@ -208,6 +209,7 @@ def _fetch_msg(
     return lambda call_id, deadline: ep.Fetch(
         wait_ms=wait_ms,
         close=close,
+        digest=digest,
         token=token,
         sender_key=sender_key,
         sender_endpoints=endpoints,
@@ -364,7 +366,6 @@ class Client:
         expected_fetches: int = 1,
         fetch_token: str = "",
         allowed_receivers: Sequence[str] = (),
-        streamed: bool = False,
     ) -> Outcome:
         """``publish``, answered once: when the request ended (fetched, expired, ...), its
         Outcome, closed as by ``close`` when ``close`` (``outcome.closed``).
@@ -372,8 +373,7 @@ class Client:
         Not ended within ``timeout``: an Outcome in state ``published`` whose ``handle_id``
         serves ``wait`` / ``close`` later. One round trip per request instead of publish +
         wait. ``fetch_token``: a fetch token of the engine's own (a waiting publish cannot
-        ask the daemon for one). ``streamed=True`` raises ValueError: the handle id that
-        ``progress`` needs comes only with the answer (use ``publish`` / ``publish_for``).
+        ask the daemon for one). It cannot stream: ``progress`` needs the handle id first.
         """
         reply = self._call(
             _publish_msg(
@@ -385,7 +385,6 @@ class Client:
                 allowed_receivers,
                 _ms(timeout) or 1,
                 close,
-                streamed,
             ),
             timeout,
         )
@@ -438,6 +437,7 @@ class Client:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> int:
         """Receiver daemon: have ``sender_endpoint`` write ``request_id`` into ``block_ids``; the handle id.
 
@@ -447,6 +447,8 @@ class Client:
         first; pass rank 0's as ``sender_endpoint``), with per-rank ``tokens`` and
         ``sender_keys`` if its Publishes gave them: the daemon reads from each rank what
         the reshard mapping gives this rank (needs ``describe(topology=...)`` first).
+        ``digest``: check what landed against the sender's digest before the fetch is done
+        (a mismatch fails it ``digest_mismatch``); None: the daemon's ``integrity.digest``.
         """
         reply = self._call(
             _fetch_msg(
@@ -459,6 +461,7 @@ class Client:
                 token,
                 sender_key,
                 (sender_endpoints, tokens, sender_keys),
+                digest=digest,
             )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
@@ -479,14 +482,12 @@ class Client:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> Outcome:
-        """``fetch``, answered once: its Outcome when the fetch ended (closed when ``close``:
-        ``outcome.closed`` says whether the blocks may be reused now).
-
+        """``fetch``, answered once (one round trip, not fetch + wait): its Outcome when the
+        fetch ended, closed when ``close`` (``outcome.closed``: the blocks may be reused now).
         Not ended within ``timeout``: an Outcome in state ``requested`` whose ``handle_id``
-        serves ``wait`` / ``close`` later. One round trip per request instead of fetch +
-        wait. ``timeout_ms`` is the transfer's own bound (the daemon's
-        ``kv_transfer_timeout_ms`` when None), as for ``fetch``.
+        serves ``wait`` / ``close`` later. ``timeout_ms``: the transfer's bound, as for fetch.
         """
         reply = self._call(
             _fetch_msg(
@@ -501,6 +502,7 @@ class Client:
                 (sender_endpoints, tokens, sender_keys),
                 _ms(timeout) or 1,
                 close,
+                digest,
             ),
             timeout,
         )
@@ -940,7 +942,6 @@ class AsyncClient:
         expected_fetches: int = 1,
         fetch_token: str = "",
         allowed_receivers: Sequence[str] = (),
-        streamed: bool = False,
     ) -> Outcome:
         """See :meth:`Client.publish_wait`."""
         reply = await self._call(
@@ -953,7 +954,6 @@ class AsyncClient:
                 allowed_receivers,
                 _ms(timeout) or 1,
                 close,
-                streamed,
             ),
             timeout,
         )
@@ -998,6 +998,7 @@ class AsyncClient:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> int:
         """See :meth:`Client.fetch`."""
         reply = await self._call(
@@ -1011,6 +1012,7 @@ class AsyncClient:
                 token,
                 sender_key,
                 (sender_endpoints, tokens, sender_keys),
+                digest=digest,
             )
         )
         return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
@@ -1031,6 +1033,7 @@ class AsyncClient:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> Outcome:
         """See :meth:`Client.fetch_wait`."""
         reply = await self._call(
@@ -1046,6 +1049,7 @@ class AsyncClient:
                 (sender_endpoints, tokens, sender_keys),
                 _ms(timeout) or 1,
                 close,
+                digest,
             ),
             timeout,
         )

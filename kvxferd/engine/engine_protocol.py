@@ -118,6 +118,7 @@ class EngineReason(StrEnum):
     NOT_AUTHORIZED = "not_authorized"
     BAD_PROGRESS = "bad_progress"  # a progress mark was refused: the streamed publish failed
     STREAM_STALLED = "stream_stalled"  # no progress mark for stream_stall_timeout_ms
+    DIGEST_MISMATCH = "digest_mismatch"  # a failed load: what landed is not what was written
     # The gateway's own.
     UNKNOWN_HANDLE = "unknown_handle"  # never issued, already closed, or another connection's
     WRONG_ROLE = "wrong_role"  # Publish on a receiver, Fetch on a sender
@@ -228,6 +229,9 @@ class Fetch(_Msg, tag="fetch", frozen=True, omit_defaults=True):
     sender_keys: Annotated[list[PublicKey], Meta(max_length=4096)] = []
     wait_ms: WaitMs = 0  # > 0: answered once, with the Outcome (see the module docstring)
     close: bool = False  # with wait_ms: close the handle once it ended
+    # The per-request digest (kvxferd/transfer/digest.py): None means the daemon's
+    # ``integrity.digest``; true/false overrides it for this fetch.
+    digest: bool | None = None
 
 
 class Lookup(_Msg, tag="lookup", frozen=True):

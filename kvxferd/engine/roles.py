@@ -238,6 +238,7 @@ class ReceiverRole:
             sender_endpoints=msg.sender_endpoints,
             tokens=msg.tokens,
             sender_keys=msg.sender_keys,
+            digest=msg.digest,
         )
 
     def handle_reply(self, msg: ep.Publish | ep.Fetch, hid: int, token: str) -> ep.Handle:

@@ -22,6 +22,7 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     reshard.py    prefill ranks -> decode rank: which heads and layers of which blocks
     guard.py      what a long-lived thread does with an unexpected error: log, count, fail liveness
     session.py    TxSession / RxSession state machines (no I/O): admission, drain, fence
+    digest.py     the per-request digest: two 64-bit lanes over the bytes a fetch moved, with torch
     sender/       the sender, a package by its state: the facade, the ROUTER listener thread,
                   peers (admitted, replaced, evicted), published requests, parked fetches, the drain
     peer_agents.py  the receivers' NIXL agents on a sender: writes in flight, deferred removals
@@ -33,7 +34,8 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     worker_writes.py  a worker's writes in flight: posting, polling, stall deadline, doubt, release
     worker_outbox.py  a worker's DEALER and FIFO box per result endpoint, each message's deadline
     receiver/     the receiver: one io thread owning its sockets, deadlines, cancel fence, in-doubt table
-                  (core, handle, fetches, in_doubt, groups, links, messages, shutdown: its __init__ draws them)
+                  (core, handle, fetches, in_doubt, groups, links, messages, digests, shutdown: its __init__
+                  draws them)
     commands.py   what other threads hand the receiver's io thread: one typed command each
     link_agents.py  the receiver's NIXL agent per sender link: spares made ahead, torn down when a
                   link goes down (the proof that ends its doubts, with revocable transports)

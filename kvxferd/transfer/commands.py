@@ -1,7 +1,7 @@
 """What other threads hand the receiver's io thread: one typed command each, run in order.
 
-Engine threads (fetch, cancel), the drain, discovery's watcher and the link agents'
-thread never touch the io thread's sockets or tables: they append one of these to the
+Engine threads (fetch, cancel), the drain, discovery's watcher, the link agents'
+thread and the digest thread never touch the io thread's sockets or tables: they append one of these to the
 receiver's command queue (under its lock) and wake the io thread, which runs them in
 order at the start of its next turn (``Receiver._run_commands``, a ``match``).
 """
@@ -73,6 +73,14 @@ class AgentTorn:
     gen: int
 
 
+@dataclass(frozen=True, slots=True)
+class DigestChecked:
+    """The kvxferd-rx-digest thread computed a fetch's digest: apply its Result now."""
+
+    check: Any  # receiver/digests.py's Check (it imports this module)
+    ours: bytes | None  # None: it could not be computed
+
+
 Command = (
     StartFetch
     | StartGroup
@@ -83,4 +91,5 @@ Command = (
     | PeerEvent
     | AgentReady
     | AgentTorn
+    | DigestChecked
 )

@@ -35,6 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from kvxferd.errors import ProtocolError, Reason, RejectedError
+from kvxferd.transfer.digest import DIGEST_BYTES
 from kvxferd.transfer.layout import Layout
 from kvxferd.transfer.reshard import check_pair
 from kvxferd.transfer.topology import Topology
@@ -175,6 +176,10 @@ class RequestData(_Msg, tag="request_data", omit_defaults=True):
     # A random nonce of the receiver's: the fetch's last WRITE carries a NIXL notification
     # (``encode_notification``) instead of a done Result following it. b"": done Results.
     notify: Annotated[bytes, Meta(max_length=NONCE_BYTES)] = b""
+    # True: the done Result carries ``digest`` (kvxferd/transfer/digest.py) over the bytes
+    # written. Only sent when true: a sender that predates it refuses the RequestData
+    # (malformed, unknown field), so a receiver asks only senders of this version.
+    digest: bool = False
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -184,8 +189,13 @@ class Cancel(_Msg, tag="cancel"):
     fetch_id: U63
 
 
-class Result(_Msg, tag="result"):
-    """Sender -> receiver: the one final result of a fetch."""
+class Result(_Msg, tag="result", omit_defaults=True):
+    """Sender -> receiver: the one final result of a fetch.
+
+    ``digest``: on a done Result of a fetch that asked for one (``RequestData.digest``),
+    the 16-byte digest of the bytes written (digest.py); omitted otherwise, like every
+    field at its default, so a receiver that predates it reads every Result it gets.
+    """
 
     request_id: RequestId
     fetch_id: U63
@@ -194,6 +204,7 @@ class Result(_Msg, tag="result"):
     detail: Text = ""
     nbytes: U63 = 0
     aux_bytes: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    digest: Annotated[bytes, Meta(max_length=DIGEST_BYTES)] = b""
 
 
 class CancelAck(_Msg, tag="cancel_ack"):

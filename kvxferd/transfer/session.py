@@ -154,6 +154,8 @@ class Slice:
     notify: bytes = b""
     # Streamed publish: the first layer of this slice not yet posted (worker thread only).
     next_layer: int = -1
+    digest: bool = False  # RequestData.digest: its done Result carries the written bytes' digest
+    written_digest: bytes = b""  # worker thread only: that digest, computed before slice_written
     posted_at: float = 0.0  # worker thread only: monotonic time its first WRITE was posted
     written_at: float = 0.0  # worker thread only: when its last WRITE was released
     attached_at: float = field(default_factory=time.monotonic)  # readiness and /debug/state
@@ -550,6 +552,8 @@ class RxSession:
     # A group's piece: the prefill rank (and instance) its sender must be, else -1.
     prefill_rank: int = -1
     prefill_compat: str = ""
+    # Asks its sender for a digest; done only once what landed matches it (receiver/digests.py).
+    digest: bool = False
     fence_done: Flag = field(default_factory=Flag)
     # Set once blocks_reusable is true (maybe long after the outcome: an in-doubt fence resolved).
     reusable: Flag = field(default_factory=Flag)
@@ -696,6 +700,7 @@ class RxGroup:
         self.outcome: RxOutcome | None = None
         self.pieces: list[RxSession] = []
         self.planned = False
+        self.digest = False  # each piece asks its sender for a digest (receiver/digests.py)
         self._on_failed = on_failed  # cancels the pieces still open (the receiver's io thread)
         self._lock = threading.Lock()
         self.completion: Completion[RxOutcome] = Completion()

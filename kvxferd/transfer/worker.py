@@ -49,6 +49,7 @@ from typing import Any
 
 from kvxferd.errors import Reason
 from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.digest import kv_digest
 from kvxferd.transfer.journal import Ending
 from kvxferd.transfer.session import SliceState
 from kvxferd.transfer.views import WorkerView
@@ -386,6 +387,8 @@ class Worker:
                     self._slice_over(task)
                 continue
             if ok:
+                if sl.digest:  # before the request completes: its engine may then reuse them
+                    sl.written_digest = self._digest(task)
                 s.slice_written(sl)
             self._slice_over(task)
 
@@ -438,8 +441,33 @@ class Worker:
                 aux_bytes=task.session.aux_len
                 if rep.status == "done" and task.slice.aux_slot >= 0
                 else 0,
+                digest=sl.written_digest if rep.status == "done" else b"",
             ),
         )
+
+    def _digest(self, task: WriteTask) -> bytes:
+        """The digest of the bytes ``task``'s slice wrote (digest.py), over its source blocks,
+        layers and (for a mapped peer) its piece's source ranges, then its aux payload;
+        b"" when it cannot be computed (counted; the receiver then fails the fetch).
+
+        Computed once the slice's last write ended and before the slice is marked written:
+        the request's outcome (and with it the engine's right to reuse the source blocks)
+        may follow that mark at once."""
+        s, sl, peer, pool = task.session, task.slice, task.peer, self.host.pool
+        layers, ranges = (sl.layer_begin, sl.layer_end), None
+        if peer.piece is not None and peer.topology is not None:
+            base = peer.piece.prefill.layer_begin  # the slice's layers are absolute ids
+            layers = (sl.layer_begin - base, sl.layer_end - base)
+            ranges = (peer.piece.ranges.src, peer.piece.ranges.length)
+        aux = pool.aux[s.aux_slot, : s.aux_len] if s.aux_len > 0 and sl.aux_slot >= 0 else None
+        try:
+            digest = kv_digest(pool.kv_bytes_view(), layers, s.block_ids, ranges, aux)
+        except Exception:
+            self.host.guard.caught(f"{self.name}: digest")
+            self.host.stats.add("digest_errors")
+            return b""
+        self.host.stats.add("digests_computed")
+        return digest
 
     def _ack_cancel(self, task: AckTask) -> None:
         sl = task.session.slice((task.peer.receiver_id, task.fetch_id))

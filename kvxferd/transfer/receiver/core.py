@@ -65,6 +65,7 @@ from kvxferd.transfer.journal import Journal
 from kvxferd.transfer.link_agents import LinkAgents, SharedAgent, teardown_proves
 from kvxferd.transfer.poller import Poller, tight_timers
 from kvxferd.transfer.pool import IdAllocator, KvPool
+from kvxferd.transfer.receiver.digests import Digests
 from kvxferd.transfer.receiver.fetches import Fetches
 from kvxferd.transfer.receiver.groups import Groups
 from kvxferd.transfer.receiver.handle import RxHandle
@@ -218,6 +219,7 @@ class Receiver:
         self.groups = Groups(self)
         self.links = Links(self)
         self.messages = Messages(self)
+        self.digests = Digests(self)
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._shutdown_once: Once[RxShutdownReport] = Once()
@@ -325,6 +327,7 @@ class Receiver:
         sender_endpoints: Sequence[str] = (),
         tokens: Sequence[str] = (),
         sender_keys: Sequence[str] = (),
+        digest: bool | None = None,
     ) -> RxHandle:
         """Ask ``sender_endpoint`` to write ``request_id`` into ``block_ids``; returns at once.
 
@@ -337,10 +340,13 @@ class Receiver:
         ``token``: the fetch token the publisher issued (passed on in RequestData).
         ``sender_key``: the sender's public key (Z85) from the publish side; its Results
         and CancelAcks are taken only from that identity ("" with security off).
-        Refusals are :class:`RejectedError` with a reason (draining, malformed,
-        bad_endpoint, not_authorized, too_large, bad_blocks, busy), raised on the
-        caller's thread.
+        ``digest``: check what landed against its sender's digest (receiver/digests.py);
+        None: ``integrity.digest``. Refusals are :class:`RejectedError` with a reason
+        (draining, malformed, bad_endpoint, not_authorized, too_large, bad_blocks, busy),
+        raised on the caller's thread.
         """
+        if digest is None:
+            digest = self.settings.integrity.digest
         try:
             if sender_endpoints:
                 return self.groups.admit(
@@ -352,6 +358,7 @@ class Receiver:
                     timeout_ms,
                     list(tokens),
                     list(sender_keys),
+                    digest,
                 )
             return self.fetches.admit(
                 request_id,
@@ -364,6 +371,7 @@ class Receiver:
                 # the key it must present: security.sender_keys first, else the fetch's,
                 # and in the allow-list (not_authorized otherwise); security off: as given
                 self.transport.server_key_for(sender_endpoint, sender_key),
+                digest,
             )
         except RejectedError as e:
             self.stats.add(f"fetch_refused_{e.reason}")
@@ -428,6 +436,7 @@ class Receiver:
                     delay = None
         finally:
             io.stop()  # the engine gateway answers what is outstanding and closes
+            self.digests.stop()
             self.links.close_all()
             self._router.close(linger=0)
 
@@ -537,6 +546,8 @@ class Receiver:
                     self.links.agent_ready()
                 case cmd.AgentTorn(gen):
                     self.doubts.agent_torn(gen)
+                case cmd.DigestChecked(check, ours):  # the kvxferd-rx-digest thread's verdict
+                    self.digests.verdict(check, ours)
 
     # -- shutdown ----------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> bool:

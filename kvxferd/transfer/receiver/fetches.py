@@ -84,6 +84,7 @@ class Fetches:
         timeout_ms: int | None,
         token: str = "",
         sender_key: str = "",
+        digest: bool = False,
     ) -> RxHandle:
         """One fetch from one sender: checked, its aux slot taken, queued for the io thread."""
         rx = self.rx
@@ -121,6 +122,7 @@ class Fetches:
             token=token,
             sender_key=sender_key,
             on_end=self.journal,
+            digest=digest,
         )
         # Admission is atomic with the start of a drain: shutdown sets _draining under this
         # lock and then takes its list of open fetches, so a fetch is refused or on that list.
@@ -203,7 +205,9 @@ class Fetches:
             timeout_ms=min(max(1, int(left_s * 1000)), 3_600_000),
             deadline_unix_ms=max(1, int((time.time() + left_s) * 1000)),
             token=f.token,
-            notify=f.nonce if rx.settings.dataplane.notifications else b"",
+            # A fetch that checks a digest learns it from its done Result (no notification).
+            notify=f.nonce if rx.settings.dataplane.notifications and not f.digest else b"",
+            digest=f.digest,
         )
         was_sent = f.sent
         # Marked sent now: a Cancel of this fetch goes on the same link after the batch

@@ -58,6 +58,7 @@ class Groups:
         timeout_ms: int | None,
         tokens: list[str],
         keys: list[str],
+        digest: bool = False,
     ) -> RxHandle:
         """A fetch from a prefill instance: planned on the io thread once a record is known."""
         rx = self.rx
@@ -101,6 +102,7 @@ class Groups:
             keys,
             self.cancel_pieces,
         )
+        group.digest = digest
         with rx._lock:
             if rx._draining.is_set():  # atomic with the drain's start, as in Fetches.admit
                 refusal = RejectedError(Reason.DRAINING, "receiver is draining")
@@ -179,6 +181,7 @@ class Groups:
                     on_change=g.piece_changed,
                     prefill_rank=r,
                     prefill_compat=rec.compat,
+                    digest=g.digest,
                 )
             )
         limit = rx.settings.limits.max_fetches_in_flight

@@ -135,7 +135,9 @@ class Messages:
             else:
                 fetches.fail(f, Reason.PEER_LOST, "REGISTER could not be sent")
             return
-        self.apply_result(f, msg.status, msg.reason, msg.detail, msg.nbytes, msg.aux_bytes)
+        self.apply_result(
+            f, msg.status, msg.reason, msg.detail, msg.nbytes, msg.aux_bytes, msg.digest
+        )
 
     def on_register_reply(self, link: Link, msg: wire.RegisterReply) -> None:
         rx = self.rx
@@ -230,9 +232,19 @@ class Messages:
         detail: str,
         nbytes: int,
         aux_bytes: int,
+        digest: bytes = b"",
+        *,
+        checked: bool = False,
     ) -> None:
-        """The sender's final word on ``f`` (a Result, or the notification of its last WRITE)."""
+        """The sender's final word on ``f`` (a Result, or the notification of its last WRITE).
+
+        A done one for a fetch that asked for a digest goes to its check first (digests.py),
+        which applies it again with ``checked``: done, or failed ``digest_mismatch``.
+        """
         rx = self.rx
+        if status == "done" and f.digest and not checked and not f.ended:
+            rx.digests.check(f, nbytes, aux_bytes, digest)
+            return
         aux = None
         if status == "done" and f.aux_slot >= 0 and aux_bytes and not f.ended:
             n = min(aux_bytes, rx.pool.layout.aux_slot_bytes)

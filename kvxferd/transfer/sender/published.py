@@ -134,7 +134,9 @@ class Published:
             layers[1],
             msg.aux_slot,
             deadline,
-            notify=msg.notify,
+            # A fetch that asks for a digest is told done by a Result carrying it.
+            notify=b"" if msg.digest else msg.notify,
+            digest=msg.digest,
         )
         try:
             self._check_grant(session, peer, msg)
