@@ -1628,6 +1628,23 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue25-stream-digest-last-range-only",
+        "a streamed slice's digest covers only its last layer range: every intact streamed"
+        " fetch that asked for a digest fails digest_mismatch",
+        (
+            Edit(
+                "kvxferd/transfer/worker.py",
+                "        layers, ranges = (sl.layer_begin, sl.layer_end), None",
+                "        layers, ranges = (sl.layer_end - 1 if s.streamed else sl.layer_begin,"
+                " sl.layer_end), None",
+            ),
+        ),
+        (
+            "tests/test_digest.py::TestFetchDigest::"
+            "test_a_streamed_publish_is_digested_over_every_layer[intact]",
+        ),
+    ),
+    Mutant(
         "issue25-stream-done-before-last-layer",
         "a streamed fetch's first range is taken for the whole fetch: its slice is reported"
         " done (Result) after one layer, with the others missing",

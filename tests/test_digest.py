@@ -319,6 +319,36 @@ class TestFetchDigest:
         out, _ = pair.fetch("req-asks", digest=True)
         assert out is not None and out.reason is Reason.DIGEST_MISMATCH, out
 
+    @pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "one byte flipped"])
+    def test_a_streamed_publish_is_digested_over_every_layer(
+        self, pair: Pair, corrupt: bool
+    ) -> None:
+        """A fetch parked before a streamed publish, written one layer per mark: the digest
+        covers every layer (not the last range only), so the fetch is done when all landed
+        intact, and a byte flipped in the first layer (written long before the last) fails it."""
+        if corrupt:  # layer 0: written by the first mark, long before the last
+
+            def flip(f: RxSession) -> None:
+                pair.rx.pool.kv_bytes_view()[0, int(f.dst_blocks[1]), 4097] ^= 0x10
+
+            pair.rx.digests.landed = flip
+        kv = pair.sender.pool.kv_bytes_view()
+        kv[:, [1, 2, 3]] = 0  # prefill has computed nothing yet
+        h = pair.rx.fetch("req-stream", pair.sender.endpoint, [5, 6, 7])
+        tx = pair.sender.publish("req-stream", [1, 2, 3], aux=b"first token", streamed=True)
+        for layer in range(int(POOL["num_layers"])):
+            kv[layer, [1, 2, 3]] = _bytes(3 * kv.shape[2], seed=11 + layer).view(3, -1)
+            tx.progress(layer + 1)
+        out = h.wait(WAIT_S)
+        assert out is not None, "the streamed fetch never ended"
+        if corrupt:
+            assert out.state is RxState.FAILED and out.reason is Reason.DIGEST_MISMATCH, out
+        else:
+            assert out.state is RxState.DONE and pair.landed_in_place(), out
+        assert h.close(WAIT_S) and tx.wait(WAIT_S) is not None
+        assert pair.sender.stats.get("digests_computed") == 1  # once, at the last layer
+        assert pair.rx.stats.get("digest_mismatches") == int(corrupt)
+
     def test_a_fetch_may_turn_the_check_off(self, pair: Pair) -> None:
         """digest=False on one fetch overrides integrity.digest = true: nothing computed."""
         out, _ = pair.fetch("req-no", digest=False)
