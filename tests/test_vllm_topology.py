@@ -21,6 +21,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,6 +120,7 @@ class Instance:
     ) -> None:
         self.tp, self.side = tp, side
         self.ranks: list[Rank] = []
+        self.daemons: list[Any] = []  # each rank's Sender or Receiver
         producer = side == "p"
         settings = load_settings(
             {
@@ -138,6 +140,7 @@ class Instance:
         )
         for r in range(tp):
             service = daemons.sender(None, pool) if producer else daemons.receiver(None, pool)
+            self.daemons.append(service)
             start(service, f"{side}{r}")
             shard = _shard(r, tp, backend, model)
             w = WorkerSide(settings, producer=producer, consumer=not producer, shard=shard)
@@ -245,6 +248,83 @@ def test_prefill_and_decode_shard_differently(
         )
     for r in decode.ranks:
         assert r.worker.stats.snapshot()["loads"] == 1
+
+
+def _stream(
+    prefill: Instance, decode: Instance, full: torch.Tensor, backend: str, req: str = "req-s"
+) -> None:
+    """Decode first: every decode rank fetches (parked at the prefill ranks' senders), then
+    every prefill rank streams its shard layer by layer as vLLM's forward would: published
+    before the forward (begin_step), each layer copied and marked (save_layer), the rest at
+    wait_for_save (save). No decode rank may finish before the last layer is marked."""
+    p_ids = [5, 0, 9]
+    tid, token = f"t-{req}", f"token-of-{req}-0123456789"
+    eps = prefill.endpoints
+    remote = RemoteKv(
+        tid, eps[0], REQ_BLOCKS * BLOCK, REQ_BLOCKS, token, "", tuple(eps), ("",) * len(eps)
+    )
+    d_ids = (7, 2, 11)
+    for r in decode.ranks:
+        r.worker.start_step(StepPlan(loads=[Load(req, remote, d_ids)]))
+    plan = StepPlan(saves=[Save(req, tid, tuple(p_ids), token, stream=True)])
+    for r in prefill.ranks:
+        r.worker.begin_step(plan)
+    for layer, name in enumerate(next(iter(prefill.ranks)).kv):
+        for r in prefill.ranks:  # the forward computes this layer's KV, then save_kv_layer
+            h0 = r.shard.tp_rank * r.shard.kv_heads
+            r.kv[name][p_ids] = _blocks_of(full, layer, h0, h0 + r.shard.kv_heads, backend)
+            r.worker.save_layer(name)
+        if layer == 0:  # layer 0 is written to every reader while the rest is computed
+            pairs = max(prefill.tp, decode.tp)  # (prefill rank, decode rank) that pair
+            wait_until(
+                lambda n=pairs: sum(tx.stats.get("stream_writes") for tx in prefill.daemons) >= n,
+                WAIT_S,
+                "layer 0 written to every decode rank",
+            )
+        for r in decode.ranks:
+            _, fin, bad = r.worker.results()
+            assert not fin and not bad, "a load ended before its last layer was marked"
+    for r in prefill.ranks:
+        r.worker.save(plan)
+    done: list[set[str]] = [set() for _ in decode.ranks]
+
+    def ended() -> bool:
+        for i, r in enumerate(decode.ranks):
+            _, fin, bad = r.worker.results()
+            assert not bad, bad
+            done[i] |= fin
+        return all(req in d for d in done)
+
+    wait_until(ended, WAIT_S, "every decode rank's load ended")
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "backend"), CASES[:2], ids=lambda x: str(x))
+def test_each_prefill_rank_streams_its_shard(
+    daemons: Daemons,
+    start_gateway: Callable[..., Started],  # noqa: F811
+    sock_dir: str,  # noqa: F811
+    instances: list[Instance],
+    p_tp: int,
+    d_tp: int,
+    backend: str,
+) -> None:
+    """Streamed, decode first, TP differing: each prefill rank streams its own heads layer
+    by layer to fetches parked before it published; every decode rank ends with exactly
+    its heads, a layer lands before the next is computed, and the staging blocks come back."""
+    prefill = Instance(daemons, start_gateway, sock_dir, "p", p_tp, backend, decode_tp=d_tp)
+    decode = Instance(daemons, start_gateway, sock_dir, "d", d_tp, backend)
+    instances += [prefill, decode]
+    full = _full(seed=p_tp * 10 + d_tp + 5)
+    _stream(prefill, decode, full, backend)
+    _check_decode(decode, full, backend)
+    for r in prefill.ranks:
+        st = r.worker.stats.snapshot()
+        assert st["streams"] == 1 and st["stream_layers"] == LAYERS, st
+        wait_until(
+            lambda w=r.worker: w.pool_free() == POOL_BLOCKS, WAIT_S, "prefill staging blocks back"
+        )
+    writes = sum(s.stats.get("stream_writes") for s in prefill.daemons)
+    assert writes >= 2 * max(p_tp, d_tp), "each pair's layers written in two ranges"
 
 
 def test_a_decode_instance_of_another_model_is_refused_not_garbled(

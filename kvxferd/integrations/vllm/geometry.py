@@ -153,6 +153,7 @@ class KvGeometry:
         if self.torch_dtype not in _POOL_DTYPES:
             raise ConfigError(f"KV cache dtype {self.torch_dtype} has no kvxferd pool dtype")
         self.layers = layers
+        self.index = {lay.name: i for i, lay in enumerate(layers)}  # layer name -> pool layer
         self.block_elems = math.prod(self.block_shape)
         self.block_bytes = self.block_elems * self.torch_dtype.itemsize
         self.shape = PoolShape(len(layers), self.block_elems, _POOL_DTYPES[self.torch_dtype])
@@ -344,6 +345,17 @@ class KvGeometry:
             pool[i].index_copy_(
                 0, dst, rows.contiguous().view(torch.uint8).reshape(n, self.block_bytes)
             )
+
+    def save_layer(
+        self, pool: torch.Tensor, layer: int, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Copy vLLM blocks ``src`` of one layer into pool blocks ``dst`` of that pool layer
+        (index tensors made once per step: a streamed save copies layer by layer)."""
+        lay = self.layers[layer]
+        rows = lay.kv.index_select(lay.block_dim, src).movedim(lay.block_dim, 0)
+        pool[layer].index_copy_(
+            0, dst, rows.contiguous().view(torch.uint8).reshape(len(src), self.block_bytes)
+        )
 
     def load(self, pool: torch.Tensor, pool_ids: list[int], block_ids: list[int]) -> None:
         """Copy pool blocks ``pool_ids`` of every layer into vLLM blocks ``block_ids``."""

@@ -3,6 +3,8 @@
 kv_transfer_params (the standard vLLM P/D flow; a proxy forwards them unchanged)::
 
     prefill request   {"do_remote_decode": true}
+                      (+ "kvxferd_stream": true: publish before the forward that completes
+                      the prompt and mark each layer ready as it is computed)
     prefill output    {"do_remote_prefill": true, "do_remote_decode": false,
                        "kvxferd_transfer_id": "...",   the request id on the sender daemon
                        "kvxferd_sender": "tcp://...",  the sender daemon's listen endpoint
@@ -41,6 +43,7 @@ TOKEN = "kvxferd_token"
 SENDER_KEY = "kvxferd_sender_key"
 SENDERS = "kvxferd_senders"
 SENDER_KEYS = "kvxferd_sender_keys"
+STREAM = "kvxferd_stream"  # prefill request: stream the prompt's KV layer by layer
 MAX_RANKS = 4096  # prefill ranks a params may list
 
 
@@ -105,6 +108,9 @@ class Save:
     transfer_id: str
     block_ids: tuple[int, ...]
     token: str = ""  # the fetch token to publish with (the decode side gets it in the params)
+    # kvxferd_stream: published before this step's forward and marked ready layer by layer
+    # in it (streams.py); else copied and published after the forward (wait_for_save).
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True)

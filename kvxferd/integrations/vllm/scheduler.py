@@ -7,7 +7,9 @@ Prefill (producer) request, ``{"do_remote_decode": true}``::
 
     update_state_after_alloc   -> tracked (_to_save)
     build_connector_meta       the step that completes its prompt -> Save(block ids, transfer id)
-                               -> _published (the worker copies and publishes after the forward)
+                               -> _published (the worker copies and publishes after the forward;
+                               with "kvxferd_stream": true it publishes before the forward and
+                               marks each layer ready in it: Save.stream)
     request_finished           length-capped or stopped -> kv_transfer_params (RemoteKv), blocks
                                freed at once (the KV is in the daemon's pool by then);
                                aborted after its save -> unpublish (the sender's blocks are freed).
@@ -34,6 +36,7 @@ from kvxferd.integrations.vllm.geometry import blocks_for
 from kvxferd.integrations.vllm.metadata import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
+    STREAM,
     Load,
     RemoteKv,
     Save,
@@ -165,7 +168,10 @@ class SchedulerSide:
                 tuple(self.senders),
                 tuple(self.sender_keys),
             )
-            self._plan.saves.append(Save(rid, remote.transfer_id, tuple(block_ids), token))
+            stream = (req.kv_transfer_params or {}).get(STREAM) is True
+            self._plan.saves.append(
+                Save(rid, remote.transfer_id, tuple(block_ids), token, stream=stream)
+            )
             self._published[rid] = remote
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
