@@ -26,6 +26,7 @@ Deadlines (milliseconds)::
     register_timeout_ms     5000   a receiver waiting for a sender's REGISTER reply
     publish_ttl_ms        120000   a published request nobody fetched -> EXPIRED
     pending_fetch_ttl_ms   60000   upper bound on a fetch waiting for its publish
+    stream_stall_timeout_ms 30000  a streamed publish with no progress mark -> failed, stream_stalled
     cancel_fence_ms         5000   waiting for a cancel acknowledgement -> in doubt
     drain_timeout_ms       10000   in-flight work at shutdown
     shutdown_timeout_ms    15000   the whole shutdown, joins included
@@ -141,6 +142,12 @@ class Deadlines(_Frozen):
     register_timeout_ms: int = Field(5_000, ge=1)
     publish_ttl_ms: int = Field(120_000, ge=1)
     pending_fetch_ttl_ms: int = Field(60_000, ge=1)
+    stream_stall_timeout_ms: int = Field(
+        30_000,
+        ge=1,
+        description="sender: a streamed publish with no progress mark this long (from its"
+        " publish or its last mark) fails stream_stalled; its fetches end at once",
+    )
     cancel_fence_ms: int = Field(5_000, ge=1)
     drain_timeout_ms: int = Field(10_000, ge=0)
     shutdown_timeout_ms: int = Field(15_000, ge=1)

@@ -52,6 +52,8 @@ class Reason(StrEnum):
     PEER_RESTARTED = "peer_restarted"  # the sender restarted (new incarnation); fetch not re-sent
     BAD_ENDPOINT = "bad_endpoint"  # an endpoint kvxferd will not connect to (see endpoints.py)
     NOT_AUTHORIZED = "not_authorized"  # the peer's identity may not do this (ownership.py, auth.py)
+    BAD_PROGRESS = "bad_progress"  # a streamed publish's progress mark was refused (local only)
+    STREAM_STALLED = "stream_stalled"  # no progress mark for stream_stall_timeout_ms (local only)
 
 
 class KvxferdError(Exception):

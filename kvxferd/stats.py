@@ -89,8 +89,17 @@ GATEWAY_CALLS: tuple[str, ...] = (
     "poll",
     "cancel",
     "close",
+    "progress",
 )
 WORKER_MESSAGES: tuple[str, ...] = ("result", "cancel_ack")
+# Why a streamed publish's progress mark is refused (streams.py; the gateway: wrong_role).
+STREAM_MARK_REFUSALS: tuple[str, ...] = (
+    "unknown",
+    "not_streamed",
+    "decreasing",
+    "past_end",
+    "wrong_role",
+)
 # kvxferd.auth.REFUSALS and HANDSHAKE_KINDS (a test keeps them equal).
 AUTH_REFUSALS: tuple[str, ...] = ("unknown_key", "mechanism", "unknown_domain", "malformed")
 HANDSHAKE_KINDS: tuple[str, ...] = ("protocol", "auth", "no_detail")
@@ -188,6 +197,32 @@ CATALOGUE: tuple[CounterSpec, ...] = (
     ),
     # -- sender: engine side -------------------------------------------------------------
     _c("published", _S, "Requests the engine published"),
+    _c("streams_published", _S, "Streamed publishes (published before their KV was computed)"),
+    _c("stream_marks", _S, "Progress marks of streamed publishes accepted"),
+    _c(
+        "stream_marks_refused_{why}",
+        _S | _G,
+        "Progress marks refused, by why (unknown: no open publish or handle; not_streamed;"
+        " decreasing; past_end: over num_layers; wrong_role: sent to a receiver); the publish"
+        " fails bad_progress",
+        values=STREAM_MARK_REFUSALS,
+    ),
+    _c(
+        "stream_writes",
+        _S,
+        "WRITEs of a ready layer range of a streamed publish (one per range and fetch)",
+    ),
+    _c(
+        "streams_aborted",
+        _S,
+        "Streamed publishes that ended before their last layer was marked (cancel, engine"
+        " connection closed, failure, drain, stall): their fetches ended failed at once",
+    ),
+    _c(
+        "streams_stalled",
+        _S,
+        "Streamed publishes failed stream_stalled: no progress mark for stream_stall_timeout_ms",
+    ),
     _c(
         "sessions_expired",
         _S,

@@ -46,6 +46,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/sender/admission.py": ("sender",),
     "transfer/sender/published.py": ("sender",),
     "transfer/sender/drain.py": ("sender",),
+    "transfer/sender/streams.py": ("sender",),
     "transfer/worker.py": ("sender",),
     "transfer/worker_writes.py": ("sender",),
     "transfer/worker_outbox.py": ("sender",),

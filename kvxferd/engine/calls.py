@@ -15,6 +15,8 @@ waits.py for a call that waits. What a call does::
     Wait      waits.py, unless ``timeout_ms`` is 0           Pending or Outcome (later)
     Cancel    the handle's cancel                            Ok
     Close     waits.py: cancel if open, then close           Closed (once its writes ended)
+    Progress  the streamed publish's mark (roles.py)         nothing, ever (a bad mark is
+                                                             counted; it fails the publish)
 
 Calls in flight are bounded by ``max_inflight``: while that many wait, one more
 (inline or not) gets ``Error(busy)`` at once, it is never queued. Describe and Poll
@@ -116,6 +118,9 @@ class Calls:
             return
         tag = msg.__struct_config__.tag
         self.stats.add(f"calls_{tag}")
+        if isinstance(msg, ep.Progress):  # never answered, never counted in flight
+            self._progress(rid, msg)
+            return
         deadline = getattr(msg, "deadline_unix_ms", 0)
         if deadline and now_ms() >= deadline:
             self.stats.add("rejected_timeout")
@@ -241,6 +246,21 @@ class Calls:
                 "start",
             )
         )
+
+    def _progress(self, rid: bytes, msg: ep.Progress) -> None:
+        """A streamed publish's mark: no reply; a bad one is counted (here when the handle is
+        unknown to this connection or the daemon is a receiver, else by the sender) and
+        fails the publish."""
+        entry = self.handles.owned(rid, msg.handle_id)
+        why = "unknown" if entry is None else self.adapter.mark(entry.handle, msg.layers_ready)
+        if why is not None:
+            self.stats.add(f"stream_marks_refused_{why}")
+
+    def orphaned(self, rid: bytes, live: set[bytes]) -> None:
+        """Connection ``rid`` closed: the handles no live connection holds any more are told
+        (a streamed publish still open is aborted: roles.py ``orphaned``)."""
+        for entry in self.handles.orphaned(rid, live):
+            self.adapter.orphaned(entry.handle)
 
     def _describe(self, msg: ep.Describe) -> ep._Msg:
         """PoolInfo; with a topology, the engine declares its rank's record first."""

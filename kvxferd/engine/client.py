@@ -20,6 +20,13 @@ One round trip per request: ``fetch_wait`` and ``publish_wait`` start the transf
 are answered once, at its outcome (closing the handle unless ``close=False``); the
 two-step ``fetch``/``publish`` + ``wait`` remain for engines that poll.
 
+Streamed publish: ``publish`` / ``publish_for`` with ``streamed=True``, then ``progress``
+as prefill computes layers. ``progress`` sends one frame and never waits for a reply
+(a bad mark fails the publish: its outcome says ``bad_progress``). A Client's
+``progress`` may be called from any thread; an AsyncClient's only from code running on
+the loop that published the handle (it queues the frame on that loop's connection).
+``publish_wait`` cannot stream (the handle id comes only with its answer).
+
 Threads, loops and sockets (the socket: channel.py; a unix stream for ipc://, a ZMQ
 DEALER for tcp://)::
 
@@ -148,12 +155,18 @@ def _publish_msg(
     allowed_receivers: Sequence[str] = (),
     wait_ms: int = 0,
     close: bool = False,
+    streamed: bool = False,
 ) -> Build:
     """The Publish message for a call id (block ids converted and checked once, here).
 
     ``token``: True to have the daemon issue a fetch token, or the token itself.
     ``wait_ms`` > 0: answered once, at the outcome (closed when ``close``).
     """
+    if streamed and wait_ms:
+        raise ValueError(
+            "a streamed publish cannot wait: its handle id (for progress) comes only with the"
+            " outcome; use publish or publish_for"
+        )
     blocks = _blocks(block_ids)
     allowed = list(allowed_receivers)
     return lambda call_id, deadline: ep.Publish(
@@ -168,7 +181,12 @@ def _publish_msg(
         token=token is True,
         fetch_token=token if isinstance(token, str) else "",
         allowed_receivers=allowed,
+        streamed=streamed,
     )
+
+
+def _progress_frame(handle: int, layers_ready: int) -> bytes:
+    return ep.encode(ep.Progress(handle_id=handle, layers_ready=layers_ready))
 
 
 def _fetch_msg(
@@ -324,14 +342,16 @@ class Client:
         *,
         aux: bytes | None = None,
         expected_fetches: int = 1,
+        streamed: bool = False,
     ) -> int:
         """Sender daemon: offer these blocks as ``request_id``; the handle id.
 
         Safe to retry with the same arguments (after a timeout, or from a new
-        Client): the daemon returns the same handle while it is open.
+        Client): the daemon returns the same handle while it is open. ``streamed``: no
+        layer holds its KV yet; ``progress`` marks them as prefill computes them.
         """
-        reply = self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
-        return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+        build = _publish_msg(request_id, block_ids, aux, expected_fetches, streamed=streamed)
+        return _check(self._call(build), ep.Handle).handle_id  # type: ignore[no-any-return]
 
     def publish_wait(
         self,
@@ -344,6 +364,7 @@ class Client:
         expected_fetches: int = 1,
         fetch_token: str = "",
         allowed_receivers: Sequence[str] = (),
+        streamed: bool = False,
     ) -> Outcome:
         """``publish``, answered once: when the request ended (fetched, expired, ...), its
         Outcome, closed as by ``close`` when ``close`` (``outcome.closed``).
@@ -351,7 +372,8 @@ class Client:
         Not ended within ``timeout``: an Outcome in state ``published`` whose ``handle_id``
         serves ``wait`` / ``close`` later. One round trip per request instead of publish +
         wait. ``fetch_token``: a fetch token of the engine's own (a waiting publish cannot
-        ask the daemon for one).
+        ask the daemon for one). ``streamed=True`` raises ValueError: the handle id that
+        ``progress`` needs comes only with the answer (use ``publish`` / ``publish_for``).
         """
         reply = self._call(
             _publish_msg(
@@ -363,6 +385,7 @@ class Client:
                 allowed_receivers,
                 _ms(timeout) or 1,
                 close,
+                streamed,
             ),
             timeout,
         )
@@ -377,6 +400,7 @@ class Client:
         expected_fetches: int = 1,
         token: bool | str = True,
         allowed_receivers: Sequence[str] = (),
+        streamed: bool = False,
     ) -> Published:
         """``publish``, restricted to who may fetch it; what the decode side needs, with the handle.
 
@@ -388,7 +412,15 @@ class Client:
         endpoint is in ``describe()``).
         """
         reply = self._call(
-            _publish_msg(request_id, block_ids, aux, expected_fetches, token, allowed_receivers)
+            _publish_msg(
+                request_id,
+                block_ids,
+                aux,
+                expected_fetches,
+                token,
+                allowed_receivers,
+                streamed=streamed,
+            )
         )
         return Published.of(_check(reply, ep.Handle))
 
@@ -530,6 +562,17 @@ class Client:
             self._call(lambda c, d: ep.Cancel(call_id=c, handle_id=handle, deadline_unix_ms=d)),
             ep.Ok,
         )
+
+    def progress(self, handle: int, layers_ready: int) -> None:
+        """A streamed publish: layers ``[0, layers_ready)`` hold their KV. One frame, never
+        answered (a bad mark fails the publish: its outcome says ``bad_progress``); any
+        thread. EngineUnavailable if the frame cannot be sent."""
+        frame, deadline = _progress_frame(handle, layers_ready), time.monotonic() + self.timeout_s
+        try:
+            with self._send_lock:
+                self._channel(self.timeout_s).send_blocking(frame, deadline)
+        except ChannelClosed as e:
+            raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
 
     def close(self, handle: int, timeout: float) -> bool:
         """Cancel if open and wait for in-flight writes; True once the blocks may be reused."""
@@ -881,9 +924,10 @@ class AsyncClient:
         *,
         aux: bytes | None = None,
         expected_fetches: int = 1,
+        streamed: bool = False,
     ) -> int:
-        reply = await self._call(_publish_msg(request_id, block_ids, aux, expected_fetches))
-        return _check(reply, ep.Handle).handle_id  # type: ignore[no-any-return]
+        build = _publish_msg(request_id, block_ids, aux, expected_fetches, streamed=streamed)
+        return _check(await self._call(build), ep.Handle).handle_id  # type: ignore[no-any-return]
 
     async def publish_wait(
         self,
@@ -896,6 +940,7 @@ class AsyncClient:
         expected_fetches: int = 1,
         fetch_token: str = "",
         allowed_receivers: Sequence[str] = (),
+        streamed: bool = False,
     ) -> Outcome:
         """See :meth:`Client.publish_wait`."""
         reply = await self._call(
@@ -908,6 +953,7 @@ class AsyncClient:
                 allowed_receivers,
                 _ms(timeout) or 1,
                 close,
+                streamed,
             ),
             timeout,
         )
@@ -922,10 +968,19 @@ class AsyncClient:
         expected_fetches: int = 1,
         token: bool | str = True,
         allowed_receivers: Sequence[str] = (),
+        streamed: bool = False,
     ) -> Published:
         """See :meth:`Client.publish_for`."""
         reply = await self._call(
-            _publish_msg(request_id, block_ids, aux, expected_fetches, token, allowed_receivers)
+            _publish_msg(
+                request_id,
+                block_ids,
+                aux,
+                expected_fetches,
+                token,
+                allowed_receivers,
+                streamed=streamed,
+            )
         )
         return Published.of(_check(reply, ep.Handle))
 
@@ -1042,6 +1097,13 @@ class AsyncClient:
             ),
             ep.Ok,
         )
+
+    def progress(self, handle: int, layers_ready: int) -> None:
+        """See :meth:`Client.progress`. A plain method, for code running on the event loop
+        that published ``handle`` (a coroutine or a callback of that loop: the handle is
+        its connection's); it queues the frame and returns (sent at the loop's next turn).
+        """
+        self._conn().send(_progress_frame(handle, layers_ready))
 
     async def close(self, handle: int, timeout: float) -> bool:
         reply = await self._call(

@@ -28,6 +28,7 @@ Calls and their replies (engine DEALER -> gateway ROUTER and back)::
     Poll(handle_id)                                  -> Outcome | Pending | Error
     Cancel(handle_id)                                -> Ok | Error
     Close(handle_id, timeout_ms)                     -> Closed | Error
+    Progress(handle_id, layers_ready)                -> nothing (a streamed publish's mark)
 
 Every call but Describe and Poll carries ``deadline_unix_ms``: the moment (Unix
 time in ms, on the host's clock, which the engine and its local daemon share)
@@ -36,6 +37,12 @@ never starts a call whose deadline has passed: it answers ``Error(timeout)``.
 Publish and Fetch are idempotent by key (the request id on a sender; request
 id, sender endpoint and layer range on a receiver): a retry with the same key
 and parameters gets the same handle, with other parameters ``Error(duplicate)``.
+
+A Publish with ``streamed`` is published before its KV is computed; the engine then
+sends ``Progress`` as prefill computes layers. Progress is never answered: a bad one
+(unknown handle, not streamed, decreasing, past ``num_layers``) is counted and, when
+the handle exists, fails that publish (``bad_progress``: its outcome says so). A
+streamed Publish cannot wait (its handle id would come only with the outcome).
 
 A Publish or Fetch with ``wait_ms`` > 0 is answered once: with the Outcome when the
 transfer ended (closed as by Close when ``close``; ``Outcome.closed`` says so), or,
@@ -109,6 +116,8 @@ class EngineReason(StrEnum):
     PEER_RESTARTED = "peer_restarted"
     BAD_ENDPOINT = "bad_endpoint"
     NOT_AUTHORIZED = "not_authorized"
+    BAD_PROGRESS = "bad_progress"  # a progress mark was refused: the streamed publish failed
+    STREAM_STALLED = "stream_stalled"  # no progress mark for stream_stall_timeout_ms
     # The gateway's own.
     UNKNOWN_HANDLE = "unknown_handle"  # never issued, already closed, or another connection's
     WRONG_ROLE = "wrong_role"  # Publish on a receiver, Fetch on a sender
@@ -188,6 +197,7 @@ class Publish(_Msg, tag="publish", frozen=True, omit_defaults=True):
     allowed_receivers: Allowed = []
     wait_ms: WaitMs = 0  # > 0: answered once, with the Outcome (see the module docstring)
     close: bool = False  # with wait_ms: close the handle once it ended
+    streamed: bool = False  # no layer ready yet: Progress marks them (not with wait_ms)
 
 
 class Fetch(_Msg, tag="fetch", frozen=True, omit_defaults=True):
@@ -272,6 +282,18 @@ class Close(_Msg, tag="close", frozen=True):
     handle_id: HandleId
     timeout_ms: WaitMs
     deadline_unix_ms: DeadlineMs = 0
+
+
+class Progress(_Msg, tag="progress", frozen=True, omit_defaults=True):
+    """A streamed publish: layers ``[0, layers_ready)`` of the sender's pool hold their KV.
+
+    Monotone; ``num_layers`` ends the stream. Never answered (one frame per mark); a
+    bad mark is counted and fails the publish, whose outcome says ``bad_progress``.
+    """
+
+    handle_id: HandleId
+    layers_ready: Annotated[int, Meta(ge=0, le=1 << 20)]
+    call_id: CallId = 0  # unused: nothing answers a Progress
 
 
 # -- gateway -> engine ---------------------------------------------------------------------
@@ -370,7 +392,7 @@ class Closed(_Msg, tag="closed", frozen=True):
     safe: bool
 
 
-ToGateway = Describe | Publish | Fetch | Lookup | Wait | Poll | Cancel | Close
+ToGateway = Describe | Publish | Fetch | Lookup | Wait | Poll | Cancel | Close | Progress
 ToEngine = PoolInfo | Handle | Error | Outcome | Pending | Ok | Closed
 
 

@@ -405,6 +405,7 @@ class Gateway:
             return
         self._by_fd.pop(conn.fd, None)
         conn.channel.close()
+        self.calls.orphaned(conn.rid, set(self._conns))  # a stream it left open is aborted
         if "closed by the peer" not in why:
             self.stats.add("engine_connections_dropped")
             log.warning("engine connection dropped: %s", why)

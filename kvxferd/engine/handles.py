@@ -29,6 +29,10 @@ Invariants:
 Known limit: handles of an engine that died stay in the table (bounded by
 ``max_handles``) until an engine finds them by key and closes them, or the daemon
 stops; the service ends their sessions (publish_ttl / kv_transfer_timeout) meanwhile.
+A streamed publish is the exception: once no open connection on the unix socket holds
+its handle (``orphaned``), a stream still open is cancelled at once, so its fetches
+fail now rather than at the stall bound (a tcp:// engine socket sees no connection
+close: there ``stream_stall_timeout_ms`` ends it).
 
 Owner: the gateway's io thread, the only thread that touches the table (no lock). It
 counts the retries it answers with an open handle (``calls_found_by_key``).
@@ -134,6 +138,14 @@ class HandleTable:
             work = self._work.get(entry.key)
             if work is not None and work.handle_id == handle_id:
                 del self._work[entry.key]
+
+    def orphaned(self, rid: bytes, live: set[bytes]) -> list[Entry]:
+        """Connection ``rid`` closed: the handles it held that no connection in ``live`` holds."""
+        return [
+            e
+            for e in self._handles.values()
+            if rid in e.owners and not any(o in live for o in e.owners if o != rid)
+        ]
 
     def clear(self) -> None:
         """The gateway stopped: every handle and key is forgotten."""

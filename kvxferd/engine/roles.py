@@ -25,6 +25,9 @@ close needs no wait    the session drained                 the fetch ended, its 
 Outcome                bytes of every slice; reusable      bytes and aux; in doubt while the
                        once drained                        fence is; reusable once released
 PoolInfo identity      listen endpoint, ``sender_id``      result endpoint, ``receiver_id``
+Progress               marks the streamed publish          refused (``wrong_role``), counted
+its engine connection  a stream still open is cancelled    nothing
+closed (no owner left)
 =====================  ==================================  ==================================
 
 :func:`role_for` is the one place that looks at the service's type.
@@ -32,6 +35,7 @@ PoolInfo identity      listen endpoint, ``sender_id``      result endpoint, ``re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 from collections.abc import Callable
@@ -40,6 +44,7 @@ from typing import Literal
 import msgspec
 
 from kvxferd.engine import engine_protocol as ep
+from kvxferd.errors import RejectedError
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.sender import Sender, TxHandle
 from kvxferd.transfer.session import Fence, RxOutcome, TxOutcome
@@ -70,6 +75,8 @@ class SenderRole:
         params: list[object] = [msg.block_ids, msg.aux, msg.expected_fetches]
         if msg.token or msg.fetch_token or msg.allowed_receivers:
             params += [msg.token, msg.fetch_token, sorted(msg.allowed_receivers)]
+        if msg.streamed:
+            params.append("streamed")
         return _digest(params)
 
     def malformed(self, msg: ep.Publish | ep.Fetch) -> str | None:
@@ -77,7 +84,23 @@ class SenderRole:
         assert isinstance(msg, ep.Publish)
         if msg.wait_ms and msg.token:
             return "a waiting publish cannot ask for a token: pass fetch_token"
+        if msg.wait_ms and msg.streamed:
+            return "a streamed publish cannot wait: its handle id must be known for Progress"
         return None
+
+    def mark(self, handle: TxHandle | RxHandle, layers_ready: int) -> str | None:
+        """A Progress of ``handle``; None, or why the gateway counts it refused (the sender
+        counts its own refusals, and a refused mark fails the publish: streams.py)."""
+        assert isinstance(handle, TxHandle)
+        with contextlib.suppress(RejectedError):
+            handle.progress(layers_ready)
+        return None
+
+    def orphaned(self, handle: TxHandle | RxHandle) -> None:
+        """No engine connection holds ``handle`` any more: a stream still open is aborted."""
+        assert isinstance(handle, TxHandle)
+        if handle.session.streaming:
+            handle.cancel("abandoned (its engine connection closed mid-stream)")
 
     def token_problem(self, msg: ep.Publish | ep.Fetch) -> str | None:
         """Why a new publish is refused for its fetch token (None: it is not)."""
@@ -105,6 +128,7 @@ class SenderRole:
             expected_fetches=msg.expected_fetches,
             token=token or None,
             allowed_receivers=msg.allowed_receivers,
+            streamed=msg.streamed,
         )
 
     def handle_reply(self, msg: ep.Publish | ep.Fetch, hid: int, token: str) -> ep.Handle:
@@ -218,6 +242,12 @@ class ReceiverRole:
 
     def handle_reply(self, msg: ep.Publish | ep.Fetch, hid: int, token: str) -> ep.Handle:
         return ep.Handle(call_id=msg.call_id, handle_id=hid)
+
+    def mark(self, handle: TxHandle | RxHandle, layers_ready: int) -> str | None:
+        return "wrong_role"  # only a publish streams
+
+    def orphaned(self, handle: TxHandle | RxHandle) -> None:
+        return None  # a fetch runs to its own end (kv_transfer_timeout bounds it)
 
     def closes_at_once(self, handle: TxHandle | RxHandle) -> bool:
         """True when ``close`` needs no wait: the fetch ended and its fence is settled."""

@@ -30,6 +30,22 @@ Each slice (one receiver's fetch) has one final result on every path:
 ``QUEUED -> WRITING -> DONE | FAILED | IN_DOUBT``; ``take_report`` hands it
 out exactly once.
 
+A streamed publish (``streamed=True``) is published before its KV is computed: its
+engine marks the sender's pool layers ``[0, layers_ready)`` ready as prefill computes
+them (``mark_ready``, monotone; ``num_layers`` ends the stream). Its slices are written
+range by range, in layer order (``Slice.next_layer``: the first layer not yet written,
+in the slice's own layer ids; the worker owns it). Each range is one admitted write,
+counted in flight like any other; between two ranges the slice stays WRITING with no
+write in flight, and the session is not drained (it has not ended). A slice reaches
+DONE (``slice_written``) only after the write of its last layer ended: never with
+layers missing. An ending (cancel, failure, the drain) refuses the next range's
+admission like any queued write::
+
+    stream states (under ``_lock``)
+    open      --mark_ready(n < num_layers)--> open (more layers ready)
+    open      --mark_ready(num_layers)------> complete (a normal publish from now on)
+    open      --the session ends------------> aborted: every slice's next range is refused
+
 Receiver side, one :class:`RxSession` per fetch::
 
     REQUESTED --Result done--> DONE
@@ -136,9 +152,15 @@ class Slice:
     # The receiver's nonce (RequestData.notify): the slice's last WRITE carries a NIXL
     # notification with it instead of a done Result (worker.py); b"": a done Result.
     notify: bytes = b""
+    # Streamed publish: the first layer of this slice not yet posted (worker thread only).
+    next_layer: int = -1
     posted_at: float = 0.0  # worker thread only: monotonic time its first WRITE was posted
     written_at: float = 0.0  # worker thread only: when its last WRITE was released
     attached_at: float = field(default_factory=time.monotonic)  # readiness and /debug/state
+
+    def __post_init__(self) -> None:
+        if self.next_layer < 0:
+            self.next_layer = self.layer_begin
 
     @property
     def key(self) -> tuple[str, int]:
@@ -172,6 +194,8 @@ class TxSession:
         aux_len: int = 0,
         ttl_s: float = 120.0,
         on_end: Callable[[TxSession], None] | None = None,
+        streamed: bool = False,
+        num_layers: int = 0,
     ) -> None:
         self.session_id = session_id  # never reused; the key for this session's state
         self.request_id = request_id
@@ -190,6 +214,12 @@ class TxSession:
         self.completion: Completion[TxOutcome] = Completion()
         self.drained_event = Flag()
         self.on_end = on_end  # told once, without the lock, after the outcome is committed
+        # A streamed publish: layers [0, layers_ready) of the sender's pool hold their KV
+        # (see the module docstring); a normal publish has every layer ready.
+        self.streamed = streamed
+        self.num_layers = num_layers
+        self.layers_ready = 0 if streamed else num_layers
+        self.progressed_at = self.created  # monotonic: the last mark (or the publish)
 
     # -- views -----------------------------------------------------------------
     @property
@@ -212,6 +242,11 @@ class TxSession:
     def drained(self) -> bool:
         with self._lock:
             return self._drained_locked()
+
+    @property
+    def streaming(self) -> bool:
+        """A streamed publish still waiting for layers (not ended, not every layer ready)."""
+        return self.streamed and self.layers_ready < self.num_layers and not self.ended
 
     def slice(self, key: tuple[str, int]) -> Slice | None:
         with self._lock:
@@ -253,6 +288,22 @@ class TxSession:
         return self._outcome.reason or Reason.CANCELLED
 
     # -- transitions -----------------------------------------------------------
+    def mark_ready(self, layers_ready: int, now: float | None = None) -> str | None:
+        """Layers ``[0, layers_ready)`` hold their KV; None, or why the mark is refused:
+        ``not_streamed``, ``decreasing``, ``past_end``. A mark on an ended session is
+        accepted and changes nothing."""
+        with self._lock:
+            if not self.streamed:
+                return "not_streamed"
+            if layers_ready > self.num_layers:
+                return "past_end"
+            if layers_ready < self.layers_ready:
+                return "decreasing"
+            if self._state not in TX_TERMINAL:
+                self.layers_ready = layers_ready
+                self.progressed_at = time.monotonic() if now is None else now
+            return None
+
     def add_slice(self, sl: Slice) -> None:
         """Attach a fetch; RejectedError if the session ended or the fetch is known."""
         with self._lock:
@@ -281,7 +332,10 @@ class TxSession:
                 sl.state = SliceState.WRITING
                 self._state = TxState.TRANSFERRING
                 return None
-            self._fail_slice_locked(sl, reason, "write refused: " + str(reason))
+            detail = "write refused: " + str(reason)
+            if self.streamed and self._outcome is not None and self._outcome.detail:
+                detail += f" ({self._outcome.detail})"  # why the stream ended, for the receiver
+            self._fail_slice_locked(sl, reason, detail)
             committed = False
             if reason is Reason.TIMEOUT:
                 # The receiver gave up on this fetch: the request cannot complete any more,

@@ -254,8 +254,32 @@ class Worker:
                 self._slice_over(task)
 
     def _begin_slice(self, task: WriteTask) -> None:
-        if not self.writes.post(task, "kv"):
+        layers = None
+        if task.session.streamed:
+            layers = self._ready_range(task)
+            if layers is None:
+                return  # nothing new is ready: the next mark (or the ending) queues it again
+            self.host.stats.add("stream_writes")
+        if not self.writes.post(task, "kv", layers):
             self._slice_over(task)
+
+    def _ready_range(self, task: WriteTask) -> tuple[int, int] | None:
+        """The layers of a streamed slice that are ready and not written yet, in its own layer
+        ids (absolute for a mapped peer: this stage's pool layer 0 is its ``layer_begin``).
+
+        None when there are none; a stream that ended is then refused here (its one final
+        result goes out now, after every write of it ended: its lane was free).
+        """
+        s, sl = task.session, task.slice
+        topology = self.host.topology
+        base = topology.layer_begin if task.peer.topology is not None and topology else 0
+        lb, le = sl.next_layer, min(sl.layer_end, base + s.layers_ready)
+        if le > lb:
+            return lb, le
+        if s.ended and s.admit_write(sl) is not None:
+            self.host.stats.add("writes_refused")
+            self._slice_over(task)
+        return None
 
     # -- writes in flight ----------------------------------------------------------------
     def _poll_writes(self) -> bool:
@@ -342,6 +366,12 @@ class Worker:
         self.writes.free_lane(w)
         for task, _ in w.parts:
             s, sl = task.session, task.slice
+            if ok and w.kind == "kv" and s.streamed and sl.next_layer < sl.layer_end:
+                # One range of a stream: the next is queued by the next mark, or by the
+                # stream's ending (refused then); no result before the last layer landed.
+                if s.drained:
+                    host.session_drained(s)
+                continue
             if ok and w.kind == "kv" and s.aux_len > 0 and sl.aux_slot >= 0:
                 if not self.writes.post(task, "aux"):
                     self._slice_over(task)

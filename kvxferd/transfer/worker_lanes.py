@@ -16,6 +16,11 @@ other lanes go on. The head of a lane, in order::
 
 A WriteTask that starts takes with it the plain WriteTasks right behind it that
 one WRITE can serve (:meth:`Lanes._coalesce`). A lane left empty is removed.
+
+A streamed publish never parks a task in a lane: each progress mark queues one
+WriteTask per open fetch, which writes the range ready when it starts (or nothing,
+if an earlier task took it) and frees the lane when that write ends; a stream
+waiting for its next layer holds no lane, so other requests to that receiver go on.
 """
 
 from __future__ import annotations
@@ -104,4 +109,5 @@ class Lanes:
             peer.prepped
             and (peer.piece is None or peer.topology is None)
             and not (s.aux_len > 0 and task.slice.aux_slot >= 0)
+            and not s.streamed  # written range by range (worker.py's _begin_slice)
         )

@@ -107,6 +107,7 @@ class WorkerHost(Protocol):
     pool: KvPool
     dataplane: DataPlane
     socket_limits: SocketLimits
+    topology: Topology | None  # this rank's record (a mapped peer's layers are absolute)
 
     def session_drained(self, session: TxSession) -> None:
         """A session's last write ended (maybe forget it)."""

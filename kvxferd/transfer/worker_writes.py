@@ -125,35 +125,42 @@ class WritesInFlight:
             return False
         return True
 
-    def post(self, task: WriteTask, kind: str) -> bool:
-        """Admit and post one WRITE; True when it is in flight (the slice goes on later)."""
+    def post(self, task: WriteTask, kind: str, layers: tuple[int, int] | None = None) -> bool:
+        """Admit and post one WRITE; True when it is in flight (the slice goes on later).
+
+        ``layers``: a KV write of only these layers of the slice (a streamed publish's ready
+        range; the slice's ``next_layer`` moves to its end once posted), else all of them.
+        """
         host, s, sl, peer = self.host, task.session, task.slice, task.peer
+        lb, le = (sl.layer_begin, sl.layer_end) if layers is None else layers
         if not self.admit(task, peer):
             return False
         nixl = False  # the exception (if any) came from NIXL, not from our descriptors
         try:
             # Prepared lists (the whole pool, or a mapped peer's piece): indices, no descriptors
-            # The slice's last write (KV with no aux after it, else the aux one) carries its
-            # done notification.
-            last = kind == "aux" or not (s.aux_len > 0 and sl.aux_slot >= 0)
+            # The slice's last write (KV of its last layer with no aux after it, else the aux
+            # one) carries its done notification.
+            last = kind == "aux" or (
+                le >= sl.layer_end and not (s.aux_len > 0 and sl.aux_slot >= 0)
+            )
             if kind == "kv" and peer.prepped:
                 per_block = (
                     host.pool.layout.block_bytes
                     if peer.piece is None or peer.topology is None
                     else int(peer.piece.ranges.length.sum())  # a slice of each block
                 )
-                nbytes = s.block_ids.size * per_block * (sl.layer_end - sl.layer_begin)
+                nbytes = s.block_ids.size * per_block * (le - lb)
                 nixl = True
                 xfer, state = host.dataplane.post_blocks(
                     peer.nixl_name,
                     s.block_ids,
                     sl.dst_blocks,
-                    sl.layer_begin,
-                    sl.layer_end,
+                    lb,
+                    le,
                     self._notification([(task, nbytes)]) if last else b"",
                 )
             else:
-                src, dst, src_mem, dst_mem, nbytes = self._build(task, kind)
+                src, dst, src_mem, dst_mem, nbytes = self._build(task, kind, lb, le)
                 nixl = True
                 xfer, state = host.dataplane.post_write(
                     peer.nixl_name,
@@ -178,6 +185,8 @@ class WritesInFlight:
         now = time.monotonic()
         if not sl.posted_at:
             sl.posted_at = now
+        if kind == "kv":
+            sl.next_layer = le
         stall_at = now + host.settings.deadlines.xfer_stall_timeout_ms / 1000
         self._writes.append(Write([(task, nbytes)], kind, xfer, state, stall_at))
         self._busy_lanes.add(peer.receiver_id)
@@ -217,6 +226,7 @@ class WritesInFlight:
         for task in admitted:
             if not task.slice.posted_at:
                 task.slice.posted_at = now
+            task.slice.next_layer = le
             sid = task.session.session_id
             self._busy_sessions[sid] = self._busy_sessions.get(sid, 0) + 1
         stall_at = now + host.settings.deadlines.xfer_stall_timeout_ms / 1000
@@ -224,7 +234,9 @@ class WritesInFlight:
         self._busy_lanes.add(peer.receiver_id)
         return True
 
-    def _build(self, task: WriteTask, kind: str) -> tuple[np.ndarray, np.ndarray, str, str, int]:
+    def _build(
+        self, task: WriteTask, kind: str, lb: int, le: int
+    ) -> tuple[np.ndarray, np.ndarray, str, str, int]:
         host, s, sl, peer = self.host, task.session, task.slice, task.peer
         pool = host.pool
         if kind == "kv" and peer.topology is not None:
@@ -238,8 +250,8 @@ class WritesInFlight:
                 peer.kv_base,
                 peer.layout.num_blocks,
                 sl.dst_blocks,
-                sl.layer_begin,
-                sl.layer_end,
+                lb,
+                le,
                 src_dev=pool.device_id,
                 dst_dev=peer.device_id,
             )
@@ -251,8 +263,8 @@ class WritesInFlight:
                 s.block_ids,
                 peer.kv_base,
                 sl.dst_blocks,
-                sl.layer_begin,
-                sl.layer_end,
+                lb,
+                le,
                 src_dev=pool.device_id,
                 dst_dev=peer.device_id,
                 dst_layer_stride=peer.layout.layer_stride,

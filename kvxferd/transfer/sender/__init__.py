@@ -9,6 +9,7 @@ sender's registry lock, ``Sender._lock``) and keeps its own counts in step::
     peers.py      the peer table: registered receivers by route, when each was last heard from
     published.py  published requests by id, session and fetch key; grants; the TTL heap
     parked.py     fetches parked before their publish: park, take, cancel, drop, expire
+    streams.py    streamed publishes: their readers, progress marks, the stall bound
     drain.py      the bounded drain: shutdown in steps, what it dropped
 
 The workers live in kvxferd/transfer/worker.py and see the sender only through

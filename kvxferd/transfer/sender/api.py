@@ -65,7 +65,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import numpy as np
 
@@ -93,6 +92,7 @@ from kvxferd.transfer.sender.listener import Listener
 from kvxferd.transfer.sender.parked import Parked, ParkedFetches
 from kvxferd.transfer.sender.peers import PeerTable
 from kvxferd.transfer.sender.published import Grant, Published
+from kvxferd.transfer.sender.streams import Streams
 from kvxferd.transfer.session import TxOutcome, TxSession, TxState
 from kvxferd.transfer.topology import Topology
 from kvxferd.transfer.worker import Peer, ReplyTask, Worker, WriteTask
@@ -121,9 +121,13 @@ class TxHandle:
         """Like ``wait``, on the calling task's own event loop."""
         return await self.session.completion.wait_async(timeout)
 
-    def cancel(self) -> bool:
+    def progress(self, layers_ready: int) -> None:
+        """A streamed publish: layers ``[0, layers_ready)`` are ready (``Sender.progress``)."""
+        self._sender.streams.mark(self.session, layers_ready)
+
+    def cancel(self, what: str = "cancelled") -> bool:
         """End the request; queued writes are refused, writes in flight finish."""
-        return self._sender.drain.end_by_engine(self.session, "cancelled")
+        return self._sender.drain.end_by_engine(self.session, what)
 
     def close(self, timeout: float | None = None) -> bool:
         """Cancel if still open, wait for in-flight writes; True when the source blocks may be reused."""
@@ -199,6 +203,11 @@ class Sender:
         self._draining = threading.Event()
         self._stopping = threading.Event()
         self.drain = Drain(self)
+        self.streams = Streams(  # streamed publishes (streams.py)
+            self.stats,
+            lambda t: self._lane_for(t.session, t.peer.receiver_id).put(t),
+            settings.deadlines.stream_stall_timeout_ms / 1000,
+        )
         self.admission = Admission(self)  # Registers, on the listener thread
         self.listener = Listener(self)  # binds the ROUTER
         self.bound_endpoint = self.listener.bound_endpoint
@@ -353,13 +362,15 @@ class Sender:
         expected_fetches: int = 1,
         token: str | None = None,
         allowed_receivers: Sequence[str] = (),
+        streamed: bool = False,
     ) -> TxHandle:
         """Offer a finished request's blocks to receivers; RejectedError with a reason if refused.
 
         ``token``: only a fetch carrying it is served (compared in constant time; it
         lives as long as the request). ``allowed_receivers``: only receivers whose
         identity (CURVE key) or receiver id is listed may fetch it. Either refusal is
-        ``not_authorized``.
+        ``not_authorized``. ``streamed``: published with no layer ready; ``progress``
+        marks them as prefill computes them (streams.py, session.py).
         """
         if self._draining.is_set():
             self.stats.add("rejected_draining")
@@ -386,11 +397,15 @@ class Sender:
             aux_slot=aux_slot,
             aux_len=aux_len,
             ttl_s=self.settings.deadlines.publish_ttl_ms / 1000,
-            on_end=partial(journal_ending, self.journal),
+            on_end=self._session_ended,
+            streamed=streamed,
+            num_layers=self.pool.layout.num_layers,
         )
         grant = None
         if token is not None or allowed_receivers:
             grant = Grant(None if token is None else token.encode(), frozenset(allowed_receivers))
+        if streamed:  # before a parked fetch attaches: each one is its reader
+            self.streams.opened(session)
         with self._lock:
             error = self.published.add(session, grant, self._draining.is_set())
             if error is None:
@@ -404,11 +419,14 @@ class Sender:
                     if isinstance(task, WriteTask):
                         self._dispatch(task, _no_reply)
         if error is not None:
+            self.streams.discard(session)
             if aux_slot >= 0:
                 self.aux_slots.give_back([aux_slot])
             self.stats.add(f"rejected_{error.reason}")
             raise error
         self.stats.add("published")
+        if streamed:
+            self.stats.add("streams_published")
         if expected_fetches == 0 and session.release_unread():
             self.stats.add("released_unread")
         for p, outcome in zip(parked, attached, strict=True):
@@ -416,6 +434,22 @@ class Sender:
                 self.stats.add(f"rejected_{outcome.reason}")
                 self._lane_for(session, p.peer.receiver_id).put(ReplyTask(p.peer, outcome))
         return TxHandle(self, session)
+
+    def progress(self, request_id: str, layers_ready: int) -> None:
+        """Layers ``[0, layers_ready)`` of the streamed publish ``request_id`` hold their KV.
+
+        Monotone; ``num_layers`` ends the stream. A bad mark (no open publish, not
+        streamed, decreasing, past ``num_layers``) is counted, ends the publish failed
+        (``bad_progress``) and raises RejectedError(bad_progress).
+        """
+        with self._lock:
+            session = self.published.live.get(request_id)
+        self.streams.mark(session, layers_ready)
+
+    def _session_ended(self, session: TxSession) -> None:
+        journal_ending(self.journal, session)
+        if session.streamed:  # a stream still open: each fetch is refused at once
+            self.streams.ended(session)
 
     def _close_session(self, session: TxSession, timeout: float | None) -> bool:
         self.drain.end_by_engine(session, "closed")
@@ -483,6 +517,8 @@ class Sender:
             self.stats.add(f"rejected_{outcome.reason}")
             reply(outcome)
             return
+        if outcome.session.streamed:
+            self.streams.attached(outcome)
         self._lane_for(outcome.session, outcome.peer.receiver_id).put(outcome)
 
     def _all_workers(self) -> list[Worker]:

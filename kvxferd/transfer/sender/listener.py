@@ -14,7 +14,8 @@ the pair's lane (``Sender._lane_for``); CANCEL -> admission ended, acked through
 lane (after the slice's own Result). A key removed from the allow-list is answered
 message by message on its open connection (``_refuse_revoked``). Housekeeping expires
 parked fetches and unfetched requests (a heap of TTL deadlines: cost ~ what expires),
-tells peers whose key was revoked, and reclaims orphans (admission.py).
+ends streamed publishes with no progress mark for ``stream_stall_timeout_ms``
+(streams.py), tells peers whose key was revoked, and reclaims orphans (admission.py).
 
 It never blocks on a peer: replies go out on the ROUTER without waiting
 (``router_reply``); results and acks go through the workers. The tables are read and
@@ -63,6 +64,7 @@ class Listener:
         self._authenticated = self._router.getsockopt(zmq.MECHANISM) != zmq.NULL
         self.progress = time.monotonic()
         self._reap_at = 0.0  # next orphan reclaim
+        self._streams_at = 0.0  # next look for stalled streams (streams.py)
         self._allowed_keys: frozenset[str] = frozenset()  # the allow-list last seen
         self.thread = threading.Thread(target=self._listen, name="kvxferd-listener", daemon=True)
 
@@ -426,6 +428,9 @@ class Listener:
             elif session.lease_pending():  # a reader still writing at the lease: look again soon
                 with s._lock:
                     s.published.look_again(session, now + 1.0)
+        if len(s.streams) and now >= self._streams_at:  # streamed publishes with no mark
+            self._streams_at = now + TICK_S
+            s.streams.stalled(now)
         if now >= self._reap_at:
             self._reap_at = now + min(1.0, s.ownership.limits.orphan_ttl_s / 4)
             s.admission.reclaim_orphans(now)
