@@ -1626,6 +1626,64 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_frozen_senders_late_write_never_lands_in_blocks_released_by_the_teardown",
         ),
     ),
+    Mutant(
+        "issue25-decode-first-fresh-transfer-id",
+        "a decode-first prefill publishes under a transfer id and token of its own, not the"
+        " router's: the decode side's parked fetch never finds it",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/scheduler.py",
+                "tid, token = chosen if chosen else (transfer_id(rid), secrets.token_urlsafe(16))",
+                "tid, token = (transfer_id(rid), secrets.token_urlsafe(16))",
+            ),
+        ),
+        (
+            "tests/test_vllm_decode_first.py::"
+            "test_decode_first_prefill_publishes_under_the_routers_id_and_token",
+        ),
+    ),
+    Mutant(
+        "issue25-router-token-unchecked",
+        "a router-chosen fetch token is taken unchecked: a malformed one reaches the daemon"
+        " (refused there, logged as a save failure) instead of being refused with its reason",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/metadata.py",
+                '_TOKEN = re.compile(rf"^[A-Za-z0-9_-]{{{MIN_TOKEN_CHARS},128}}$")',
+                '_TOKEN = re.compile(r"^.*$")',
+            ),
+        ),
+        (
+            "tests/test_vllm_decode_first.py::test_a_malformed_router_transfer_is_refused_not_replaced",
+        ),
+    ),
+    Mutant(
+        "issue25-receipt-loaded-if-one-rank-loaded",
+        "ranks' receipts merged with or: a request one rank failed to load reads as loaded",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/metadata.py",
+                "        loaded = self.loaded and other.loaded\n",
+                "        loaded = self.loaded or other.loaded\n",
+            ),
+        ),
+        (
+            "tests/test_vllm_decode_first.py::"
+            "test_a_failed_load_is_receipted_recomputed_with_its_reason",
+        ),
+    ),
+    Mutant(
+        "issue25-receipt-kept-for-finished-request",
+        "receipts of requests already finished (failed under policy fail) are kept for ever",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/scheduler.py",
+                "            if rid not in self._loading:\n                continue",
+                "            if False:\n                continue",
+            ),
+        ),
+        ("tests/test_vllm_decode_first.py::test_a_receipt_for_a_finished_request_is_not_kept",),
+    ),
 )
 
 

@@ -204,7 +204,7 @@ class EngineProcess:
         return self.reply(timeout)
 
     def send(self, cmd: dict[str, Any]) -> None:
-        """Send one command without waiting for its reply (:meth:`reply` takes it)."""
+        """Send one command without waiting: two engines run at once, each answered by ``reply``."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
@@ -215,6 +215,11 @@ class EngineProcess:
         if reply.get("event") == "error":
             raise EngineError(f"{self.name}: {reply['error']}\n{self.describe()}")
         return reply
+
+    def start_run(self, requests: list[dict[str, Any]], timeout: float = 120.0, **kw: Any) -> float:
+        """Send a run command; the bound to pass to ``reply`` for its result."""
+        self.send({"op": "run", "requests": requests, "timeout_s": timeout, **kw})
+        return timeout + 30
 
     def run(
         self, requests: list[dict[str, Any]], timeout: float = 120.0, **kw: Any

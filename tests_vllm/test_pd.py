@@ -72,7 +72,8 @@ def test_disaggregated_equals_monolithic(pd: PD) -> None:
     t0 = time.monotonic()
     params = prefill_all(pd, "a", ps)
     t1 = time.monotonic()
-    disagg = tokens(decode_all(pd, "d", ps, params), "d", len(ps))
+    out = decode_all(pd, "d", ps, params)
+    disagg = tokens(out, "d", len(ps))
     t2 = time.monotonic()
     mono = tokens(decode_all(pd, "m", ps, [None] * len(ps)), "m", len(ps))
     print(f"\n16 prompts: prefill {t1 - t0:.2f}s, decode with KV loads {t2 - t1:.2f}s")
@@ -85,6 +86,10 @@ def test_disaggregated_equals_monolithic(pd: PD) -> None:
     assert stats["load_failures"] == 0, stats
     want = sum(-(-n // BLOCK) for n in LENGTHS) * MODEL_LAYERS * BLOCK_BYTES
     assert counter(rx_port, "kvxferd_bytes") - bytes_before == want
+    # Each output's receipt says loaded, with the bytes the receiver daemon wrote for it.
+    receipts = [out[f"d{i}"]["kv_transfer_params"]["kvxferd_receipt"] for i in range(len(ps))]
+    assert all(r["loaded"] and not r["streamed"] for r in receipts), receipts
+    assert sum(r["bytes"] for r in receipts) == want
 
 
 def test_each_worker_declared_its_topology(pd: PD) -> None:

@@ -8,7 +8,7 @@ vLLM's block count (pin it with ``num_gpu_blocks_override``) and the pool gets
 that many plus one longest request of scratch; ``--planes 2`` for CUDA backends
 that put K and V first (FlashAttention's ``[2, blocks, ...]``); ``--device cuda``;
 ``--tensor-parallel-size`` / ``--pipeline-parallel-size``: one worker's pool (one
-section per stage). ``proxy --prefill URL --decode URL``
+section per stage). ``proxy --prefill URL --decode URL [--mode prefill-first|decode-first]``
 runs the example P/D proxy (proxy.py).
 """
 
@@ -60,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument("--decode", action="append", required=True, help="a decode server URL")
     px.add_argument("--host", default="127.0.0.1")
     px.add_argument("--port", type=int, default=8000)
+    px.add_argument(
+        "--mode",
+        choices=["prefill-first", "decode-first"],
+        default="prefill-first",
+        help="prefill-first (vLLM's P/D flow, any connector) or decode-first (both requests "
+        "at once; kvxferd on both sides)",
+    )
+    px.add_argument("--timeout-s", type=float, default=600.0, help="a whole upstream call, at most")
     return p
 
 
@@ -68,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "proxy":
         from kvxferd.integrations.vllm.proxy import serve
 
-        serve(args.prefill, args.decode, args.host, args.port)
+        if not 0 < args.timeout_s <= 86400:
+            print("kvxferd: --timeout-s must be in (0, 86400]", file=sys.stderr)
+            return 2
+        serve(args.prefill, args.decode, args.host, args.port, args.mode, args.timeout_s)
         return 0
     if args.block_size < 1 or args.num_blocks < 1 or args.planes not in (1, 2):
         print(

@@ -30,7 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvxferd.engine.client import Client, EngineError
 from kvxferd.errors import ConfigError
 from kvxferd.integrations.vllm.geometry import ModelShard, blocks_for
-from kvxferd.integrations.vllm.metadata import StepPlan
+from kvxferd.integrations.vllm.metadata import Receipt, StepPlan
 from kvxferd.integrations.vllm.scheduler import SchedulerSide
 from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
 from kvxferd.integrations.vllm.worker import WorkerSide
@@ -41,16 +41,22 @@ if TYPE_CHECKING:
 __all__ = ["KvxferdConnector"]
 
 
-class SenderMoved(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker -> scheduler: sender daemons that restarted on another listen endpoint, by rank."""
+class WorkerNews(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, one step: sender daemons that restarted on another listen
+    endpoint (by rank), and the receipts of the loads that ended (by request)."""
 
-    def __init__(self, moved: dict[int, str]) -> None:
+    def __init__(self, moved: dict[int, str], receipts: dict[str, list[Receipt]]) -> None:
         self.moved = moved
+        self.receipts = receipts  # every rank's receipt of the request, merged by the scheduler
 
     def aggregate(self, other: Any) -> Any:
-        if isinstance(other, SenderMoved):  # every worker's move; the latest per rank wins
-            return SenderMoved({**self.moved, **other.moved})
-        return self
+        if not isinstance(other, WorkerNews):
+            return self
+        receipts = {k: list(v) for k, v in self.receipts.items()}
+        for rid, rs in other.receipts.items():
+            receipts.setdefault(rid, []).extend(rs)
+        # Every worker's move; the latest per rank wins.
+        return WorkerNews({**self.moved, **other.moved}, receipts)
 
 
 class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -88,6 +94,7 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.blocks_per_request = blocks_for(
             vllm_config.model_config.max_model_len, self.block_size
         )
+        recompute = getattr(ktc, "kv_load_failure_policy", "fail") == "recompute"
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -105,6 +112,7 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 sender_key=senders[0][1] if senders else "",
                 senders=[e for e, _ in senders],
                 sender_keys=[k for _, k in senders],
+                recompute=recompute,
             )
         else:
             self._worker = WorkerSide(
@@ -112,6 +120,7 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 producer=producer,
                 consumer=consumer,
                 shard=_model_shard(vllm_config, self.settings),
+                recompute=recompute,
             )
 
     def _sender_endpoint(self, rank: int) -> tuple[str, str]:
@@ -184,9 +193,16 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_worker_meta(self) -> Any:
         w = self._worker
-        moved = w.take_moved_endpoint() if w is not None else None
-        rank = w.shard.rank if w is not None and w.shard is not None else 0
-        return None if moved is None else SenderMoved({rank: moved})
+        if w is None:
+            return None
+        moved = w.take_moved_endpoint()
+        receipts = w.take_receipts()
+        if moved is None and not receipts:
+            return None
+        rank = w.shard.rank if w.shard is not None else 0
+        return WorkerNews(
+            {} if moved is None else {rank: moved}, {k: [r] for k, r in receipts.items()}
+        )
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -228,10 +244,17 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
-        self._sched.update_connector_output(connector_output.finished_recving)
-        moved = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(moved, SenderMoved) and self._sched.producer:
-            for rank, endpoint in moved.moved.items():  # params of later prefills name it
+        news = getattr(connector_output, "kv_connector_worker_meta", None)
+        receipts: dict[str, Receipt] = {}
+        if isinstance(news, WorkerNews):
+            for rid, rs in news.receipts.items():
+                merged = rs[0]
+                for r in rs[1:]:
+                    merged = merged.merge(r)
+                receipts[rid] = merged
+        self._sched.update_connector_output(connector_output.finished_recving, receipts)
+        if isinstance(news, WorkerNews) and self._sched.producer:
+            for rank, endpoint in news.moved.items():  # params of later prefills name it
                 self._sched.sender_moved(rank, endpoint)
 
 

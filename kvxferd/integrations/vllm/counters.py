@@ -2,6 +2,9 @@
 
 Each side counts its own outcomes: Publishes the saves, Loads the loads and releases.
 The counters only grow; :meth:`Stats.snapshot` reads them all under the one lock.
+A decode request's fate is counted once: ``loaded`` (its KV was put into vLLM's
+blocks), ``recomputed`` with ``recomputed{<reason>}`` (its load failed and vLLM
+prefills it locally, policy "recompute"), or only ``load_failures`` (policy "fail").
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ class Stats:
     saves: int = 0
     save_failures: int = 0  # no pool room or the publish failed: the decode side will fail to load
     loads: int = 0  # loads that put the remote KV into vLLM's blocks
+    loaded: int = 0  # the same count, under the receipt's name
+    recomputed: int = 0  # failed loads vLLM prefills locally (policy "recompute"), by reason:
+    recomputed_reasons: dict[str, int] = field(default_factory=dict)  # -> recomputed{<reason>}
     loaded_blocks: int = 0
     loaded_bytes: int = 0
     load_failures: int = 0
@@ -43,6 +49,14 @@ class Stats:
             for k, v in counts.items():
                 setattr(self, k, getattr(self, k) + v)
 
-    def snapshot(self) -> dict[str, int]:
+    def recomputed_for(self, reason: str) -> None:
         with self.lock:
-            return {k: getattr(self, k) for k in self.__slots__ if k != "lock"}  # type: ignore[attr-defined]
+            self.recomputed += 1
+            self.recomputed_reasons[reason] = self.recomputed_reasons.get(reason, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        skip = ("lock", "recomputed_reasons")
+        with self.lock:
+            out = {k: getattr(self, k) for k in self.__slots__ if k not in skip}  # type: ignore[attr-defined]
+            out.update({f"recomputed{{{r}}}": n for r, n in self.recomputed_reasons.items()})
+            return out

@@ -14,6 +14,11 @@ One load's states (engine thread unless marked; no lock: the loop reports throug
                 cancelled); its pool blocks go back after a close says no write can
                 touch them
 
+Every load that ended, loaded or failed (not cancelled), leaves a :class:`Receipt` in
+Reports (blocks and bytes the receiver daemon wrote, the prefill instance, the time from
+the fetch call to its outcome, or the reason it failed), which the connector hands to
+the scheduler side; a failed one counts in ``recomputed`` under policy "recompute".
+
 A load cancelled while waiting is reported at once and never fetched; one cancelled
 after it ended was already reported (vLLM frees its blocks on that report). With zero
 copy a failed or cancelled load whose handle is still open is closed before it is
@@ -39,7 +44,7 @@ from kvxferd.engine.engine_protocol import Outcome
 from kvxferd.integrations.vllm.attachment import Attachment, _Daemon
 from kvxferd.integrations.vllm.counters import Stats
 from kvxferd.integrations.vllm.io_thread import FETCH_WAIT_S, IoThread
-from kvxferd.integrations.vllm.metadata import Load, RemoteKv, StepPlan
+from kvxferd.integrations.vllm.metadata import Load, Receipt, RemoteKv, StepPlan
 from kvxferd.integrations.vllm.reports import Reports
 from kvxferd.integrations.vllm.settings import ConnectorSettings
 
@@ -57,6 +62,7 @@ class _Loaded:
     outcome: Outcome | None
     why: str
     closed: bool = False
+    reason: str = ""  # the receipt's reason when there is no outcome (refused, not answered)
     times: tuple[float, float, float] = (0.0, 0.0, 0.0)  # fetch asked, handle, outcome (monotonic)
 
 
@@ -72,9 +78,11 @@ class Loads:
         reports: Reports,
         stats: Stats,
         post: Callable[[_Loaded], None],
+        recompute: bool = False,
     ) -> None:
         self.settings = settings
         self.zero_copy = settings.zero_copy
+        self.recompute = recompute  # kv_load_failure_policy "recompute" (counts recomputed)
         self._at = attachment
         self._io = io
         self._reports = reports
@@ -116,7 +124,9 @@ class Loads:
                 if now < deadline:
                     break  # in order: a later, smaller load must not starve this one
                 self.waiting.popleft()
-                self._fail(ld, "no room in the receiver's pool before transfer_timeout_s")
+                self._failed(
+                    ld, "no_room", "no room in the receiver's pool before transfer_timeout_s"
+                )
                 continue
             self.waiting.popleft()
             batch.append((ld, ids))
@@ -147,7 +157,21 @@ class Loads:
                 geo.load(r.daemon.pool, r.pool_ids[skip:], list(r.load.block_ids[skip:]))
             n = len(r.load.block_ids) - skip
             asked, handle, ended = r.times
+            remote = r.load.remote
+            assert r.outcome is not None
+            self._reports.receipt(
+                rid,
+                Receipt(
+                    True,
+                    blocks=len(r.load.block_ids),
+                    nbytes=r.outcome.nbytes,
+                    source=remote.sender,
+                    ms=(ended - asked) * 1000,
+                    streamed=remote.decode_first and remote.stream,
+                ),
+            )
             self.stats.add(
+                loaded=1,
                 loads=1,
                 loaded_blocks=n,
                 loaded_bytes=n * len(geo.layers) * geo.block_bytes,
@@ -156,9 +180,12 @@ class Loads:
                 load_handoff_us=int((time.monotonic() - ended) * 1e6),
             )
         else:
-            self._reports.load_ended(rid, failed=True)
-            self.stats.add(load_failures=1)
-            log.warning("request %s: KV load from %s failed: %s", rid, r.load.remote.sender, r.why)
+            reason = r.reason or "not_done"
+            if r.outcome is not None and r.outcome.ok:  # landed on an incarnation since replaced
+                reason = "daemon_restarted"
+            elif r.outcome is not None and r.outcome.reason is not None:
+                reason = str(r.outcome.reason)
+            self._failed(r.load, reason, r.why, r.times)
         if r.closed:
             return  # its blocks went back with the close
         if r.handle is not None:
@@ -166,9 +193,18 @@ class Loads:
         else:
             r.daemon.blocks.give(r.pool_ids)
 
-    def _fail(self, ld: Load, why: str) -> None:
+    def _failed(
+        self, ld: Load, reason: str, why: str, times: tuple[float, float, float] | None = None
+    ) -> None:
+        """Report ``ld`` failed, with its receipt; vLLM recomputes or fails it (its policy)."""
         self._reports.load_ended(ld.req_id, failed=True)
+        ms = (times[2] - times[0]) * 1000 if times and times[2] else 0.0
+        self._reports.receipt(
+            ld.req_id, Receipt(False, reason=reason, source=ld.remote.sender, ms=ms, detail=why)
+        )
         self.stats.add(load_failures=1)
+        if self.recompute:
+            self.stats.recomputed_for(reason)
         log.warning("request %s: KV load from %s failed: %s", ld.req_id, ld.remote.sender, why)
 
     def release(self, remote: RemoteKv) -> None:
@@ -187,7 +223,8 @@ class Loads:
     async def _fetch_all(self, d: _Daemon, batch: list[tuple[Load, list[int]]]) -> None:
         if not await self._at.same_daemon(d):
             for ld, ids in batch:
-                self._post(_Loaded(ld, d, ids, None, None, "the receiver daemon restarted"))
+                why = "the receiver daemon restarted"
+                self._post(_Loaded(ld, d, ids, None, None, why, reason="daemon_restarted"))
             return
         for ld, ids in batch:
             self._io.loop.create_task(self._fetch(ld, d, ids))
@@ -220,15 +257,17 @@ class Loads:
                     cancel,
                 )
             except EngineRejected as e:
-                self._post(_Loaded(ld, d, ids, None, None, f"fetch refused: {e}"))
+                why = f"fetch refused: {e}"
+                self._post(_Loaded(ld, d, ids, None, None, why, reason=str(e.reason)))
                 return
             except EngineError as e:
                 why = "cancelled" if cancel.is_set() else f"fetch not answered: {e}"
+                na = "cancelled" if cancel.is_set() else "not_answered"
                 if self.zero_copy:  # it may run: report once no write can land in vLLM's blocks
                     await io.close_key(r.transfer_id, r.sender, d, ids)
-                    self._post(_Loaded(ld, d, [], None, None, why, closed=True))
+                    self._post(_Loaded(ld, d, [], None, None, why, closed=True, reason=na))
                     return
-                self._post(_Loaded(ld, d, [], None, None, why))
+                self._post(_Loaded(ld, d, [], None, None, why, reason=na))
                 await io.close_key(r.transfer_id, r.sender, d, ids)
                 return
             h = first.handle_id

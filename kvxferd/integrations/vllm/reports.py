@@ -13,12 +13,15 @@ Send side, zero copy only (vLLM frees a held prefill request's blocks late)::
 
 Receive side: :meth:`load_ended` adds the request to ``finished_recving`` (and, when its
 load failed, to ``failed_recving``, a subset); :meth:`take` hands both over and empties
-them.
+them. :meth:`receipt` keeps an ended load's receipt until :meth:`take_receipts` hands it
+to the scheduler side (the connector's worker metadata of the same step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+
+from kvxferd.integrations.vllm.metadata import Receipt
 
 
 class Reports:
@@ -33,6 +36,7 @@ class Reports:
         self.finished: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
+        self.receipts: dict[str, Receipt] = {}
 
     def hold(self, req_id: str) -> None:
         self.holding.add(req_id)
@@ -44,6 +48,14 @@ class Reports:
         self.finished_recving.add(req_id)
         if failed:
             self.failed_recving.add(req_id)
+
+    def receipt(self, req_id: str, r: Receipt) -> None:
+        self.receipts[req_id] = r
+
+    def take_receipts(self) -> dict[str, Receipt]:
+        """The receipts of loads ended since the last call."""
+        out, self.receipts = self.receipts, {}
+        return out
 
     def any_recving(self) -> bool:
         """Whether a load's end waits to be reported."""

@@ -5,11 +5,15 @@ plans, and the worker side carries the plan out (metadata.StepPlan).
 
 Prefill (producer) request, ``{"do_remote_decode": true}``::
 
-    update_state_after_alloc   -> tracked (_to_save)
-    build_connector_meta       the step that completes its prompt -> Save(block ids, transfer id)
+    update_state_after_alloc   -> tracked (_to_save); decode-first (the router chose
+                               kvxferd_transfer_id and kvxferd_token): both checked,
+                               a malformed one -> refused (_refused: never published,
+                               its output says why in kvxferd_error)
+    build_connector_meta       the step that completes its prompt -> Save(block ids, transfer
+                               id: the router's in decode-first, else a fresh one)
                                -> _published (the worker copies and publishes after the forward;
                                with "kvxferd_stream": true it publishes before the forward and
-                               marks each layer ready in it: Save.stream)
+                               marks each layer ready in it: Save.stream, streams.py)
     request_finished           length-capped or stopped -> kv_transfer_params (RemoteKv), blocks
                                freed at once (the KV is in the daemon's pool by then);
                                aborted after its save -> unpublish (the sender's blocks are freed).
@@ -19,8 +23,11 @@ Prefill (producer) request, ``{"do_remote_decode": true}``::
 Decode (consumer) request, kv_transfer_params from a prefill output::
 
     get_num_new_matched_tokens prompt tokens not computed locally, loaded asynchronously
+                               (decode-first params without a token count: the prompt's)
     update_state_after_alloc   -> Load(local block ids) (or release, if nothing is to load)
-    request_finished           aborted while loading -> cancel_loads; never allocated -> release
+    update_connector_output    the workers' receipts of ended loads -> _receipts (merged)
+    request_finished           aborted while loading -> cancel_loads; never allocated -> release;
+                               its receipt, if any, into the output's kv_transfer_params
 
 Everything here runs on vLLM's scheduler thread; no lock is needed.
 """
@@ -30,17 +37,26 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from kvxferd.integrations.vllm.geometry import blocks_for
 from kvxferd.integrations.vllm.metadata import (
+    DECODE_FIRST,
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
+    ERROR,
+    NUM_BLOCKS,
+    NUM_TOKENS,
+    RECEIPT,
     STREAM,
     Load,
+    ParamsError,
+    Receipt,
     RemoteKv,
     Save,
     StepPlan,
+    chosen_transfer,
 )
 
 log = logging.getLogger("kvxferd.integrations.vllm")
@@ -69,6 +85,7 @@ class SchedulerSide:
         sender_key: str = "",
         senders: list[str] | None = None,
         sender_keys: list[str] | None = None,
+        recompute: bool = False,
     ) -> None:
         if producer and sender is None:
             raise ValueError("a producer needs its sender daemon's endpoint")
@@ -81,10 +98,15 @@ class SchedulerSide:
         self.senders = list(senders or ([sender] if sender else []))
         self.sender_keys = list(sender_keys or [sender_key] * len(self.senders))
         self.zero_copy = zero_copy
+        self.recompute = (
+            recompute  # kv_load_failure_policy "recompute": a failed load is prefilled here
+        )
         self._kv_cache_manager: Any = None
         self._to_save: dict[str, Any] = {}  # req id -> vLLM Request, prompt not yet complete
         self._published: dict[str, RemoteKv] = {}  # req id -> what its Save published
         self._loading: set[str] = set()  # req ids handed to the worker, not reported finished
+        self._refused: dict[str, str] = {}  # req id -> why its router-chosen transfer was refused
+        self._receipts: dict[str, Receipt] = {}  # req id -> its load's receipt (ranks merged)
         self._plan = StepPlan()
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -94,13 +116,22 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        remote = RemoteKv.from_params(request.kv_transfer_params) if self.consumer else None
+        remote = self._remote(request) if self.consumer else None
         if remote is None:
             return 0, False
         if not self._matches(request, remote):
             return 0, False
         count = remote.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _remote(self, request: Any) -> RemoteKv | None:
+        """The request's remote KV; decode-first params without a token count get the
+        prompt's (the prefill computes the same prompt in blocks of the same size)."""
+        params = request.kv_transfer_params
+        if params and params.get(DECODE_FIRST) is True and NUM_TOKENS not in params:
+            n = len(request.prompt_token_ids or ())
+            params[NUM_TOKENS], params[NUM_BLOCKS] = n, blocks_for(n, self.block_size)
+        return RemoteKv.from_params(params)
 
     def _matches(self, request: Any, remote: RemoteKv) -> bool:
         n = len(request.prompt_token_ids or ())
@@ -111,9 +142,20 @@ class SchedulerSide:
         if not params:
             return
         rid = request.request_id
-        if self.producer and params.get(DO_REMOTE_DECODE) and rid not in self._published:
-            self._to_save[rid] = request
-        remote = RemoteKv.from_params(params) if self.consumer else None
+        if (
+            self.producer
+            and params.get(DO_REMOTE_DECODE)
+            and rid not in self._published
+            and rid not in self._refused
+        ):
+            try:
+                chosen_transfer(params)
+            except ParamsError as e:
+                log.error("request %s: kv_transfer_params refused, not published: %s", rid, e)
+                self._refused[rid] = str(e)
+            else:
+                self._to_save[rid] = request
+        remote = self._remote(request) if self.consumer else None
         if remote is None:
             return
         params[DO_REMOTE_PREFILL] = False  # load once, even if this is called again
@@ -128,6 +170,10 @@ class SchedulerSide:
                     len(request.prompt_token_ids or ()),
                 )
             self._plan.release.append(remote)
+            if num_external_tokens <= 0:
+                self._receipts[rid] = Receipt(False, True, "prefix_cached", source=remote.sender)
+            else:
+                self._receipts[rid] = Receipt(False, True, "mismatch", source=remote.sender)
             return
         block_ids = blocks.get_block_ids()[0][: remote.num_blocks]
         skip = (remote.num_tokens - num_external_tokens) // self.block_size
@@ -156,10 +202,15 @@ class SchedulerSide:
             num_blocks = blocks_for(num_tokens, self.block_size)
             block_ids = self._kv_cache_manager.get_block_ids(rid)[0][:num_blocks]
             assert self.sender is not None
-            # A fetch token per transfer: only who holds this request's params may fetch it.
-            token = secrets.token_urlsafe(16)
+            params = req.kv_transfer_params or {}
+            # Decode-first: the router's transfer id and token (checked at allocation; the
+            # decode side fetches under exactly these). Otherwise a fetch token per
+            # transfer: only who holds this request's params may fetch it.
+            chosen = chosen_transfer(params)
+            tid, token = chosen if chosen else (transfer_id(rid), secrets.token_urlsafe(16))
+            stream = params.get(STREAM) is True
             remote = RemoteKv(
-                transfer_id(rid),
+                tid,
                 self.sender,
                 num_tokens,
                 num_blocks,
@@ -167,11 +218,10 @@ class SchedulerSide:
                 self.sender_key,
                 tuple(self.senders),
                 tuple(self.sender_keys),
+                decode_first=chosen is not None,
+                stream=stream,
             )
-            stream = (req.kv_transfer_params or {}).get(STREAM) is True
-            self._plan.saves.append(
-                Save(rid, remote.transfer_id, tuple(block_ids), token, stream=stream)
-            )
+            self._plan.saves.append(Save(rid, tid, tuple(block_ids), token, stream))
             self._published[rid] = remote
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -184,9 +234,12 @@ class SchedulerSide:
             elif (remote := RemoteKv.from_params(params)) is not None:
                 params[DO_REMOTE_PREFILL] = False
                 self._plan.release.append(remote)  # aborted before it was scheduled
-        if not self.producer:
-            return False, None
+            receipt = self._receipts.pop(rid, None)
+            return False, (None if receipt is None else {RECEIPT: receipt.to_params()})
         self._to_save.pop(rid, None)
+        refused = self._refused.pop(rid, None)
+        if refused is not None:
+            return False, {ERROR: refused}
         published = self._published.pop(rid, None)
         if published is None:
             return False, None
@@ -202,6 +255,15 @@ class SchedulerSide:
         if rank == 0:
             self.sender = endpoint
 
-    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+    def update_connector_output(
+        self, finished_recving: set[str] | None, receipts: dict[str, Receipt] | None = None
+    ) -> None:
+        for rid, r in (receipts or {}).items():
+            if rid not in self._loading:
+                continue  # already finished (failed under policy "fail"): nobody reads it
+            if not r.loaded and self.recompute:  # vLLM prefills it here (failed_recving)
+                r = replace(r, recomputed=True)
+            have = self._receipts.get(rid)
+            self._receipts[rid] = r if have is None else have.merge(r)
         for rid in finished_recving or ():
             self._loading.discard(rid)

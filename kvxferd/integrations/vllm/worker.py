@@ -72,7 +72,7 @@ from kvxferd.integrations.vllm.counters import Stats
 from kvxferd.integrations.vllm.geometry import KvGeometry, ModelShard
 from kvxferd.integrations.vllm.io_thread import FETCH_WAIT_S, MAX_EARLY_CANCELS, RETRY_S, IoThread
 from kvxferd.integrations.vllm.loads import Loads, _Loaded
-from kvxferd.integrations.vllm.metadata import StepPlan
+from kvxferd.integrations.vllm.metadata import Receipt, StepPlan
 from kvxferd.integrations.vllm.publishes import Publishes, _Sent
 from kvxferd.integrations.vllm.reports import Reports
 from kvxferd.integrations.vllm.settings import ConnectorSettings
@@ -112,6 +112,7 @@ class WorkerSide:
         producer: bool,
         consumer: bool,
         shard: ModelShard | None = None,
+        recompute: bool = False,
     ) -> None:
         self.settings = settings
         self.producer = producer
@@ -140,7 +141,13 @@ class WorkerSide:
             attachment=at, io=io, reports=reports, stats=stats, post=self._done.put
         )
         self.loads = Loads(
-            settings, attachment=at, io=io, reports=reports, stats=stats, post=self._done.put
+            settings,
+            attachment=at,
+            io=io,
+            reports=reports,
+            stats=stats,
+            post=self._done.put,
+            recompute=recompute,
         )
         self.streams = Streams(attachment=at, loop=io.loop, stats=stats)
 
@@ -224,6 +231,10 @@ class WorkerSide:
                 self.reports.publish_ended(item.req_id)
             else:
                 self.loads.finish(item)
+
+    def take_receipts(self) -> dict[str, Receipt]:
+        """Receipts of the loads that ended since the last call (for the scheduler side)."""
+        return self.reports.take_receipts()
 
     def take_moved_endpoint(self) -> str | None:
         """The restarted daemon's new endpoint, once (for the scheduler side's params)."""
