@@ -327,6 +327,51 @@ def test_each_prefill_rank_streams_its_shard(
     assert writes >= 2 * max(p_tp, d_tp), "each pair's layers written in two ranges"
 
 
+def test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides(
+    daemons: Daemons,
+    start_gateway: Callable[..., Started],  # noqa: F811
+    sock_dir: str,  # noqa: F811
+    instances: list[Instance],
+) -> None:
+    """A decode request aborted while the prefill's layers stream: its load is reported
+    cancelled (never loaded), the stream's publish ends, and the prefill's staging blocks
+    come back only once its step ended on the engine thread (it copies into them until
+    then), then every block of both sides is free."""
+    prefill = Instance(daemons, start_gateway, sock_dir, "p", 1, "CPU_ATTN")
+    decode = Instance(daemons, start_gateway, sock_dir, "d", 1, "CPU_ATTN")
+    instances += [prefill, decode]
+    p, d = prefill.ranks[0], decode.ranks[0]
+    req, tid, token = "req-a", "t-req-a", "token-of-req-a-0123456789"
+    ep = prefill.endpoints[0]
+    remote = RemoteKv(tid, ep, REQ_BLOCKS * BLOCK, REQ_BLOCKS, token, "", (ep,), ("",))
+    d.worker.start_step(StepPlan(loads=[Load(req, remote, (7, 2, 11))]))
+    plan = StepPlan(saves=[Save(req, tid, (5, 0, 9), token, stream=True)])
+    p.worker.begin_step(plan)
+    names = list(p.kv)
+    p.worker.save_layer(names[0])
+    tx = prefill.daemons[0]
+    wait_until(lambda: tx.stats.get("stream_writes") >= 1, WAIT_S, "layer 0 written")
+    d.worker.start_step(StepPlan(cancel_loads=[req]))  # vLLM aborted the decode request
+    ended: set[str] = set()
+
+    def reported() -> bool:
+        _, fin, bad = d.worker.results()
+        assert not bad, "a cancelled load is not a failed one"
+        ended.update(fin)
+        return req in ended
+
+    wait_until(reported, WAIT_S, "the cancelled load reported")
+    assert d.worker.stats.snapshot()["loads"] == 0
+    # The publish ended with its only reader and was closed; the engine still runs its step.
+    wait_until(lambda: tid not in p.worker.io._cancels, WAIT_S, "the stream's publish closed")
+    assert p.worker.pool_free() == POOL_BLOCKS - REQ_BLOCKS, "given back mid-step"
+    for name in names[1:]:
+        p.worker.save_layer(name)
+    p.worker.save(plan)  # wait_for_save: the step ends
+    wait_until(lambda: p.worker.pool_free() == POOL_BLOCKS, WAIT_S, "prefill blocks back")
+    wait_until(lambda: d.worker.pool_free() == POOL_BLOCKS, WAIT_S, "decode blocks back")
+
+
 def test_a_decode_instance_of_another_model_is_refused_not_garbled(
     daemons: Daemons,
     start_gateway: Callable[..., Started],  # noqa: F811

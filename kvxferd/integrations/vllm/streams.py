@@ -87,7 +87,7 @@ class _Stream:
                 await loop.run_in_executor(None, event.synchronize)
             if ready > self.sent:
                 try:
-                    await client.progress(handle, ready)
+                    client.progress(handle, ready)  # queued on this loop's connection
                 except EngineError as e:  # the publish's outcome says what happened
                     log.info("request %s: stream mark not sent: %s", self.save.req_id, e)
                     return
