@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from kvxferd.engine.client import Client
+from kvxferd.integrations.vllm.proxy import Instance, decode_first_params
 from tests.support.conditions import wait_until
 from tests.test_daemon import DaemonProcess
 from tests_vllm.conftest import POOL_BLOCKS, Rig, _rig
@@ -53,12 +54,11 @@ class Streamed:
     decode: EngineProcess
     pool_blocks: int
 
-    def endpoint(self) -> str:
-        c = Client(self.sender.engine_socket, timeout_s=10)
-        try:
-            return c.describe().endpoint
-        finally:
-            c.close_client()
+    def instance(self) -> Instance:
+        """What a proxy knows of the prefill instance: its sender's endpoint and key."""
+        with Client(self.sender.engine_socket, timeout_s=10) as c:
+            info = c.describe()
+        return Instance((info.endpoint,), (info.public_key,))
 
 
 _MODELS: dict[Shape, Path] = {}
@@ -105,24 +105,6 @@ def chosen(tag: str, n: int) -> list[tuple[str, str]]:
     return [(f"x-{tag}{i}-{secrets.token_hex(4)}", secrets.token_urlsafe(16)) for i in range(n)]
 
 
-def decode_params(endpoint: str, tid: str, token: str, prompt: list[int]) -> dict[str, Any]:
-    """A decode-first request's params: the transfer the router chose, the prefill instance."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "kvxferd_decode_first": True,
-        "kvxferd_stream": True,
-        "kvxferd_transfer_id": tid,
-        "kvxferd_token": token,
-        "kvxferd_sender": endpoint,
-        "kvxferd_sender_key": "",
-        "kvxferd_senders": [endpoint],
-        "kvxferd_sender_keys": [""],
-        "kvxferd_num_tokens": len(prompt),
-        "kvxferd_num_blocks": -(-len(prompt) // BLOCK),
-    }
-
-
 def prefill_params(tid: str, token: str) -> dict[str, Any]:
     return {
         "do_remote_decode": True,
@@ -134,14 +116,14 @@ def prefill_params(tid: str, token: str) -> dict[str, Any]:
 
 def send_both(s: Streamed, tag: str, ps: list[list[int]], timeout: float = 300.0) -> None:
     """Decode first (every fetch parks at the sender), then prefill; replies not taken."""
-    ep = s.endpoint()
+    inst = s.instance()
     picks = chosen(tag, len(ps))
     dec = [
         {
             "id": f"{tag}d{i}",
             "prompt": p,
             "max_tokens": DECODE_TOKENS,
-            "params": decode_params(ep, tid, tok, p),
+            "params": {**decode_first_params(inst, tid, tok), "kvxferd_stream": True},
         }
         for i, (p, (tid, tok)) in enumerate(zip(ps, picks, strict=True))
     ]
