@@ -35,11 +35,12 @@ class Stats:
     load_transfer_us: int = 0
     load_handoff_us: int = 0
     # Streamed saves (streams.py): how many, the layers save_kv_layer marked, and the time
-    # those calls took on the engine thread inside the forward (copy and hand-off); the
-    # progress marks the loop sent, and those of them that left layers to come.
+    # those calls took on the engine thread inside the forward (copy and hand-off; of which
+    # the hand-off); the progress marks the loop sent, and those that left layers to come.
     streams: int = 0
     stream_layers: int = 0
     stream_layer_us: int = 0
+    stream_mark_us: int = 0
     stream_marks: int = 0
     stream_marks_partial: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -26,7 +26,8 @@ after every forward, so a stream always ends with its step.
 
 Cost per layer on the engine thread, with a stream open: one index copy (copy mode) and
 one ``call_soon_threadsafe``; no engine round trip (``stream_layer_us`` / ``stream_layers``
-in the counters). With none open, save_kv_layer returns at once.
+in the counters, of which ``stream_mark_us`` the hand-over). With none open,
+save_kv_layer returns at once.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class Streams:
         self._dst: torch.Tensor | None = None  # and their pool blocks, same order
         self._next = 0  # vLLM layers marked in this step
         self._planes = 1  # pool layers per vLLM layer (zero copy on CUDA backends: K and V)
-        self._layer_ns = 0
+        self._layer_ns = 0  # this step's time in layer(), copies included
+        self._mark_ns = 0  # of which handing the marks over
         self._layers = 0
 
     def begin(self, saves: list[_Stream]) -> None:
@@ -152,8 +154,11 @@ class Streams:
         if i is None or i < self._next:
             return  # not one of this worker's KV layers, or marked already
         self._copy_up_to(i + 1)
+        t1 = time.perf_counter_ns()
         self._hand_over(_Stream.mark)
-        self._layer_ns += time.perf_counter_ns() - t0
+        t2 = time.perf_counter_ns()
+        self._layer_ns += t2 - t0
+        self._mark_ns += t2 - t1
         self._layers += 1
 
     def finish(self) -> None:
@@ -168,9 +173,10 @@ class Streams:
             streams=len(self.open),
             stream_layers=self._layers,
             stream_layer_us=self._layer_ns // 1000,
+            stream_mark_us=self._mark_ns // 1000,
         )
         self.open, self._src, self._dst = [], None, None
-        self._layer_ns = self._layers = 0
+        self._layer_ns = self._mark_ns = self._layers = 0
 
     def _copy_up_to(self, end: int) -> None:
         """Copy mode: vLLM layers [_next, end) of every open stream into the pool."""
