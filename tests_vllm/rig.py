@@ -110,13 +110,20 @@ def pool_config(model: Path, num_blocks: int, *extra: str) -> str:
 
 
 def spawn_daemon(
-    role: str, name: str, sock_dir: str, config: Path, threads: int = 1, listen: str = ""
+    role: str,
+    name: str,
+    sock_dir: str,
+    config: Path,
+    threads: int = 1,
+    listen: str = "",
+    extra_env: dict[str, str] | None = None,
 ) -> DaemonProcess:
     args = ["--config", str(config)]
     if role == "sender":
         args += ["--listen", listen or "tcp://127.0.0.1:0"]
     env = {"KVXFERD_NUM_THREADS": str(threads)} if role == "sender" else {}
     env["KVXFERD_SECURITY__MODE"] = "off"  # loopback and ipc only: plaintext is accepted
+    env.update(extra_env or {})
     return DaemonProcess(role, name, sock_dir, env, args)
 
 

@@ -71,10 +71,15 @@ def model_of(shape: Shape, factory: pytest.TempPathFactory) -> Path:
 
 
 def start(
-    rig: Rig, shape: Shape, policy: str = "recompute", pool_blocks: int = POOL_BLOCKS
+    rig: Rig,
+    shape: Shape,
+    policy: str = "recompute",
+    pool_blocks: int = POOL_BLOCKS,
+    env: dict[str, str] | None = None,
 ) -> Streamed:
-    sender = rig.daemon("sender", "tx", pool_blocks=pool_blocks)
-    receiver = rig.daemon("receiver", "rx", pool_blocks=pool_blocks)
+    """The daemons (``env`` added to theirs) and both engines, started and ready."""
+    sender = rig.daemon("sender", "tx", pool_blocks=pool_blocks, env=env)
+    receiver = rig.daemon("receiver", "rx", pool_blocks=pool_blocks, env=env)
     sender.wait_ready()
     receiver.wait_ready()
     eng = [
@@ -153,10 +158,11 @@ def stream_writes(s: Streamed) -> float:
     return counter(s.sender.probe_port, "kvxferd_stream_writes")
 
 
-def idle(s: Streamed, receiver: DaemonProcess, bound: float) -> None:
-    """Nothing left: no session on the receiver, every pool block back in the decode connector."""
+def idle(s: Streamed, receiver: DaemonProcess, bound: float) -> float:
+    """Nothing left: no session on the receiver, every pool block back in the decode
+    connector; the monotonic time the last block was back."""
     wait_until(lambda: sessions(receiver.probe_port) == 0, bound, "receiver sessions at zero")
-    wait_until(
+    return wait_until(
         lambda: stats(s.decode)["pool_free"] == s.pool_blocks,
         bound,
         "decode pool blocks all back (none fenced)",
