@@ -29,7 +29,17 @@ from kvxferd.integrations.vllm.proxy import Instance, decode_first_params
 from tests.support.conditions import wait_until
 from tests.test_daemon import DaemonProcess
 from tests_vllm.conftest import POOL_BLOCKS, Rig, _rig
-from tests_vllm.rig import DEEP, TINY, EngineProcess, Shape, build_model, counter, sessions
+from tests_vllm.engine import MAX_MODEL_LEN
+from tests_vllm.rig import (
+    DEEP,
+    MODEL_LAYERS,
+    TINY,
+    EngineProcess,
+    Shape,
+    build_model,
+    counter,
+    sessions,
+)
 from tests_vllm.test_pd import DECODE_TOKENS, prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -235,3 +245,33 @@ def layers_land_while_the_forward_runs(s: Streamed) -> None:
     assert after["stream_marks_partial"] - before["stream_marks_partial"] >= 2, after
     assert stream_writes(s) - writes >= 2  # more than one layer range for the one fetch
     assert dec["ld0"]["tokens"] == monolithic(s.decode, "lm", ps)[0]
+
+
+def test_zero_copy_streams_vllms_own_blocks(rig: Rig) -> None:
+    """Zero copy, decode first, streamed: the sender reads vLLM's own blocks as each layer is marked (nothing copied); decode equals monolithic, every load counted, and vLLM's held blocks and the scratch come back."""
+    blocks = 256
+    zc = ["--zero-copy", "--num-blocks", str(blocks)]
+    sender = rig.daemon("sender", "tx", pool_blocks=blocks, zero_copy=True)
+    receiver = rig.daemon("receiver", "rx", pool_blocks=blocks, zero_copy=True)
+    sender.wait_ready()
+    receiver.wait_ready()
+    prefill = rig.engine("prefill", "producer", sender, *zc)
+    decode = rig.engine(
+        "decode", "consumer", receiver, *zc, "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)
+    )
+    prefill.wait_ready()
+    decode.wait_ready()
+    s = Streamed(rig, TINY, sender, receiver, prefill, decode, MAX_MODEL_LEN // BLOCK)
+    ps = prompts([33, 100, 300], seed=45)
+    send_both(s, "z", ps)
+    pre = prefill.reply(330)["outputs"]
+    dec = decode.reply(330)["outputs"]
+    assert all(o["finish_reason"] == "length" for o in pre.values()), pre
+    assert [dec[f"zd{i}"]["tokens"] for i in range(len(ps))] == monolithic(decode, "zm", ps)
+    st = stats(prefill)
+    assert st["streams"] == len(ps) and st["stream_layers"] >= MODEL_LAYERS, st
+    assert stats(decode)["loads"] == len(ps)
+    prefill.drain()  # vLLM frees the held blocks once the publishes ended
+    decode.drain()
+    wait_until(lambda: sessions(sender.probe_port) == 0, 30, "sender sessions at zero")
+    idle(s, receiver, 30)  # the decode's scratch blocks
