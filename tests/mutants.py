@@ -78,6 +78,7 @@ class Mutant:
 
 
 RACES = "tests/test_races.py::"
+STREAM = "tests/test_streaming.py::"
 SURVIVOR_TRIES = 3  # runs of a mutant's tests before it counts as survived
 TXRACES = "tests/test_sender_races.py::"
 RXWIRE = "tests/test_receiver_wire.py::"
@@ -1725,6 +1726,120 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_vllm_topology.py::"
             "test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides",
         ),
+    ),
+    Mutant(
+        "issue25-stream-done-before-last-layer",
+        "a streamed fetch's first range is taken for the whole fetch: its slice is reported"
+        " done (Result) after one layer, with the others missing",
+        (
+            Edit(
+                "kvxferd/transfer/worker.py",
+                '            if ok and w.kind == "kv" and s.streamed and sl.next_layer < sl.layer_end:',
+                "            if False:",
+            ),
+        ),
+        (
+            STREAM + "test_a_parked_fetch_is_written_layer_by_layer_and_done_only_after_the_last",
+            STREAM + "test_a_streams_writes_go_one_range_at_a_time_in_layer_order",
+        ),
+    ),
+    Mutant(
+        "issue25-stream-notifies-before-last-layer",
+        "every range of a stream carries the done notification: the receiver completes the"
+        " fetch when the first layer lands",
+        (
+            Edit(
+                "kvxferd/transfer/worker_writes.py",
+                "                le >= sl.layer_end and not (s.aux_len > 0 and sl.aux_slot >= 0)",
+                "                not (s.aux_len > 0 and sl.aux_slot >= 0)",
+            ),
+        ),
+        (STREAM + "test_a_streams_writes_go_one_range_at_a_time_in_layer_order",),
+    ),
+    Mutant(
+        "issue25-stream-holds-its-lane",
+        "a stream waiting for its next layer keeps its task at the head of its receiver's lane:"
+        " other requests to that receiver wait for the whole stream",
+        (
+            Edit(
+                "kvxferd/transfer/worker_lanes.py",
+                "                    if writes.session_busy(task.session.session_id):\n",
+                "                    if writes.session_busy(task.session.session_id) or (\n"
+                "                        task.session.streaming\n"
+                "                        and task.session.layers_ready <= task.slice.next_layer\n"
+                "                    ):\n",
+            ),
+        ),
+        (STREAM + "test_another_request_to_the_same_receiver_is_written_while_a_stream_waits",),
+    ),
+    Mutant(
+        "issue25-stream-abort-waits-for-timeout",
+        "a stream that ends before its last layer tells none of its fetches: each waits for"
+        " its own timeout instead of failing at once",
+        (
+            Edit(
+                "kvxferd/transfer/sender/streams.py",
+                "        self._kick(stream.readers)\n",
+                "        pass\n",
+            ),
+        ),
+        (
+            STREAM + "test_cancel_mid_stream_fails_the_fetch_at_once_and_writes_nothing_after",
+            STREAM + "test_an_engine_connection_closed_mid_stream_fails_the_fetch_at_once",
+            STREAM + "test_a_stream_with_no_mark_for_the_stall_bound_fails_and_its_fetch_at_once",
+        ),
+    ),
+    Mutant(
+        "issue25-stream-rewrites-written-layers",
+        "each range of a stream is written from the fetch's first layer, not from the first"
+        " layer not yet written",
+        (
+            Edit(
+                "kvxferd/transfer/worker.py",
+                "        lb, le = sl.next_layer, min(sl.layer_end, base + s.layers_ready)",
+                "        lb, le = sl.layer_begin, min(sl.layer_end, base + s.layers_ready)",
+            ),
+        ),
+        (STREAM + "test_a_streams_writes_go_one_range_at_a_time_in_layer_order",),
+    ),
+    Mutant(
+        "issue25-stream-result-overtakes-its-write",
+        "the task that refuses an ended stream's fetch starts while a range of that fetch is"
+        " still in flight: its failed Result goes out while the WRITE may still land",
+        (
+            Edit(
+                "kvxferd/transfer/worker_lanes.py",
+                "            while lane and not writes.lane_busy(rid):\n",
+                "            while lane and (\n"
+                "                not writes.lane_busy(rid)\n"
+                "                or (isinstance(lane[0], WriteTask) and lane[0].session.ended)\n"
+                "            ):\n",
+            ),
+            Edit(
+                "kvxferd/transfer/worker_lanes.py",
+                "                    if writes.session_busy(task.session.session_id):\n",
+                "                    if writes.session_busy(task.session.session_id) and not (\n"
+                "                        task.session.ended\n"
+                "                    ):\n",
+            ),
+        ),
+        (
+            STREAM
+            + "test_a_stream_cancelled_with_a_range_in_flight_fails_its_fetch_when_that_write_ends",
+        ),
+    ),
+    Mutant(
+        "issue25-connection-close-leaves-stream",
+        "the gateway does nothing when an engine's connection closes: its open stream runs"
+        " until the stall bound",
+        (
+            Edit(
+                "kvxferd/engine/gateway.py",
+                "        self.calls.orphaned(conn.rid, set(self._conns))",
+                "        pass",
+            ),
+        ),
+        (STREAM + "test_an_engine_connection_closed_mid_stream_fails_the_fetch_at_once",),
     ),
 )
 

@@ -39,12 +39,13 @@ def sender_state(
         draining; ProbeServer adds ready, not_ready [reasons], live, liveness
         sessions   {total, by_state {state: n}, oldest_age_s {state: age},
                     open [{request_id, session_id, state, age_s, writes_in_flight,
-                           expected_fetches, ttl_in_s, aux_slot, outcome,
+                           expected_fetches, ttl_in_s, aux_slot, layers_ready, outcome,
                            slices [{receiver_id, endpoint, fetch_id, state, age_s,
                                     writes_in_flight, posted_age_s, deadline_in_s,
                                     nbytes, reason}]}]}
                    open: sessions not ended, or ended with writes still in flight
-                   (in doubt); outcome {state, reason, detail, in_doubt} or null
+                   (in doubt); outcome {state, reason, detail, in_doubt} or null;
+                   layers_ready: a streamed publish's layers marked so far, else null
         topology   this rank's record (docs/topology.md) or null
         peers      [{receiver_id, endpoint, nixl_name, idle_s, writes_in_flight, prepped,
                      identity, decode_rank}]
@@ -271,6 +272,7 @@ def _tx_session_view(session: TxSessionView, now: float) -> dict[str, Any]:
         "expected_fetches": session.expected_fetches,
         "ttl_in_s": None if session.slices else _age(session.ttl_deadline, now),
         "aux_slot": session.aux_slot,
+        "layers_ready": session.layers_ready,
         "outcome": None
         if outcome is None
         else {

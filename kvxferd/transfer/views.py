@@ -114,6 +114,7 @@ class TxSessionView:
     aux_slot: int
     outcome: TxOutcome | None
     slices: tuple[SliceView, ...]
+    layers_ready: int | None = None  # a streamed publish: the layers marked so far
 
 
 def tx_session_view(
@@ -140,6 +141,7 @@ def tx_session_view(
             SliceView.of(sl, lane(session, sl.peer_id) if sl.writes_in_flight > 0 else None)
             for sl in slices
         ),
+        session.layers_ready if session.streamed else None,
     )
 
 

@@ -21,6 +21,15 @@ the listener and API callers (kvxferd/transfer/sender/) only enqueue. One turn::
     start    what the lanes allow (only when a task arrived or a write changed)
     flush    the outbox
 
+A streamed publish's slice (session.py, sender/streams.py) is written range by range:
+each WriteTask writes the layers ready and not yet written (``_ready_range``; none: it
+is dropped without holding the lane, the next mark queues another); a range's write is
+admitted and counted in flight like any write, and its end frees the lane without a
+Result unless it was the slice's last layer (then its AUX write, then its one Result or
+the notification its last WRITE carried). A stream that ended has its next task refused
+at admission: its failed Result goes out once its writes in flight ended (its lane was
+busy until then).
+
 Each turn's body is guarded: an unexpected exception is logged and counted
 (``Guard.caught``) and the worker goes on with the next turn; a task that raised
 still gets its slice's one final Result. On STOP the worker refuses what is

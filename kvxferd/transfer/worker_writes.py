@@ -6,7 +6,10 @@ worker); no lock. Probes read only ``lanes_held()`` (a len).
 A :class:`~kvxferd.transfer.worker_tasks.WriteTask` is admitted through its session
 and counted toward its peer, or refused (``admit``), then posted (``post`` admits and
 posts one slice; ``post_coalesced`` posts slices admitted for one WRITE); a write that
-could not be posted gives its admission back before the worker queues its Result. Every turn the worker polls each write once (``take``,
+could not be posted gives its admission back before the worker queues its Result.
+A streamed slice's KV is posted one ready layer range per WRITE (``post(..., layers)``,
+moving the slice's ``next_layer``); only the WRITE of its last layer (or its AUX write)
+carries the done notification. Every turn the worker polls each write once (``take``,
 then ``poll`` each); ``poll`` keeps the write unless NIXL released it and returns
 what changed (a :class:`Change`), which the worker settles. KV first, then AUX,
 one after the other (the worker posts the AUX write when the KV one ends). One
