@@ -107,6 +107,8 @@ def test_decode_first_prefill_publishes_under_the_routers_id_and_token() -> None
         ("px-1", "short"),  # under MIN_TOKEN_CHARS
         ("px-1", "x" * 129),
         ("px-1", "has space and more than 16"),
+        ("px-1", TOKEN + "\n"),  # $ alone would let a trailing newline through
+        ("px-1\n", TOKEN),
         ("px-1", 1234567890123456789),
         ("has space", TOKEN),
         ("x" * 257, TOKEN),
@@ -209,3 +211,33 @@ def test_a_receipt_for_a_finished_request_is_not_kept() -> None:
     assert s.request_finished(r) == (False, None)
     s.update_connector_output({"d1"}, {"d1": Receipt(False, reason="expired")})
     assert s._receipts == {}
+
+
+def test_params_for_another_prompt_are_receipted_recomputed() -> None:
+    """Params describing another prompt length load nothing, and the receipt says recomputed: mismatch."""
+    s = consumer()
+    params = RemoteKv("t-1", SENDER, 40, 2).to_params()
+    r = Req("d1", list(range(50)), params)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, Blocks([1, 2]), 0)
+    r.status = Status.FINISHED_LENGTH_CAPPED
+    receipt = s.request_finished(r)[1]["kvxferd_receipt"]  # type: ignore[index]
+    assert (receipt["loaded"], receipt["recomputed"], receipt["reason"]) == (
+        False,
+        True,
+        "mismatch",
+    )
+
+
+def test_the_receipt_counts_reach_vllm_as_deltas() -> None:
+    """Each step hands vLLM's KV connector stats the loads and recomputes since the last step, once."""
+    from kvxferd.integrations.vllm.counters import Stats
+
+    st = Stats()
+    st.add(loaded=2)
+    st.recomputed_for("timeout")
+    assert st.receipt_delta() == {"loaded": 2, "recomputed": 1, "recomputed{timeout}": 1}
+    assert st.receipt_delta() == {}
+    st.recomputed_for("expired")
+    assert st.receipt_delta() == {"recomputed": 1, "recomputed{expired}": 1}
+    assert st.snapshot()["recomputed{timeout}"] == 1

@@ -21,28 +21,34 @@ import pytest
 
 from kvxferd.engine.client import Client
 from kvxferd.integrations.vllm.proxy import Instance, decode_first_params
-from tests_vllm.conftest import PD, _rig
+from tests_vllm.conftest import PD, POOL_BLOCKS, _rig
 from tests_vllm.rig import MODEL_LAYERS, counter, sessions
 from tests_vllm.test_pd import BLOCK, BLOCK_BYTES, DECODE_TOKENS, LENGTHS, prompts
+from tests_vllm.test_zero_copy import VLLM_BLOCKS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 TRANSFER_TIMEOUT_S = 10.0  # the decode's fetch bound: the prefill's queueing and compute included
 
 
-@pytest.fixture(scope="module")
-def df(model_dir: Path) -> Iterator[PD]:
-    """A prefill instance and a decode instance (policy recompute), with their daemons."""
+@pytest.fixture(scope="module", params=["copy", "zero_copy"])
+def df(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[PD]:
+    """A prefill instance and a decode instance (policy recompute), with their daemons;
+    copying through the daemons' pools, or with vLLM's KV cache in them (zero copy)."""
+    zero = request.param == "zero_copy"
+    blocks = VLLM_BLOCKS if zero else POOL_BLOCKS
+    extra = ["--zero-copy", "--num-blocks", str(VLLM_BLOCKS)] if zero else []
     for rig in _rig(model_dir):
-        sender = rig.daemon("sender", "tx")
-        receiver = rig.daemon("receiver", "rx")
+        sender = rig.daemon("sender", "tx", blocks, zero_copy=zero)
+        receiver = rig.daemon("receiver", "rx", blocks, zero_copy=zero)
         sender.wait_ready()
         receiver.wait_ready()
-        prefill = rig.engine("prefill", "producer", sender)
+        prefill = rig.engine("prefill", "producer", sender, *extra)
         decode = rig.engine(
             "decode",
             "consumer",
             receiver,
+            *extra,
             "--policy",
             "recompute",
             "--transfer-timeout-s",

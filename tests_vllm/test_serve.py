@@ -66,9 +66,9 @@ class Children:
         )
         self.procs.append((p, log))
 
-    def tail(self, name: str) -> str:
+    def tail(self, name: str, lines: int = 20) -> str:
         try:
-            return "\n".join((self.log_dir / f"{name}.log").read_text().splitlines()[-20:])
+            return "\n".join((self.log_dir / f"{name}.log").read_text().splitlines()[-lines:])
         except OSError:
             return ""
 
@@ -105,21 +105,41 @@ def server_args(model: Path, port: int, role: str, socket_: str) -> list[str]:
     ]  # fmt: skip
 
 
+def stream(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, str]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return int(r.status), r.read().decode()
+
+
 def test_proxy_between_two_servers(rig: Rig, children: Children) -> None:
-    """Completions through the proxy equal the decode server's own, and each prompt's KV crossed the daemons."""
+    """Completions through the proxy, prefill-first and decode-first, equal the decode
+    server's own; each prompt's KV crossed the daemons, and each response's receipt and
+    the proxy's log line say loaded."""
     tx, rx = rig.daemon("sender", "tx"), rig.daemon("receiver", "rx")
     tx.wait_ready()
     rx.wait_ready()
-    p_port, d_port, x_port = free_port(), free_port(), free_port()
+    p_port, d_port, x_port, f_port = free_port(), free_port(), free_port(), free_port()
     children.start("prefill", server_args(rig.model, p_port, "kv_producer", tx.engine_socket))
     children.start("decode", server_args(rig.model, d_port, "kv_consumer", rx.engine_socket))
-    children.start(
-        "proxy",
-        ["kvxferd.integrations.vllm", "proxy", "--prefill", f"http://127.0.0.1:{p_port}",
-         "--decode", f"http://127.0.0.1:{d_port}", "--port", str(x_port)],
-    )  # fmt: skip
-    for name, port in (("prefill", p_port), ("decode", d_port), ("proxy", x_port)):
-        path = "/healthz" if name == "proxy" else "/health"
+    for name, port, mode in (
+        ("proxy", x_port, "prefill-first"),
+        ("proxy-df", f_port, "decode-first"),
+    ):
+        children.start(
+            name,
+            ["kvxferd.integrations.vllm", "proxy", "--prefill", f"http://127.0.0.1:{p_port}",
+             "--decode", f"http://127.0.0.1:{d_port}", "--port", str(port), "--mode", mode,
+             "--timeout-s", "120"],
+        )  # fmt: skip
+    for name, port in (
+        ("prefill", p_port),
+        ("decode", d_port),
+        ("proxy", x_port),
+        ("proxy-df", f_port),
+    ):
+        path = "/healthz" if name.startswith("proxy") else "/health"
         try:
             wait_until(
                 lambda port=port, path=path: up(f"http://127.0.0.1:{port}{path}"),
@@ -131,12 +151,65 @@ def test_proxy_between_two_servers(rig: Rig, children: Children) -> None:
             raise AssertionError(f"{name} did not come up\n{children.tail(name)}") from None
 
     ps = prompts([1, 36, 64, 150], seed=21)
-    before = counter(rx.probe_port, "kvxferd_bytes")
-    for p in ps:
-        body = {"model": str(rig.model), "prompt": p, "max_tokens": 8, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        via = post(f"http://127.0.0.1:{x_port}/v1/completions", body)["choices"][0]["token_ids"]
-        mono = post(f"http://127.0.0.1:{d_port}/v1/completions", body)["choices"][0]["token_ids"]
-        assert via == mono and len(via) == 8
-    want = sum(-(-len(p) // BLOCK) for p in ps) * 2 * BLOCK_BYTES
-    assert counter(rx.probe_port, "kvxferd_bytes") - before == want
+    for port in (x_port, f_port):  # the decode-first proxy's first request learns the senders
+        before = counter(rx.probe_port, "kvxferd_bytes")
+        receipts = []
+        for p in ps:
+            body = {"model": str(rig.model), "prompt": p, "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            answer = post(f"http://127.0.0.1:{port}/v1/completions", body)
+            via = answer["choices"][0]["token_ids"]
+            mono = post(f"http://127.0.0.1:{d_port}/v1/completions", body)["choices"][0][
+                "token_ids"
+            ]
+            assert via == mono and len(via) == 8
+            receipts.append(answer["kv_transfer_params"]["kvxferd_receipt"])
+        want = sum(-(-len(p) // BLOCK) for p in ps) * 2 * BLOCK_BYTES
+        assert counter(rx.probe_port, "kvxferd_bytes") - before == want
+        assert all(r["loaded"] for r in receipts) and sum(r["bytes"] for r in receipts) == want
+    # A streamed response is relayed as it comes (its receipt is not in a stream).
+    body = {"model": str(rig.model), "prompt": ps[2], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    status, text = stream(f"http://127.0.0.1:{f_port}/v1/completions", body)
+    assert status == 200 and text.rstrip().endswith("data: [DONE]"), text[-200:]
+
+    # The decode-first proxy's log: one line per request (written once the response ended),
+    # all but the first decode-first.
+    def logged() -> list[dict[str, Any]]:
+        return [
+            json.loads(ln.split(" request ", 1)[1])
+            for ln in (Path(rig.sock_dir) / "proxy-df.log").read_text().splitlines()
+            if "kvxferd.integrations.vllm.proxy request {" in ln
+        ]
+
+    wait_until(lambda: len(logged()) == len(ps) + 1, 30, "a log line per request")
+    lines = logged()
+    assert [x["flow"] for x in lines] == ["prefill-first"] + ["decode-first"] * len(ps), lines
+    assert all(x["receipt"]["loaded"] and x["receipt"]["bytes"] > 0 for x in lines[:-1]), lines
+    assert lines[-1]["receipt"] is None and lines[-1]["status"] == 200, lines[-1]
+    # vLLM's own Prometheus metrics count the same loads (the connector's KV connector stats).
+    wait_until(
+        lambda: (
+            prom(f"http://127.0.0.1:{d_port}/metrics", "vllm:kvxferd_kv_loaded_total")
+            == 2 * len(ps) + 1
+        ),
+        30,
+        "vLLM's metrics count every load",
+    )
+    # ... and its periodic log line (every VLLM_LOG_STATS_INTERVAL, 10 s).
+    wait_until(
+        lambda: "KV Transfer metrics: loaded=" in children.tail("decode", 400),
+        30,
+        "vLLM's log line of the connector's counts",
+    )
+
+
+def prom(url: str, name: str) -> float:
+    """A Prometheus family's value summed over its samples (0 when absent)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(ln.rsplit(" ", 1)[1])
+        for ln in text.splitlines()
+        if ln.startswith(name + "{") or ln.startswith(name + " ")
+    )

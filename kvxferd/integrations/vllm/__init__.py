@@ -15,8 +15,10 @@ vLLM loads it with ``kv_connector="KvxferdConnector"`` and
     loads.py      the worker's receive side: loads waiting, in flight, ended; releases
     reports.py    the request ids the worker owes vLLM (finished / failed)
     counters.py   the worker's counters (KvxferdConnector.stats())
+    metrics.py    the receipts' counts in vLLM's KV connector stats (log line, Prometheus)
     connector.py  KvxferdConnector: vLLM's KVConnectorBase_V1 over the two sides
-    proxy.py      an example P/D proxy that forwards kv_transfer_params
+    proxy.py      an example P/D proxy: prefill-first (kv_transfer_params forwarded) or
+                  decode-first (both requests at once); a log line per request's receipt
     __main__.py   python -m kvxferd.integrations.vllm pool-config ...
 
 vLLM is imported only when ``KvxferdConnector`` is first looked up, so

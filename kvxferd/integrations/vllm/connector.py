@@ -31,6 +31,7 @@ from kvxferd.engine.client import Client, EngineError
 from kvxferd.errors import ConfigError
 from kvxferd.integrations.vllm.geometry import ModelShard, blocks_for
 from kvxferd.integrations.vllm.metadata import Receipt, StepPlan
+from kvxferd.integrations.vllm.metrics import ReceiptPromMetrics, ReceiptStats
 from kvxferd.integrations.vllm.scheduler import SchedulerSide
 from kvxferd.integrations.vllm.settings import ConnectorSettings, load_settings
 from kvxferd.integrations.vllm.worker import WorkerSide
@@ -148,6 +149,30 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The worker side's counters (loads, loaded_bytes, load_failures, ...) and free pool blocks."""
         w = self._worker
         return {} if w is None else {**w.stats.snapshot(), "pool_free": w.pool_free()}
+
+    # -- vLLM's KV connector stats (metrics.py) -------------------------------------------
+    def get_kv_connector_stats(self) -> Any:
+        """The receipts counted since the last step: the worker's loads, the scheduler's mismatches."""
+        if self._worker is not None:
+            counts = self._worker.stats.receipt_delta()
+        else:
+            assert self._sched is not None
+            counts = self._sched.take_counts()
+        return ReceiptStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return ReceiptStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        return ReceiptPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

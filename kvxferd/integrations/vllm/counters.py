@@ -44,6 +44,17 @@ class Stats:
     stream_marks: int = 0
     stream_marks_partial: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reported: dict[str, int] = field(default_factory=dict, repr=False)  # receipt_delta's last
+
+    def receipt_delta(self) -> dict[str, int]:
+        """``loaded``, ``recomputed`` and ``recomputed{<reason>}`` since the last call
+        (vLLM's KV connector stats, each step); empty when nothing changed."""
+        with self.lock:
+            now = {"loaded": self.loaded, "recomputed": self.recomputed}
+            now.update({f"recomputed{{{r}}}": n for r, n in self.recomputed_reasons.items()})
+            delta = {k: n - self._reported.get(k, 0) for k, n in now.items()}
+            self._reported = now
+        return {k: n for k, n in delta.items() if n}
 
     def add(self, **counts: int) -> None:
         with self.lock:
@@ -56,7 +67,7 @@ class Stats:
             self.recomputed_reasons[reason] = self.recomputed_reasons.get(reason, 0) + 1
 
     def snapshot(self) -> dict[str, int]:
-        skip = ("lock", "recomputed_reasons")
+        skip = ("lock", "recomputed_reasons", "_reported")
         with self.lock:
             out = {k: getattr(self, k) for k in self.__slots__ if k not in skip}  # type: ignore[attr-defined]
             out.update({f"recomputed{{{r}}}": n for r, n in self.recomputed_reasons.items()})

@@ -89,15 +89,15 @@ def chosen_transfer(params: dict[str, Any] | None) -> tuple[str, str] | None:
     if not params or (TRANSFER_ID not in params and TOKEN not in params):
         return None
     tid, token = params.get(TRANSFER_ID), params.get(TOKEN)
-    if not isinstance(tid, str) or not _TRANSFER_ID.match(tid):
+    if not isinstance(tid, str) or not _TRANSFER_ID.fullmatch(tid):
         raise ParamsError(
             f"{TRANSFER_ID} must be 1 to 256 printable ASCII characters without spaces "
             f"(got {str(tid)[:80]!r})"
         )
-    if not isinstance(token, str) or not _TOKEN.match(token):
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        got = f"{len(token)} characters" if isinstance(token, str) else type(token).__name__
         raise ParamsError(
-            f"{TOKEN} must be {MIN_TOKEN_CHARS} to 128 characters of [A-Za-z0-9_-] "
-            f"(got {'a ' + type(token).__name__ if not isinstance(token, str) else f'{len(token)} characters'})"
+            f"{TOKEN} must be {MIN_TOKEN_CHARS} to 128 characters of [A-Za-z0-9_-] (got {got})"
         )
     return tid, token
 

@@ -98,15 +98,15 @@ class SchedulerSide:
         self.senders = list(senders or ([sender] if sender else []))
         self.sender_keys = list(sender_keys or [sender_key] * len(self.senders))
         self.zero_copy = zero_copy
-        self.recompute = (
-            recompute  # kv_load_failure_policy "recompute": a failed load is prefilled here
-        )
+        # kv_load_failure_policy "recompute": vLLM prefills a request whose load failed here.
+        self.recompute = recompute
         self._kv_cache_manager: Any = None
         self._to_save: dict[str, Any] = {}  # req id -> vLLM Request, prompt not yet complete
         self._published: dict[str, RemoteKv] = {}  # req id -> what its Save published
         self._loading: set[str] = set()  # req ids handed to the worker, not reported finished
         self._refused: dict[str, str] = {}  # req id -> why its router-chosen transfer was refused
         self._receipts: dict[str, Receipt] = {}  # req id -> its load's receipt (ranks merged)
+        self._mismatched = 0  # requests computed here because their params did not fit, unreported
         self._plan = StepPlan()
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -170,10 +170,11 @@ class SchedulerSide:
                     len(request.prompt_token_ids or ()),
                 )
             self._plan.release.append(remote)
-            if num_external_tokens <= 0:
-                self._receipts[rid] = Receipt(False, True, "prefix_cached", source=remote.sender)
-            else:
-                self._receipts[rid] = Receipt(False, True, "mismatch", source=remote.sender)
+            # Not loaded: the prompt was cached here already, or the params describe another.
+            matched = self._matches(request, remote)
+            why = "prefix_cached" if matched else "mismatch"
+            self._receipts[rid] = Receipt(False, not matched, why, source=remote.sender)
+            self._mismatched += not matched
             return
         block_ids = blocks.get_block_ids()[0][: remote.num_blocks]
         skip = (remote.num_tokens - num_external_tokens) // self.block_size
@@ -247,6 +248,11 @@ class SchedulerSide:
             return self.zero_copy, published.to_params()
         self._plan.unpublish.append(published.transfer_id)
         return self.zero_copy, None
+
+    def take_counts(self) -> dict[str, int]:
+        """Requests recomputed because their params did not fit, since the last call."""
+        n, self._mismatched = self._mismatched, 0
+        return {"recomputed": n, "recomputed{mismatch}": n} if n else {}
 
     def sender_moved(self, rank: int, endpoint: str) -> None:
         """Rank ``rank``'s sender daemon restarted on ``endpoint``: later params name it."""
