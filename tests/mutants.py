@@ -1696,7 +1696,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self._next = i + 1\n",
             ),
         ),
-        ("tests/test_vllm_topology.py::test_each_prefill_rank_streams_its_shard[1-2-CPU_ATTN]",),
+        (
+            "tests/test_vllm_topology.py::test_each_prefill_rank_streams_its_shard[1-2-CPU_ATTN]",
+            "tests/test_vllm_topology.py::test_each_pipeline_stage_streams_its_own_layers",
+        ),
     ),
     Mutant(
         "issue25-stream-ignores-save-kv-layer",

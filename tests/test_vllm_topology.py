@@ -281,7 +281,7 @@ def _stream(
                 WAIT_S,
                 "layer 0 written to every decode rank",
             )
-        for r in decode.ranks:
+        for r in decode.ranks if layer < LAYERS - 1 else ():
             _, fin, bad = r.worker.results()
             assert not fin and not bad, "a load ended before its last layer was marked"
     for r in prefill.ranks:
@@ -325,6 +325,107 @@ def test_each_prefill_rank_streams_its_shard(
         )
     writes = sum(s.stats.get("stream_writes") for s in prefill.daemons)
     assert writes >= 2 * max(p_tp, d_tp), "each pair's layers written in two ranges"
+
+
+def test_each_pipeline_stage_streams_its_own_layers(
+    daemons: Daemons,
+    start_gateway: Callable[..., Started],  # noqa: F811
+    sock_dir: str,  # noqa: F811
+) -> None:
+    """Prefill PP 2 (4 layers: stage 0 holds layers 0-1, stage 1 layers 2-3, each in a pool
+    of its own 2 layers) -> decode PP 1, streamed, decode first: each stage marks its local
+    layers as its forward computes them (stage 1 after stage 0, as a pipeline runs), no
+    load ends before the last stage's last mark, and the decode rank holds all 4 layers."""
+    layers, stages, heads = 4, 2, HEADS
+    per = layers // stages
+    g = torch.Generator().manual_seed(77)
+    full = torch.randint(
+        -(2**15), 2**15, (layers, 2, heads, REQ_BLOCKS * BLOCK, HEAD_SIZE), generator=g,
+        dtype=torch.int16,
+    ).view(torch.float16)  # fmt: skip
+    settings = load_settings(
+        {"engine_socket": f"ipc://{sock_dir}/run/pp{{rank}}.sock", "transfer_timeout_s": 10.0}
+    )
+
+    def pool(n_layers: int) -> dict[str, Any]:
+        return dict(
+            num_layers=n_layers,
+            num_blocks=POOL_BLOCKS,
+            block_elems=2 * heads * BLOCK * HEAD_SIZE,
+            dtype="float16",
+            aux_slots=2,
+            aux_slot_bytes=64,
+        )
+
+    def shard(stage: int, pp: int) -> ModelShard:
+        return ModelShard(
+            model_id="m", backend="CPU_ATTN", num_layers=layers, kv_heads_total=heads,
+            kv_heads=heads, head_size=HEAD_SIZE, block_size=BLOCK, pp_stage=stage,
+            pp_size=pp, pp_layer_bounds=tuple(range(0, layers + 1, layers // pp)),
+        )  # fmt: skip
+
+    def tensors(first: int, n: int) -> dict[str, torch.Tensor]:
+        shape = (VLLM_BLOCKS, heads, BLOCK, 2 * HEAD_SIZE)
+        return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape).half() for i in
+                range(first, first + n)}  # fmt: skip
+
+    workers, kvs, txs = [], [], []
+    for stage in range(stages):
+        tx = daemons.sender(None, pool(per))
+        start_gateway(tx, f"pp{stage}")
+        w = WorkerSide(settings, producer=True, consumer=False, shard=shard(stage, stages))
+        kv = tensors(stage * per, per)
+        w.register(kv, VLLM_BLOCKS, REQ_BLOCKS)
+        workers.append(w)
+        kvs.append(kv)
+        txs.append(tx)
+    rx = daemons.receiver(None, pool(layers))
+    start_gateway(rx, "ppd")
+    d_settings = load_settings({"engine_socket": f"ipc://{sock_dir}/run/ppd.sock"})
+    dw = WorkerSide(d_settings, producer=False, consumer=True, shard=shard(0, 1))
+    d_kv = tensors(0, layers)
+    dw.register(d_kv, VLLM_BLOCKS, REQ_BLOCKS)
+    try:
+        assert [w.topology.layer_begin for w in workers] == [0, per]  # type: ignore[union-attr]
+        req, tid, token = "req-pp", "t-req-pp", "token-of-req-pp-0123456789"
+        eps = tuple(w.attachment.daemon.info.endpoint for w in workers)  # type: ignore[union-attr]
+        remote = RemoteKv(tid, eps[0], REQ_BLOCKS * BLOCK, REQ_BLOCKS, token, "", eps, ("",) * 2)
+        d_ids, p_ids = (7, 2, 11), [5, 0, 9]
+        dw.start_step(StepPlan(loads=[Load(req, remote, d_ids)]))
+        plan = StepPlan(saves=[Save(req, tid, tuple(p_ids), token, stream=True)])
+        for stage, (w, kv, tx) in enumerate(zip(workers, kvs, txs, strict=True)):
+            w.begin_step(plan)
+            for j, name in enumerate(kv):  # this stage's forward: its layers, in order
+                kv[name][p_ids] = _blocks_of(full, stage * per + j, 0, heads, "CPU_ATTN")
+                w.save_layer(name)
+                # Its local layers [0, j + 1) are written while the rest is computed.
+                wait_until(
+                    lambda t=tx, n=j + 1: t.stats.get("stream_writes") >= n,
+                    WAIT_S,
+                    f"stage {stage}: local layer {j} written",
+                )
+                if (stage, j) != (stages - 1, per - 1):  # not yet the whole model's last layer
+                    _, fin, bad = dw.results()
+                    assert not fin and not bad, "the load ended before the last layer was marked"
+            w.save(plan)
+            assert w.stats.snapshot()["stream_layers"] == per
+        done: set[str] = set()
+
+        def ended() -> bool:
+            _, fin, bad = dw.results()
+            assert not bad, bad
+            done.update(fin)
+            return req in done
+
+        wait_until(ended, WAIT_S, "the decode rank's load ended")
+        for i, t in enumerate(d_kv.values()):
+            want = _blocks_of(full, i, 0, heads, "CPU_ATTN")
+            assert torch.equal(t[list(d_ids)].view(torch.int16), want.view(torch.int16)), i
+        for w in workers:
+            wait_until(lambda w=w: w.pool_free() == POOL_BLOCKS, WAIT_S, "stage blocks back")
+    finally:
+        for w in [*workers, dw]:
+            w.shutdown()
 
 
 def test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides(
