@@ -86,13 +86,16 @@ def start(
     policy: str = "recompute",
     pool_blocks: int = POOL_BLOCKS,
     env: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> Streamed:
-    """The daemons (``env`` added to theirs) and both engines, started and ready."""
+    """The daemons (``env`` added to theirs) and both engines (``extra`` arguments), started
+    and ready."""
     sender = rig.daemon("sender", "tx", pool_blocks=pool_blocks, env=env)
     receiver = rig.daemon("receiver", "rx", pool_blocks=pool_blocks, env=env)
     sender.wait_ready()
     receiver.wait_ready()
     eng = [
+        *extra,
         "--max-model-len",
         str(shape.max_len),
         "--kv-cache-bytes",
@@ -111,8 +114,11 @@ def streamed(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Streamed]:
     shape: Shape = request.param
+    # The deep model's long prompt in one forward (not chunked): it streams for seconds.
+    extra = () if shape is TINY else ("--max-batched", str(shape.max_len))
     for rig in _rig(model_of(shape, tmp_path_factory)):
-        yield start(rig, shape, pool_blocks=POOL_BLOCKS if shape is TINY else DEEP_POOL_BLOCKS)
+        pool = POOL_BLOCKS if shape is TINY else DEEP_POOL_BLOCKS
+        yield start(rig, shape, pool_blocks=pool, extra=extra)
 
 
 def chosen(tag: str, n: int) -> list[tuple[str, str]]:
@@ -275,3 +281,21 @@ def test_zero_copy_streams_vllms_own_blocks(rig: Rig) -> None:
     decode.drain()
     wait_until(lambda: sessions(sender.probe_port) == 0, 30, "sender sessions at zero")
     idle(s, receiver, 30)  # the decode's scratch blocks
+
+
+def test_chunked_prefill_streams_the_step_that_completes_the_prompt(rig: Rig) -> None:
+    """Chunked prefill (64 tokens a step): only the step of a prompt's last chunk streams (the earlier chunks' KV is whole in every layer by then), and decode equals monolithic decode chunked the same way."""
+    s = start(rig, TINY, extra=("--max-batched", "64"))
+    for n in (100, 300):
+        ps = prompts([n], seed=46 + n)
+        before = stats(s.prefill)
+        send_both(s, f"c{n}.", ps)
+        pre = s.prefill.reply(330)
+        dec = s.decode.reply(330)["outputs"]
+        after = stats(s.prefill)
+        assert pre["steps"] >= -(-n // 64), pre  # it ran in chunks
+        assert after["streams"] - before["streams"] == 1, after
+        assert after["stream_layers"] - before["stream_layers"] == MODEL_LAYERS, after
+        assert dec[f"c{n}.d0"]["tokens"] == monolithic(s.decode, f"c{n}.m", ps)[0]
+        receipt = dec[f"c{n}.d0"]["kv_transfer_params"]["kvxferd_receipt"]
+        assert receipt["loaded"] and receipt["streamed"], receipt

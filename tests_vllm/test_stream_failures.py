@@ -63,6 +63,9 @@ def fetches_not_done(s: Streamed) -> float:
     )
 
 
+ONE_FORWARD = ("--max-batched", str(DEEP.max_len))  # the long prompt in one streamed forward
+
+
 @pytest.fixture
 def deep_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     yield from _rig(model_of(DEEP, tmp_path_factory))
@@ -82,7 +85,7 @@ def kill_mid_stream(s: Streamed, tag: str, victim: Any) -> tuple[list[list[int]]
 
 def test_prefill_engine_killed_mid_stream_recomputes_at_once(deep_rig: Rig) -> None:
     """The prefill engine SIGKILLed while its forward streams: the decode request's load fails as soon as the stream aborts, is recomputed to the monolithic tokens, and no receiver block stays fenced."""
-    s = start(deep_rig, DEEP, "recompute", DEEP_POOL_BLOCKS, TCP_DATA_PLANE)
+    s = start(deep_rig, DEEP, "recompute", DEEP_POOL_BLOCKS, TCP_DATA_PLANE, ONE_FORWARD)
     before, not_done = stats(s.decode), fetches_not_done(s)
     ps, killed = kill_mid_stream(s, "k", s.prefill.proc)
     failed = wait_until(lambda: fetches_not_done(s) > not_done, ABORT_BOUND_S, "the fetch failed")
@@ -105,7 +108,7 @@ def test_prefill_engine_killed_mid_stream_recomputes_at_once(deep_rig: Rig) -> N
 
 def test_sender_daemon_killed_mid_stream_fails_the_load(deep_rig: Rig) -> None:
     """The sender daemon SIGKILLed while the prefill's layers stream: the decode request ends with an error (policy "fail"), no token, well before transfer_timeout_s; the prefill engine keeps serving and no receiver block stays fenced."""
-    s = start(deep_rig, DEEP, "fail", DEEP_POOL_BLOCKS, TCP_DATA_PLANE)
+    s = start(deep_rig, DEEP, "fail", DEEP_POOL_BLOCKS, TCP_DATA_PLANE, ONE_FORWARD)
     before, not_done = stats(s.decode), fetches_not_done(s)
     _, killed = kill_mid_stream(s, "t", s.sender.proc)
     failed = wait_until(lambda: fetches_not_done(s) > not_done, ABORT_BOUND_S, "the fetch failed")
