@@ -1628,109 +1628,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        "issue25-decode-first-fresh-transfer-id",
-        "a decode-first prefill publishes under a transfer id and token of its own, not the"
-        " router's: the decode side's parked fetch never finds it",
-        (
-            Edit(
-                "kvxferd/integrations/vllm/scheduler.py",
-                "tid, token = chosen if chosen else (transfer_id(rid), secrets.token_urlsafe(16))",
-                "tid, token = (transfer_id(rid), secrets.token_urlsafe(16))",
-            ),
-        ),
-        (
-            "tests/test_vllm_decode_first.py::"
-            "test_decode_first_prefill_publishes_under_the_routers_id_and_token",
-        ),
-    ),
-    Mutant(
-        "issue25-router-token-unchecked",
-        "a router-chosen fetch token is taken unchecked: a malformed one reaches the daemon"
-        " (refused there, logged as a save failure) instead of being refused with its reason",
-        (
-            Edit(
-                "kvxferd/integrations/vllm/metadata.py",
-                '_TOKEN = re.compile(rf"^[A-Za-z0-9_-]{{{MIN_TOKEN_CHARS},128}}$")',
-                '_TOKEN = re.compile(r"^.*$")',
-            ),
-        ),
-        (
-            "tests/test_vllm_decode_first.py::test_a_malformed_router_transfer_is_refused_not_replaced",
-        ),
-    ),
-    Mutant(
-        "issue25-receipt-loaded-if-one-rank-loaded",
-        "ranks' receipts merged with or: a request one rank failed to load reads as loaded",
-        (
-            Edit(
-                "kvxferd/integrations/vllm/metadata.py",
-                "        loaded = self.loaded and other.loaded\n",
-                "        loaded = self.loaded or other.loaded\n",
-            ),
-        ),
-        (
-            "tests/test_vllm_decode_first.py::"
-            "test_a_failed_load_is_receipted_recomputed_with_its_reason",
-        ),
-    ),
-    Mutant(
-        "issue25-receipt-kept-for-finished-request",
-        "receipts of requests already finished (failed under policy fail) are kept for ever",
-        (
-            Edit(
-                "kvxferd/integrations/vllm/scheduler.py",
-                "            if rid not in self._loading:\n                continue",
-                "            if False:\n                continue",
-            ),
-        ),
-        ("tests/test_vllm_decode_first.py::test_a_receipt_for_a_finished_request_is_not_kept",),
-    ),
-    Mutant(
-        "issue25-stream-marks-a-layer-it-did-not-copy",
-        "a streamed save marks a layer ready from save_kv_layer without copying it into the"
-        " pool: the sender writes stale pool bytes and the load reports them loaded",
-        (
-            Edit(
-                "kvxferd/integrations/vllm/streams.py",
-                "        self._copy_up_to(i + 1)\n",
-                "        self._next = i + 1\n",
-            ),
-        ),
-        (
-            "tests/test_vllm_topology.py::test_each_prefill_rank_streams_its_shard[1-2-CPU_ATTN]",
-            "tests/test_vllm_topology.py::test_each_pipeline_stage_streams_its_own_layers",
-        ),
-    ),
-    Mutant(
-        "issue25-stream-ignores-save-kv-layer",
-        "save_kv_layer marks nothing: a streamed save's layers leave only at wait_for_save,"
-        " after the forward (nothing streams)",
-        (
-            Edit(
-                "kvxferd/integrations/vllm/streams.py",
-                "        if i is None or i < self._next:",
-                "        if True:",
-            ),
-        ),
-        ("tests/test_vllm_topology.py::test_each_prefill_rank_streams_its_shard[2-1-CPU_ATTN]",),
-    ),
-    Mutant(
-        "issue25-stream-blocks-back-mid-step",
-        "a stream's staging blocks go back when its publish ends (a decode abort) while the"
-        " engine thread still copies the step's next layers into them",
-        (
-            Edit(
-                "kvxferd/integrations/vllm/publishes.py",
-                "_publish_until_closed(s, d, ids, [], st)",
-                "_publish_until_closed(s, d, ids, ids, st)",
-            ),
-        ),
-        (
-            "tests/test_vllm_topology.py::"
-            "test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides",
-        ),
-    ),
-    Mutant(
         "issue25-stream-done-before-last-layer",
         "a streamed fetch's first range is taken for the whole fetch: its slice is reported"
         " done (Result) after one layer, with the others missing",
@@ -1843,6 +1740,109 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         (STREAM + "test_an_engine_connection_closed_mid_stream_fails_the_fetch_at_once",),
+    ),
+    Mutant(
+        "issue25-decode-first-fresh-transfer-id",
+        "a decode-first prefill publishes under a transfer id and token of its own, not the"
+        " router's: the decode side's parked fetch never finds it",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/scheduler.py",
+                "tid, token = chosen if chosen else (transfer_id(rid), secrets.token_urlsafe(16))",
+                "tid, token = (transfer_id(rid), secrets.token_urlsafe(16))",
+            ),
+        ),
+        (
+            "tests/test_vllm_decode_first.py::"
+            "test_decode_first_prefill_publishes_under_the_routers_id_and_token",
+        ),
+    ),
+    Mutant(
+        "issue25-router-token-unchecked",
+        "a router-chosen fetch token is taken unchecked: a malformed one reaches the daemon"
+        " (refused there, logged as a save failure) instead of being refused with its reason",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/metadata.py",
+                '_TOKEN = re.compile(rf"^[A-Za-z0-9_-]{{{MIN_TOKEN_CHARS},128}}$")',
+                '_TOKEN = re.compile(r"^.*$")',
+            ),
+        ),
+        (
+            "tests/test_vllm_decode_first.py::test_a_malformed_router_transfer_is_refused_not_replaced",
+        ),
+    ),
+    Mutant(
+        "issue25-receipt-loaded-if-one-rank-loaded",
+        "ranks' receipts merged with or: a request one rank failed to load reads as loaded",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/metadata.py",
+                "        loaded = self.loaded and other.loaded\n",
+                "        loaded = self.loaded or other.loaded\n",
+            ),
+        ),
+        (
+            "tests/test_vllm_decode_first.py::"
+            "test_a_failed_load_is_receipted_recomputed_with_its_reason",
+        ),
+    ),
+    Mutant(
+        "issue25-receipt-kept-for-finished-request",
+        "receipts of requests already finished (failed under policy fail) are kept for ever",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/scheduler.py",
+                "            if rid not in self._loading:\n                continue",
+                "            if False:\n                continue",
+            ),
+        ),
+        ("tests/test_vllm_decode_first.py::test_a_receipt_for_a_finished_request_is_not_kept",),
+    ),
+    Mutant(
+        "issue25-stream-marks-a-layer-it-did-not-copy",
+        "a streamed save marks a layer ready from save_kv_layer without copying it into the"
+        " pool: the sender writes stale pool bytes and the load reports them loaded",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/streams.py",
+                "        self._copy_up_to(i + 1)\n",
+                "        self._next = i + 1\n",
+            ),
+        ),
+        (
+            "tests/test_vllm_topology.py::test_each_prefill_rank_streams_its_shard[1-2-CPU_ATTN]",
+            "tests/test_vllm_topology.py::test_each_pipeline_stage_streams_its_own_layers",
+        ),
+    ),
+    Mutant(
+        "issue25-stream-ignores-save-kv-layer",
+        "save_kv_layer marks nothing: a streamed save's layers leave only at wait_for_save,"
+        " after the forward (nothing streams)",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/streams.py",
+                "        if i is None or i < self._next:",
+                "        if True:",
+            ),
+        ),
+        ("tests/test_vllm_topology.py::test_each_prefill_rank_streams_its_shard[2-1-CPU_ATTN]",),
+    ),
+    Mutant(
+        "issue25-stream-blocks-back-mid-step",
+        "a stream's staging blocks go back when its publish ends (a decode abort) while the"
+        " engine thread still copies the step's next layers into them",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/publishes.py",
+                "_publish_until_closed(s, d, ids, [], st)",
+                "_publish_until_closed(s, d, ids, ids, st)",
+            ),
+        ),
+        (
+            "tests/test_vllm_topology.py::"
+            "test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides",
+        ),
     ),
 )
 
