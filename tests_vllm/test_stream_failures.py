@@ -25,7 +25,7 @@ import pytest
 from tests.support.conditions import wait_until
 from tests.test_daemon import TCP_DATA_PLANE, metrics
 from tests_vllm.conftest import Rig, _rig
-from tests_vllm.rig import DEEP
+from tests_vllm.rig import DEEP, sessions
 from tests_vllm.test_pd import DECODE_TOKENS, prompts
 from tests_vllm.test_stream import (
     DEEP_POOL_BLOCKS,
@@ -103,6 +103,8 @@ def test_prefill_engine_killed_mid_stream_recomputes_at_once(deep_rig: Rig) -> N
     assert receipt is None or (not receipt["loaded"] and receipt["recomputed"]), receipt
     back = idle(s, s.receiver, IN_DOUBT_BOUND_S)
     print(f"every decode pool block back {back - killed:.2f}s after the kill")
+    # The sender ended the dead engine's stream: it holds no session for it.
+    wait_until(lambda: sessions(s.sender.probe_port) == 0, IN_DOUBT_BOUND_S, "sender idle")
     assert dec["kd0"]["tokens"] == monolithic(s.decode, "km", ps)[0]
 
 
