@@ -1890,6 +1890,51 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_digest.py::test_each_piece_of_an_instance_fetch_is_checked",),
     ),
+    Mutant(
+        "issue25-stream-marks-a-layer-it-did-not-copy",
+        "a streamed save marks a layer ready from save_kv_layer without copying it into the"
+        " pool: the sender writes stale pool bytes and the load reports them loaded",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/streams.py",
+                "        self._copy_up_to(i + 1)\n",
+                "        self._next = i + 1\n",
+            ),
+        ),
+        (
+            "tests/test_vllm_topology.py::test_each_prefill_rank_streams_its_shard[1-2-CPU_ATTN]",
+            "tests/test_vllm_topology.py::test_each_pipeline_stage_streams_its_own_layers",
+        ),
+    ),
+    Mutant(
+        "issue25-stream-ignores-save-kv-layer",
+        "save_kv_layer marks nothing: a streamed save's layers leave only at wait_for_save,"
+        " after the forward (nothing streams)",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/streams.py",
+                "        if i is None or i < self._next:",
+                "        if True:",
+            ),
+        ),
+        ("tests/test_vllm_topology.py::test_each_prefill_rank_streams_its_shard[2-1-CPU_ATTN]",),
+    ),
+    Mutant(
+        "issue25-stream-blocks-back-mid-step",
+        "a stream's staging blocks go back when its publish ends (a decode abort) while the"
+        " engine thread still copies the step's next layers into them",
+        (
+            Edit(
+                "kvxferd/integrations/vllm/publishes.py",
+                "_publish_until_closed(s, d, ids, [], st)",
+                "_publish_until_closed(s, d, ids, ids, st)",
+            ),
+        ),
+        (
+            "tests/test_vllm_topology.py::"
+            "test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides",
+        ),
+    ),
 )
 
 

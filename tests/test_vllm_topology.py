@@ -21,6 +21,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,6 +120,7 @@ class Instance:
     ) -> None:
         self.tp, self.side = tp, side
         self.ranks: list[Rank] = []
+        self.daemons: list[Any] = []  # each rank's Sender or Receiver
         producer = side == "p"
         settings = load_settings(
             {
@@ -138,6 +140,7 @@ class Instance:
         )
         for r in range(tp):
             service = daemons.sender(None, pool) if producer else daemons.receiver(None, pool)
+            self.daemons.append(service)
             start(service, f"{side}{r}")
             shard = _shard(r, tp, backend, model)
             w = WorkerSide(settings, producer=producer, consumer=not producer, shard=shard)
@@ -245,6 +248,229 @@ def test_prefill_and_decode_shard_differently(
         )
     for r in decode.ranks:
         assert r.worker.stats.snapshot()["loads"] == 1
+
+
+def _stream(
+    prefill: Instance, decode: Instance, full: torch.Tensor, backend: str, req: str = "req-s"
+) -> None:
+    """Decode first: every decode rank fetches (parked at the prefill ranks' senders), then
+    every prefill rank streams its shard layer by layer as vLLM's forward would: published
+    before the forward (begin_step), each layer copied and marked (save_layer), the rest at
+    wait_for_save (save). No decode rank may finish before the last layer is marked."""
+    p_ids = [5, 0, 9]
+    tid, token = f"t-{req}", f"token-of-{req}-0123456789"
+    eps = prefill.endpoints
+    remote = RemoteKv(
+        tid, eps[0], REQ_BLOCKS * BLOCK, REQ_BLOCKS, token, "", tuple(eps), ("",) * len(eps)
+    )
+    d_ids = (7, 2, 11)
+    for r in decode.ranks:
+        r.worker.start_step(StepPlan(loads=[Load(req, remote, d_ids)]))
+    plan = StepPlan(saves=[Save(req, tid, tuple(p_ids), token, stream=True)])
+    for r in prefill.ranks:
+        r.worker.begin_step(plan)
+    for layer, name in enumerate(next(iter(prefill.ranks)).kv):
+        for r in prefill.ranks:  # the forward computes this layer's KV, then save_kv_layer
+            h0 = r.shard.tp_rank * r.shard.kv_heads
+            r.kv[name][p_ids] = _blocks_of(full, layer, h0, h0 + r.shard.kv_heads, backend)
+            r.worker.save_layer(name)
+        if layer == 0:  # layer 0 is written to every reader while the rest is computed
+            pairs = max(prefill.tp, decode.tp)  # (prefill rank, decode rank) that pair
+            wait_until(
+                lambda n=pairs: sum(tx.stats.get("stream_writes") for tx in prefill.daemons) >= n,
+                WAIT_S,
+                "layer 0 written to every decode rank",
+            )
+        for r in decode.ranks if layer < LAYERS - 1 else ():
+            _, fin, bad = r.worker.results()
+            assert not fin and not bad, "a load ended before its last layer was marked"
+    for r in prefill.ranks:
+        r.worker.save(plan)
+    done: list[set[str]] = [set() for _ in decode.ranks]
+
+    def ended() -> bool:
+        for i, r in enumerate(decode.ranks):
+            _, fin, bad = r.worker.results()
+            assert not bad, bad
+            done[i] |= fin
+        return all(req in d for d in done)
+
+    wait_until(ended, WAIT_S, "every decode rank's load ended")
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "backend"), CASES[:2], ids=lambda x: str(x))
+def test_each_prefill_rank_streams_its_shard(
+    daemons: Daemons,
+    start_gateway: Callable[..., Started],  # noqa: F811
+    sock_dir: str,  # noqa: F811
+    instances: list[Instance],
+    p_tp: int,
+    d_tp: int,
+    backend: str,
+) -> None:
+    """Streamed, decode first, TP differing: each prefill rank streams its own heads layer
+    by layer to fetches parked before it published; every decode rank ends with exactly
+    its heads, a layer lands before the next is computed, and the staging blocks come back."""
+    prefill = Instance(daemons, start_gateway, sock_dir, "p", p_tp, backend, decode_tp=d_tp)
+    decode = Instance(daemons, start_gateway, sock_dir, "d", d_tp, backend)
+    instances += [prefill, decode]
+    full = _full(seed=p_tp * 10 + d_tp + 5)
+    _stream(prefill, decode, full, backend)
+    _check_decode(decode, full, backend)
+    for r in prefill.ranks:
+        st = r.worker.stats.snapshot()
+        assert st["streams"] == 1 and st["stream_layers"] == LAYERS, st
+        wait_until(
+            lambda w=r.worker: w.pool_free() == POOL_BLOCKS, WAIT_S, "prefill staging blocks back"
+        )
+    writes = sum(s.stats.get("stream_writes") for s in prefill.daemons)
+    assert writes >= 2 * max(p_tp, d_tp), "each pair's layers written in two ranges"
+
+
+def test_each_pipeline_stage_streams_its_own_layers(
+    daemons: Daemons,
+    start_gateway: Callable[..., Started],  # noqa: F811
+    sock_dir: str,  # noqa: F811
+) -> None:
+    """Prefill PP 2 (4 layers: stage 0 holds layers 0-1, stage 1 layers 2-3, each in a pool
+    of its own 2 layers) -> decode PP 1, streamed, decode first: each stage marks its local
+    layers as its forward computes them (stage 1 after stage 0, as a pipeline runs), no
+    load ends before the last stage's last mark, and the decode rank holds all 4 layers."""
+    layers, stages, heads = 4, 2, HEADS
+    per = layers // stages
+    g = torch.Generator().manual_seed(77)
+    full = torch.randint(
+        -(2**15), 2**15, (layers, 2, heads, REQ_BLOCKS * BLOCK, HEAD_SIZE), generator=g,
+        dtype=torch.int16,
+    ).view(torch.float16)  # fmt: skip
+    settings = load_settings(
+        {"engine_socket": f"ipc://{sock_dir}/run/pp{{rank}}.sock", "transfer_timeout_s": 10.0}
+    )
+
+    def pool(n_layers: int) -> dict[str, Any]:
+        return dict(
+            num_layers=n_layers,
+            num_blocks=POOL_BLOCKS,
+            block_elems=2 * heads * BLOCK * HEAD_SIZE,
+            dtype="float16",
+            aux_slots=2,
+            aux_slot_bytes=64,
+        )
+
+    def shard(stage: int, pp: int) -> ModelShard:
+        return ModelShard(
+            model_id="m", backend="CPU_ATTN", num_layers=layers, kv_heads_total=heads,
+            kv_heads=heads, head_size=HEAD_SIZE, block_size=BLOCK, pp_stage=stage,
+            pp_size=pp, pp_layer_bounds=tuple(range(0, layers + 1, layers // pp)),
+        )  # fmt: skip
+
+    def tensors(first: int, n: int) -> dict[str, torch.Tensor]:
+        shape = (VLLM_BLOCKS, heads, BLOCK, 2 * HEAD_SIZE)
+        return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape).half() for i in
+                range(first, first + n)}  # fmt: skip
+
+    workers, kvs, txs = [], [], []
+    for stage in range(stages):
+        tx = daemons.sender(None, pool(per))
+        start_gateway(tx, f"pp{stage}")
+        w = WorkerSide(settings, producer=True, consumer=False, shard=shard(stage, stages))
+        kv = tensors(stage * per, per)
+        w.register(kv, VLLM_BLOCKS, REQ_BLOCKS)
+        workers.append(w)
+        kvs.append(kv)
+        txs.append(tx)
+    rx = daemons.receiver(None, pool(layers))
+    start_gateway(rx, "ppd")
+    d_settings = load_settings({"engine_socket": f"ipc://{sock_dir}/run/ppd.sock"})
+    dw = WorkerSide(d_settings, producer=False, consumer=True, shard=shard(0, 1))
+    d_kv = tensors(0, layers)
+    dw.register(d_kv, VLLM_BLOCKS, REQ_BLOCKS)
+    try:
+        assert [w.topology.layer_begin for w in workers] == [0, per]  # type: ignore[union-attr]
+        req, tid, token = "req-pp", "t-req-pp", "token-of-req-pp-0123456789"
+        eps = tuple(w.attachment.daemon.info.endpoint for w in workers)  # type: ignore[union-attr]
+        remote = RemoteKv(tid, eps[0], REQ_BLOCKS * BLOCK, REQ_BLOCKS, token, "", eps, ("",) * 2)
+        d_ids, p_ids = (7, 2, 11), [5, 0, 9]
+        dw.start_step(StepPlan(loads=[Load(req, remote, d_ids)]))
+        plan = StepPlan(saves=[Save(req, tid, tuple(p_ids), token, stream=True)])
+        for stage, (w, kv, tx) in enumerate(zip(workers, kvs, txs, strict=True)):
+            w.begin_step(plan)
+            for j, name in enumerate(kv):  # this stage's forward: its layers, in order
+                kv[name][p_ids] = _blocks_of(full, stage * per + j, 0, heads, "CPU_ATTN")
+                w.save_layer(name)
+                # Its local layers [0, j + 1) are written while the rest is computed.
+                wait_until(
+                    lambda t=tx, n=j + 1: t.stats.get("stream_writes") >= n,
+                    WAIT_S,
+                    f"stage {stage}: local layer {j} written",
+                )
+                if (stage, j) != (stages - 1, per - 1):  # not yet the whole model's last layer
+                    _, fin, bad = dw.results()
+                    assert not fin and not bad, "the load ended before the last layer was marked"
+            w.save(plan)
+            assert w.stats.snapshot()["stream_layers"] == per
+        done: set[str] = set()
+
+        def ended() -> bool:
+            _, fin, bad = dw.results()
+            assert not bad, bad
+            done.update(fin)
+            return req in done
+
+        wait_until(ended, WAIT_S, "the decode rank's load ended")
+        for i, t in enumerate(d_kv.values()):
+            want = _blocks_of(full, i, 0, heads, "CPU_ATTN")
+            assert torch.equal(t[list(d_ids)].view(torch.int16), want.view(torch.int16)), i
+        for w in workers:
+            wait_until(lambda w=w: w.pool_free() == POOL_BLOCKS, WAIT_S, "stage blocks back")
+    finally:
+        for w in [*workers, dw]:
+            w.shutdown()
+
+
+def test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides(
+    daemons: Daemons,
+    start_gateway: Callable[..., Started],  # noqa: F811
+    sock_dir: str,  # noqa: F811
+    instances: list[Instance],
+) -> None:
+    """A decode request aborted while the prefill's layers stream: its load is reported
+    cancelled (never loaded), the stream's publish ends, and the prefill's staging blocks
+    come back only once its step ended on the engine thread (it copies into them until
+    then), then every block of both sides is free."""
+    prefill = Instance(daemons, start_gateway, sock_dir, "p", 1, "CPU_ATTN")
+    decode = Instance(daemons, start_gateway, sock_dir, "d", 1, "CPU_ATTN")
+    instances += [prefill, decode]
+    p, d = prefill.ranks[0], decode.ranks[0]
+    req, tid, token = "req-a", "t-req-a", "token-of-req-a-0123456789"
+    ep = prefill.endpoints[0]
+    remote = RemoteKv(tid, ep, REQ_BLOCKS * BLOCK, REQ_BLOCKS, token, "", (ep,), ("",))
+    d.worker.start_step(StepPlan(loads=[Load(req, remote, (7, 2, 11))]))
+    plan = StepPlan(saves=[Save(req, tid, (5, 0, 9), token, stream=True)])
+    p.worker.begin_step(plan)
+    names = list(p.kv)
+    p.worker.save_layer(names[0])
+    tx = prefill.daemons[0]
+    wait_until(lambda: tx.stats.get("stream_writes") >= 1, WAIT_S, "layer 0 written")
+    d.worker.start_step(StepPlan(cancel_loads=[req]))  # vLLM aborted the decode request
+    ended: set[str] = set()
+
+    def reported() -> bool:
+        _, fin, bad = d.worker.results()
+        assert not bad, "a cancelled load is not a failed one"
+        ended.update(fin)
+        return req in ended
+
+    wait_until(reported, WAIT_S, "the cancelled load reported")
+    assert d.worker.stats.snapshot()["loads"] == 0
+    # The publish ended with its only reader and was closed; the engine still runs its step.
+    wait_until(lambda: tid not in p.worker.io._cancels, WAIT_S, "the stream's publish closed")
+    assert p.worker.pool_free() == POOL_BLOCKS - REQ_BLOCKS, "given back mid-step"
+    for name in names[1:]:
+        p.worker.save_layer(name)
+    p.worker.save(plan)  # wait_for_save: the step ends
+    wait_until(lambda: p.worker.pool_free() == POOL_BLOCKS, WAIT_S, "prefill blocks back")
+    wait_until(lambda: d.worker.pool_free() == POOL_BLOCKS, WAIT_S, "decode blocks back")
 
 
 def test_a_decode_instance_of_another_model_is_refused_not_garbled(

@@ -49,12 +49,14 @@ class Rig:
         threads: int = 1,
         listen: str = "",
         zero_copy: bool = False,
+        env: dict[str, str] | None = None,
     ) -> DaemonProcess:
-        """A daemon whose [pool] pool-config printed; with ``zero_copy``, ``pool_blocks`` is vLLM's."""
+        """A daemon whose [pool] pool-config printed; with ``zero_copy``, ``pool_blocks`` is
+        vLLM's; ``env`` adds to its environment (e.g. tests.test_daemon.TCP_DATA_PLANE)."""
         cfg = Path(self.sock_dir) / f"{name}.toml"
         extra = ("--zero-copy", "--max-model-len", str(MAX_MODEL_LEN)) if zero_copy else ()
         cfg.write_text(pool_config(self.model, pool_blocks, *extra) + DAEMON_DEADLINES)
-        d = spawn_daemon(role, name, self.sock_dir, cfg, threads, listen)
+        d = spawn_daemon(role, name, self.sock_dir, cfg, threads, listen, env)
         self.daemons.append(d)
         return d
 

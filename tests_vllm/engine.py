@@ -72,7 +72,8 @@ def build_llm(args: argparse.Namespace) -> Any:
         enforce_eager=True,
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=args.kv_cache_bytes,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=args.max_model_len,
+        **({"max_num_batched_tokens": args.max_batched} if args.max_batched else {}),
         enable_prefix_caching=False,
         **kw,
     )
@@ -169,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES)
     p.add_argument("--zero-copy", action="store_true", help="the connector's zero_copy")
     p.add_argument("--num-blocks", type=int, default=0, help="num_gpu_blocks_override")
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    p.add_argument(
+        "--max-batched", type=int, default=0, help="max_num_batched_tokens (chunked prefill)"
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

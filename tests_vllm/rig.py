@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,20 +34,47 @@ shutdown_timeout_ms = 3000
 """
 
 
-def build_model(path: Path) -> Path:
-    """A random Llama (2 layers, grouped-query heads, head_dim 32, 512-token vocab), saved locally."""
+@dataclass(frozen=True)
+class Shape:
+    """A random Llama's shape (the tests build each once, with random weights)."""
+
+    layers: int = MODEL_LAYERS
+    hidden: int = 128
+    intermediate: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    max_len: int = 512
+
+    @property
+    def block_bytes(self) -> int:
+        """One pool block of one layer: K and V of every KV head, 32 tokens, float32."""
+        return 2 * self.kv_heads * 32 * self.head_dim * 4
+
+
+TINY = Shape()
+# Deeper and wider: 8 layers, 4 KV heads of 64; a 3000-token prompt's forward takes about
+# 2.5 s on this machine: long enough to kill its engine (or its sender) while it streams.
+DEEP = Shape(
+    layers=8, hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=64, max_len=4096
+)
+
+
+def build_model(path: Path, shape: Shape = TINY) -> Path:
+    """A random Llama of ``shape`` (default 2 layers, grouped-query heads, head_dim 32,
+    512-token vocab), saved locally."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=MODEL_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_len,
         bos_token_id=1,
         eos_token_id=2,
         initializer_range=0.2,  # wide weights: greedy tokens vary from step to step
@@ -82,13 +110,20 @@ def pool_config(model: Path, num_blocks: int, *extra: str) -> str:
 
 
 def spawn_daemon(
-    role: str, name: str, sock_dir: str, config: Path, threads: int = 1, listen: str = ""
+    role: str,
+    name: str,
+    sock_dir: str,
+    config: Path,
+    threads: int = 1,
+    listen: str = "",
+    extra_env: dict[str, str] | None = None,
 ) -> DaemonProcess:
     args = ["--config", str(config)]
     if role == "sender":
         args += ["--listen", listen or "tcp://127.0.0.1:0"]
     env = {"KVXFERD_NUM_THREADS": str(threads)} if role == "sender" else {}
     env["KVXFERD_SECURITY__MODE"] = "off"  # loopback and ipc only: plaintext is accepted
+    env.update(extra_env or {})
     return DaemonProcess(role, name, sock_dir, env, args)
 
 

@@ -74,6 +74,23 @@ def test_blocks_round_trip_through_the_pool(make: object) -> None:
         assert not d.index_select(dim, torch.tensor(untouched)).any()
 
 
+@pytest.mark.parametrize("make", [cpu_layout, kv_first_layout])
+def test_a_layer_saved_alone_is_the_layer_a_whole_save_writes(make: object) -> None:
+    """save_layer (a streamed save, layer by layer; 8-byte words for the CPU layout, the
+    generic gather for others) writes each layer's pool blocks exactly as save does."""
+    kv = make()  # type: ignore[operator]
+    geo = KvGeometry(kv, NUM_BLOCKS)
+    whole = torch.zeros(len(kv), 8, geo.block_bytes, dtype=torch.uint8)
+    by_layer = torch.zeros_like(whole)
+    geo.save(whole, [7, 2, 5], [0, 3, 1])
+    src, dst = torch.tensor([7, 2, 5]), torch.tensor([0, 3, 1])
+    for layer in range(len(kv)):
+        geo.save_layer(by_layer, layer, src, dst)
+        assert torch.equal(by_layer[: layer + 1], whole[: layer + 1])
+        assert not by_layer[layer + 1 :].any()
+    assert geo.index == {name: i for i, name in enumerate(kv)}
+
+
 def test_block_dimension_comes_from_the_strides() -> None:
     """With two dimensions of num_blocks, the one with the larger stride indexes the blocks."""
     t = torch.zeros(NUM_BLOCKS, 2, NUM_BLOCKS, 4)

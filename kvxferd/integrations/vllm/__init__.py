@@ -11,6 +11,7 @@ vLLM loads it with ``kv_connector="KvxferdConnector"`` and
     attachment.py the worker's daemon: its pool checked against vLLM's KV and mapped; restarts
     io_thread.py  the worker's io thread: its loop and client, cancels, waits, closes
     publishes.py  the worker's send side: saves copied (or held) and published
+    streams.py    the worker's streamed saves: published before the forward, marked layer by layer
     loads.py      the worker's receive side: loads waiting, in flight, ended; releases
     reports.py    the request ids the worker owes vLLM (finished / failed)
     counters.py   the worker's counters (KvxferdConnector.stats())

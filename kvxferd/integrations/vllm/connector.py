@@ -179,6 +179,13 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         self._worker.register(kv_caches, self._kv_cache_config.num_blocks, self.blocks_per_request)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        # vLLM 0.32 binds the plan before the forward on every runner, and calls start_load_kv
+        # after it when no load is synchronous: streamed saves are published from here.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, StepPlan):
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_step(self._plan())
@@ -189,7 +196,10 @@ class KvxferdConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # saves copy whole blocks after the forward (wait_for_save)
+        # After each attention layer (vLLM's maybe_transfer_kv_layer, CPU backend included):
+        # streamed saves copy and mark that layer; other saves copy after the forward.
+        assert self._worker is not None
+        self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

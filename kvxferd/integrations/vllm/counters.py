@@ -34,6 +34,15 @@ class Stats:
     load_fetch_call_us: int = 0
     load_transfer_us: int = 0
     load_handoff_us: int = 0
+    # Streamed saves (streams.py): how many, the layers save_kv_layer marked, and the time
+    # those calls took on the engine thread inside the forward (copy and hand-off; of which
+    # the hand-off); the progress marks the loop sent, and those that left layers to come.
+    streams: int = 0
+    stream_layers: int = 0
+    stream_layer_us: int = 0
+    stream_mark_us: int = 0
+    stream_marks: int = 0
+    stream_marks_partial: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _reported: dict[str, int] = field(default_factory=dict, repr=False)  # receipt_delta's last
 

@@ -3,6 +3,8 @@
 kv_transfer_params (the standard vLLM P/D flow; a proxy forwards them unchanged)::
 
     prefill request   {"do_remote_decode": true}
+                      (+ "kvxferd_stream": true: publish before the forward that completes
+                      the prompt and mark each layer ready as it is computed)
     prefill output    {"do_remote_prefill": true, "do_remote_decode": false,
                        "kvxferd_transfer_id": "...",   the request id on the sender daemon
                        "kvxferd_sender": "tcp://...",  the sender daemon's listen endpoint
@@ -229,7 +231,9 @@ class Save:
     transfer_id: str
     block_ids: tuple[int, ...]
     token: str = ""  # the fetch token to publish with (the decode side gets it in the params)
-    stream: bool = False  # the router asked for layer streaming (kvxferd_stream)
+    # kvxferd_stream: published before this step's forward and marked ready layer by layer
+    # in it (streams.py); else copied and published after the forward (wait_for_save).
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True)

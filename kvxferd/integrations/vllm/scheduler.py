@@ -11,7 +11,9 @@ Prefill (producer) request, ``{"do_remote_decode": true}``::
                                its output says why in kvxferd_error)
     build_connector_meta       the step that completes its prompt -> Save(block ids, transfer
                                id: the router's in decode-first, else a fresh one)
-                               -> _published (the worker copies and publishes after the forward)
+                               -> _published (the worker copies and publishes after the forward;
+                               with "kvxferd_stream": true it publishes before the forward and
+                               marks each layer ready in it: Save.stream, streams.py)
     request_finished           length-capped or stopped -> kv_transfer_params (RemoteKv), blocks
                                freed at once (the KV is in the daemon's pool by then);
                                aborted after its save -> unpublish (the sender's blocks are freed).

@@ -22,8 +22,9 @@ Two modes (``zero_copy`` in kv_connector_extra_config):
 Threads and what they own::
 
     engine thread   vLLM's model-runner thread: every connector call. Copies vLLM blocks
-                    into pool blocks (saves, after the forward) and pool blocks into vLLM
-                    blocks (completed loads, between forwards); takes pool blocks.
+                    into pool blocks (saves, after the forward; streamed saves, layer by
+                    layer in it) and pool blocks into vLLM blocks (completed loads, between
+                    forwards); takes pool blocks.
     kvxferd-vllm-io an asyncio loop with one AsyncClient (its only user): one task per
                     publish or fetch (call, wait, cancel, close); gives pool blocks back
                     once a close says no write can touch them.
@@ -39,6 +40,7 @@ thread and hands each part its share of a step::
                                a restarted incarnation noticed and adopted
     io_thread.py   IoThread    the loop, its client, the cancel table, waits and closes
     publishes.py   Publishes   the send side: saves copied (or held) and published
+    streams.py     Streams     streamed saves: published before the forward, marked per layer
     loads.py       Loads       the receive side: loads waiting, in flight, ended; releases
     reports.py     Reports     the ids owed to vLLM: finished_sending / _recving / failed
     counters.py    Stats       the counters KvxferdConnector.stats() returns
@@ -74,6 +76,7 @@ from kvxferd.integrations.vllm.metadata import Receipt, StepPlan
 from kvxferd.integrations.vllm.publishes import Publishes, _Sent
 from kvxferd.integrations.vllm.reports import Reports
 from kvxferd.integrations.vllm.settings import ConnectorSettings
+from kvxferd.integrations.vllm.streams import Streams
 from kvxferd.transfer.topology import Topology
 
 __all__ = [
@@ -146,6 +149,7 @@ class WorkerSide:
             post=self._done.put,
             recompute=recompute,
         )
+        self.streams = Streams(attachment=at, loop=io.loop, stats=stats)
 
     @property
     def geometry(self) -> KvGeometry | None:
@@ -180,8 +184,19 @@ class WorkerSide:
             self.loads.release(remote)
         self.loads.start_waiting()
 
+    def begin_step(self, plan: StepPlan) -> None:
+        """bind_connector_metadata, before the forward: publish this step's streamed saves."""
+        if self.producer and any(s.stream for s in plan.saves):
+            self.streams.begin(self.publishes.stream(plan))
+
+    def save_layer(self, layer_name: str) -> None:
+        """save_kv_layer: a layer of the forward wrote its KV; streams copy and mark it."""
+        self.streams.layer(layer_name)
+
     def save(self, plan: StepPlan) -> None:
-        """wait_for_save: copy each completed prompt's blocks into the pool and publish them."""
+        """wait_for_save: end the step's streams; copy each other completed prompt's blocks
+        into the pool and publish them."""
+        self.streams.finish()
         self.publishes.save(plan)
 
     def results(
