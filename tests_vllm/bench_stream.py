@@ -55,6 +55,7 @@ POOL_BLOCKS = 256  # 2.6 prompts of 3k tokens in flight per daemon
 DECODE_TOKENS = 2
 TIMEOUT_S = 300.0
 PATHS = ("nixl", "kvxferd after prefill", "kvxferd streamed")
+DECODE_FIRST = "kvxferd decode-first"  # not streamed: the publish comes after the forward
 
 
 def _prefill_first(pre: EngineProcess, dec: EngineProcess, tag: str, p: list[int]) -> dict:
@@ -78,15 +79,20 @@ def _prefill_first(pre: EngineProcess, dec: EngineProcess, tag: str, p: list[int
 
 
 def _streamed(
-    pre: EngineProcess, dec: EngineProcess, inst: Instance, tag: str, p: list[int]
+    pre: EngineProcess,
+    dec: EngineProcess,
+    inst: Instance,
+    tag: str,
+    p: list[int],
+    stream: bool = True,
 ) -> dict:
     tid, tok = f"b-{tag}-{secrets.token_hex(4)}", secrets.token_urlsafe(16)
-    dparams = {**decode_first_params(inst, tid, tok), "kvxferd_stream": True}
+    dparams = {**decode_first_params(inst, tid, tok), "kvxferd_stream": stream}
     pparams = {
         "do_remote_decode": True,
         "kvxferd_transfer_id": tid,
         "kvxferd_token": tok,
-        "kvxferd_stream": True,
+        "kvxferd_stream": stream,
     }
     t0 = time.monotonic()
     dec_bound = dec.start_run(
@@ -130,15 +136,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default="")
     ap.add_argument("--ucx-tls", default="tcp", help="UCX_TLS for the daemons and NIXL engines")
+    ap.add_argument(
+        "--omp-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of every engine (1: a forward computes on one core and leaves"
+        " the other to the processes that move KV, as a GPU computes apart from them)",
+    )
+    ap.add_argument("--zero-copy", action="store_true", help="kvxferd engines with zero_copy")
+    ap.add_argument("--decode-first", action="store_true", help=f"also the path {DECODE_FIRST!r}")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by every daemon and engine
+    if args.omp_threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
     tmp = Path(tempfile.mkdtemp(prefix="kxs"))
     rig = Rig(str(tmp), build_model(tmp / "model", BENCH))
     try:
-        tx = rig.daemon("sender", "tx", POOL_BLOCKS)
-        rx = rig.daemon("receiver", "rx", POOL_BLOCKS)
+        zc = ["--zero-copy", "--num-blocks", str(POOL_BLOCKS)] if args.zero_copy else []
+        tx = rig.daemon("sender", "tx", POOL_BLOCKS, zero_copy=args.zero_copy)
+        rx = rig.daemon("receiver", "rx", POOL_BLOCKS, zero_copy=args.zero_copy)
         tx.wait_ready()
         rx.wait_ready()
         eng = [
@@ -149,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         slow = ["--transfer-timeout-s", str(TIMEOUT_S)]
         kx = (
-            rig.engine("kx-prefill", "producer", tx, *eng),
-            rig.engine("kx-decode", "consumer", rx, *eng, *slow),
+            rig.engine("kx-prefill", "producer", tx, *eng, *zc),
+            rig.engine("kx-decode", "consumer", rx, *eng, *slow, *zc),
         )
         nx = (
             rig.engine("nx-prefill", "nixl-producer", None, *eng, "--nixl-port", "5631"),
@@ -173,17 +191,18 @@ def main(argv: list[str] | None = None) -> int:
                 return _prefill_first(*nx, tag, p)
             if path == "kvxferd after prefill":
                 return _prefill_first(*kx, tag, p)
-            return _streamed(*kx, inst, tag, p)
+            return _streamed(*kx, inst, tag, p, stream=path != DECODE_FIRST)
 
-        for path in PATHS:  # warm-up: handshakes, first allocations, first long forward
-            one(path, f"w{PATHS.index(path)}", ps[lengths[0]])
+        paths = (*PATHS, DECODE_FIRST) if args.decode_first else PATHS
+        for path in paths:  # warm-up: handshakes, first allocations, first long forward
+            one(path, f"w{paths.index(path)}", ps[lengths[0]])
         rows: dict[tuple[str, int], list[dict]] = {}
         ok = True
         for rep in range(args.reps):
             for n in lengths:
-                order = list(PATHS) if rep % 2 == 0 else list(PATHS)[::-1]
+                order = list(paths) if rep % 2 == 0 else list(paths)[::-1]
                 for path in order:
-                    f = one(path, f"r{rep}n{n}i{PATHS.index(path)}", ps[n])
+                    f = one(path, f"r{rep}n{n}i{paths.index(path)}", ps[n])
                     if f["tokens"] != mono[n]:
                         ok = False
                         print(f"{path}, {n} tokens: tokens differ from monolithic", file=sys.stderr)
@@ -192,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{path}, {n} tokens: not loaded: {f['receipt']}", file=sys.stderr)
                     rows.setdefault((path, n), []).append(f)
         load = os.getloadavg()[0]
-        print(f"\nUCX_TLS={args.ucx_tls}; {args.reps} requests per cell; load average {load:.1f}")
+        print(
+            f"\nUCX_TLS={args.ucx_tls}; OMP_NUM_THREADS={args.omp_threads or 'default'};"
+            f" kvxferd {'zero copy' if args.zero_copy else 'copying through the pools'};"
+            f" {args.reps} requests per cell; load average {load:.1f}"
+        )
         print(
             "| prompt (tokens) | KV (MiB) | path | TTFT, median (ms) |"
             " prefill end -> decode first step, median (ms) | prefill, median (ms) |"
@@ -201,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {}
         for n in lengths:
             mib = n * BENCH.layers * BENCH.block_bytes / 32 / (1 << 20)
-            for path in PATHS:
+            for path in paths:
                 fs = rows[(path, n)]
                 med = {k: statistics.median(f[k] for f in fs) for k in ("ttft_ms", "gap_ms")}
                 med["prefill_ms"] = statistics.median(f["prefill_ms"] for f in fs)
