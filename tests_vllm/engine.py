@@ -110,6 +110,7 @@ class Engine:
         abort_after = int(cmd.get("abort_after_steps", 0))
         outputs: dict[str, Any] = {}
         preempted: dict[str, int] = {}
+        first_token_at: dict[str, float] = {}
         steps = 0
         while pending:
             if time.monotonic() > deadline:
@@ -121,6 +122,9 @@ class Engine:
             idle = True
             for out in self.engine.step():
                 idle = False
+                now = time.monotonic()
+                if out.outputs and out.outputs[0].token_ids:
+                    first_token_at.setdefault(out.request_id, now)
                 if out.finished and out.request_id in pending:
                     pending.discard(out.request_id)
                     c = out.outputs[0]
@@ -128,6 +132,9 @@ class Engine:
                         "tokens": list(c.token_ids),
                         "finish_reason": c.finish_reason,
                         "kv_transfer_params": out.kv_transfer_params,
+                        # CLOCK_MONOTONIC is the host's: comparable across processes
+                        "first_token_at": first_token_at.get(out.request_id, now),
+                        "finished_at": now,
                     }
             steps += 1
             for req in list(self.scheduler.requests.values()):
