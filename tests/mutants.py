@@ -1628,6 +1628,23 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "issue25-pacing-stuck-at-zero",
+        "the receiver's notification waits double from 0 after a spin: a fetch that waits"
+        " past the spin window (parked at its sender) keeps the io thread spinning a core",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/core.py",
+                "        self.wait_s = min(max(self.wait_s, _NOTIF_WAIT_MIN_S) * 2, cap)",
+                "        self.wait_s = min(self.wait_s * 2, cap)",
+            ),
+        ),
+        (
+            "tests/test_notification_pacing.py::test_waits_grow_again_after_the_spin_window",
+            "tests/test_notification_pacing.py::"
+            "test_a_fetch_parked_at_its_sender_does_not_spin_the_receiver",
+        ),
+    ),
+    Mutant(
         "issue25-stream-digest-last-range-only",
         "a streamed slice's digest covers only its last layer range: every intact streamed"
         " fetch that asked for a digest fails digest_mismatch",

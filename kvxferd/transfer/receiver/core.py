@@ -119,7 +119,10 @@ class NotificationPacing:
             os.sched_yield()
         else:
             cap = _NOTIF_WAIT_FRESH_S
-        self.wait_s = min(self.wait_s * 2, cap)
+        # From a spin (0) the waits start again at the minimum: doubling 0 stayed 0, and a
+        # fetch that waited longer than the spin (one parked at its sender) kept the io
+        # thread spinning at 100 % of a core until its result.
+        self.wait_s = min(max(self.wait_s, _NOTIF_WAIT_MIN_S) * 2, cap)
         return wait_s
 
 
