@@ -124,6 +124,15 @@ def _figures(t0: float, pre_out: dict, dec_out: dict) -> dict:
     }
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` on ``cpus`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def _instance(sender_socket: str) -> Instance:
     with Client(sender_socket, timeout_s=10) as c:
         info = c.describe()
@@ -144,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         " the other to the processes that move KV, as a GPU computes apart from them)",
     )
     ap.add_argument("--zero-copy", action="store_true", help="kvxferd engines with zero_copy")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="prefill engines on CPU 0, everything else on the other CPUs (as a prefill GPU"
+        " computes apart from the CPUs that move KV and serve decode)",
+    )
     ap.add_argument("--decode-first", action="store_true", help=f"also the path {DECODE_FIRST!r}")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -177,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         plain = rig.engine("plain", "plain", None, *eng)
         for e in (*kx, *nx, plain):
             e.wait_ready(timeout=300)
+        if args.pin:
+            rest = set(range(1, os.cpu_count() or 2)) or {0}
+            for proc, cpus in [(kx[0], {0}), (nx[0], {0}), (kx[1], rest), (nx[1], rest)]:
+                _pin(proc.proc.pid, cpus)
+            for d in (tx, rx, plain):
+                _pin(d.proc.pid, rest)
         inst = _instance(tx.engine_socket)
         ps = {n: prompts([n], seed=7 + n)[0] for n in lengths}
         mono = {
@@ -214,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nUCX_TLS={args.ucx_tls}; OMP_NUM_THREADS={args.omp_threads or 'default'};"
             f" kvxferd {'zero copy' if args.zero_copy else 'copying through the pools'};"
+            f"{' prefill engines pinned to CPU 0, the rest to the others;' if args.pin else ''}"
             f" {args.reps} requests per cell; load average {load:.1f}"
         )
         print(
