@@ -32,7 +32,7 @@ def test_waits_grow_again_after_the_spin_window() -> None:
     """Within the spin window the waits are 0; once the last send is old they start at the
     minimum again and double to the maximum (they stayed 0 for good: doubling 0)."""
     p = NotificationPacing()
-    p.sent_at = time.monotonic()  # a RequestData just left: spin
+    p.sent_at = time.monotonic() + 3600.0  # a RequestData just left (however slow this host): spin
     spun = [p.wait(1) for _ in range(4)]
     assert spun[-1] == 0.0, spun
     p.sent_at = time.monotonic() - 1.0  # long ago: the fetch waits for its sender
