@@ -195,6 +195,8 @@ def test_cancel_mid_stream_fails_the_fetch_at_once_and_writes_nothing_after(
         assert untouched(receiver, range(1, LAYERS)), "a layer landed after the failed outcome"
         time.sleep(0.01)
     assert tx.close(WAIT_S) and h.close(WAIT_S), "blocks not released by close"
+    # close said no write can touch the blocks any more: what is there now is final
+    assert untouched(receiver, range(1, LAYERS)), "a layer landed before the close"
 
 
 def test_bad_marks_are_refused_counted_and_fail_the_publish(sender: Sender) -> None:
