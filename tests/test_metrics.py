@@ -470,8 +470,10 @@ def test_daemon_pair_exports_every_family_and_the_counters_move(
         with_gw.send_frame(b"not an engine frame")
         with_gw.recv_frame()  # its Error
     finally:
-        for s in (with_tx, with_rx):
-            s.close(linger=0)
+        with_tx.close(linger=0)  # both its frames were answered
+        # Nothing answers the two frames sent to the receiver: linger so that they still
+        # go out if the connection was not up yet (linger 0 dropped them once).
+        with_rx.close(linger=int(WAIT_S * 1000))
         with_gw.sock.close()
 
     # -- the sender --------------------------------------------------------------------
