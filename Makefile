@@ -31,6 +31,22 @@ etcd:
 	  || echo "etcd-server could not be installed; the etcd discovery tests will skip"; \
 	else echo "no etcd (needs root and apt to install etcd-server): the etcd discovery tests will skip"; fi
 
+# promtool checks the shipped Prometheus rules (tests/test_monitoring.py). Only the binary is
+# taken from Debian's prometheus package, unpacked into the venv and never installed (the
+# package would start a Prometheus server). Never fails the build: without it those tests skip.
+.PHONY: promtool
+promtool: $(STAMP)
+	@if command -v promtool >/dev/null 2>&1 || [ -x $(VENV)/bin/promtool ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && command -v dpkg-deb >/dev/null 2>&1; then \
+	  echo "fetching promtool for the monitoring tests (apt-get download prometheus)"; \
+	  d=$$(mktemp -d); \
+	  (cd $$d && { apt-get download -q prometheus >/dev/null 2>&1 \
+	    || { [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download -q prometheus >/dev/null 2>&1; }; }) \
+	  && dpkg-deb -x $$d/prometheus_*.deb $$d/x && install -m 0755 $$d/x/usr/bin/promtool $(VENV)/bin/promtool \
+	  || echo "promtool could not be fetched; the promtool tests will skip"; \
+	  rm -rf $$d; \
+	else echo "no apt-get: the promtool tests will skip (put promtool on PATH)"; fi
+
 run: $(STAMP)
 	$(VENV)/bin/kvxferd demo
 
@@ -41,7 +57,7 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP) etcd
+unit: $(STAMP) etcd promtool
 	$(PY) -m pytest -q $(XDIST)
 
 # The inner loop, under 3 minutes on 2 cores: lint, types and the tests not marked

@@ -34,6 +34,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -658,11 +659,14 @@ def test_thresholds_follow_the_default_deadlines() -> None:
 
 
 def _promtool() -> str:
-    tool = shutil.which("promtool")
+    """promtool on PATH, or the one `make promtool` put beside this venv's python."""
+    beside = Path(sys.executable).with_name("promtool")
+    tool = shutil.which("promtool") or (str(beside) if beside.is_file() else None)
     if tool is None:
         pytest.skip(
-            "promtool not on PATH: Debian `apt-get install prometheus` (or the promtool binary"
-            " of a Prometheus release tarball); the JSON schema and name checks still ran"
+            "promtool not found: `make promtool` (unpacks it from Debian's prometheus package"
+            " into .venv/bin), or put the promtool of a Prometheus release on PATH; the JSON"
+            " schema and name checks still ran"
         )
     return tool
 
@@ -681,6 +685,37 @@ def test_promtool_rule_unit_tests() -> None:
         [_promtool(), "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ('kvxferd_not_ready{reason!="draining"} == 1', "kvxferd_not_ready == 1"),
+        ('95 and on (job, instance) kvxferd_build_info{role="receiver"}', "95"),
+        ("kvxferd_aux_slots) > 0", "kvxferd_aux_slots) >= 0"),
+        ('{outcome!~"done|cancelled"}', '{outcome!="done"}'),
+    ],
+    ids=[
+        "draining-alerts",
+        "receiver-rule-any-role",
+        "aux-rule-no-slots",
+        "cancels-count-as-failures",
+    ],
+)
+def test_promtool_rule_unit_tests_catch_a_broken_rule(old: str, new: str, tmp_path: Path) -> None:
+    """The rule unit tests fail on a copy of the rules whose filter or join was loosened."""
+    tool = _promtool()
+    text = RULES.read_text()
+    assert text.count(old) == 1, old
+    (tmp_path / RULES.name).write_text(text.replace(old, new))
+    shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
+    out = subprocess.run(
+        [tool, "test", "rules", str(tmp_path / RULE_TESTS.name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0, out.stdout
 
 
 def test_dashboard_matches_its_schema_without_overlaps() -> None:
