@@ -441,6 +441,30 @@ def check_runbook_table(data: dict[str, Any], runbook: str) -> None:
     assert not problems, "\n".join(problems)
 
 
+MONITORING_SECTION = "## Monitoring: rules and dashboard"
+
+
+def check_monitoring_doc(data: dict[str, Any], runbook: str) -> None:
+    """docs/operations.md's Monitoring table lists every alert with its severity and ``for``."""
+    section = runbook[runbook.index(MONITORING_SECTION) :]
+    end = section.find("\n## ", 1)
+    rows = re.findall(
+        r"^\| `(Kvxferd\w+)` \| (\w+) \| (\w+) \|", section[: end if end > 0 else None], re.M
+    )
+    doc = {name: (severity, for_) for name, severity, for_ in rows}
+    rules = {
+        r["alert"]: (r.get("labels", {}).get("severity"), r.get("for"))
+        for r in rules_of(data)
+        if "alert" in r
+    }
+    assert len(rows) == len(doc), "an alert is listed twice"
+    assert doc == rules, {
+        n: (doc.get(n), rules.get(n))
+        for n in doc.keys() | rules.keys()
+        if doc.get(n) != rules.get(n)
+    }
+
+
 def _threshold(data: dict[str, Any], alert: str, family: str) -> float:
     (rule,) = [r for r in rules_of(data) if r.get("alert") == alert]
     m = re.search(rf"{family} > ([0-9.]+)", rule["expr"])
@@ -653,6 +677,11 @@ def test_runbook_alert_table_and_rules_are_the_same_alerts() -> None:
     check_runbook_table(load_rules(), RUNBOOK.read_text())
 
 
+def test_monitoring_doc_lists_each_alert_with_its_severity() -> None:
+    """The Monitoring section's table has every alert, its severity and ``for``, as the rules do."""
+    check_monitoring_doc(load_rules(), RUNBOOK.read_text())
+
+
 def test_thresholds_follow_the_default_deadlines() -> None:
     """Deadline-derived thresholds equal the defaults (kvxferd.config) they are computed from."""
     check_thresholds(load_rules())
@@ -755,6 +784,24 @@ def test_monitoring_kustomization_lists_both() -> None:
     assert sorted(kust["resources"]) == ["podmonitor.yaml", "prometheusrule.yaml"]
 
 
+def test_monitoring_kustomization_builds() -> None:
+    """`kubectl kustomize deploy/k8s/monitoring` builds both, in namespace kvxferd, rules intact."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not found (it builds kustomizations offline: kubectl kustomize)")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(PROMETHEUSRULE.parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    docs = {d["kind"]: d for d in yaml.safe_load_all(out.stdout) if d}
+    assert docs.keys() == {"PodMonitor", "PrometheusRule"}
+    assert all(d["metadata"]["namespace"] == "kvxferd" for d in docs.values())
+    assert docs["PrometheusRule"]["spec"] == load_rules()
+
+
 def test_arriving_families_are_declared_as_the_catalogue_has_them() -> None:
     """A family listed as arriving with another change, once exported, has the labels declared."""
     families = exported()
@@ -775,6 +822,7 @@ def _rules_edit(old: str, new: str) -> Callable[[], None]:
         check_rules_names(data)
         check_alert_policy(data, RUNBOOK.read_text())
         check_runbook_table(data, RUNBOOK.read_text())
+        check_monitoring_doc(data, RUNBOOK.read_text())
         check_thresholds(data)
 
     return run
@@ -852,6 +900,10 @@ BROKEN: dict[str, Callable[[], None]] = {
     ),
     "rules-alert-not-in-runbook": _rules_edit(
         "alert: KvxferdPeersEvicted", "alert: KvxferdPeerEvicted"
+    ),
+    "rules-severity-not-as-documented": _rules_edit(
+        'severity: critical\n        annotations:\n          summary: "kvxferd {{ $labels.instance }} met a bug"',
+        'severity: warning\n        annotations:\n          summary: "kvxferd {{ $labels.instance }} met a bug"',
     ),
     "rules-threshold-drifted": _rules_edit(
         "kvxferd_oldest_in_flight_seconds > 95", "kvxferd_oldest_in_flight_seconds > 90"
