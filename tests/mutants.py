@@ -1952,6 +1952,51 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides",
         ),
     ),
+    Mutant(
+        "issue26-rules-misspelled-family",
+        "an alert reads a family /metrics does not export (a typo): it can never fire",
+        (
+            Edit(
+                "deploy/prometheus/kvxferd-rules.yml",
+                "expr: rate(kvxferd_writes_stalled_total[5m]) > 0",
+                "expr: rate(kvxferd_writes_stall_total[5m]) > 0",
+            ),
+        ),
+        ("tests/test_monitoring.py::test_rules_read_only_exported_families_and_labels",),
+    ),
+    Mutant(
+        "issue26-family-renamed-under-the-rules",
+        "the code renames an exported family the alerts and the dashboard read: they go blind",
+        (
+            Edit(
+                "kvxferd/service/metrics.py",
+                '"kvxferd_oldest_in_flight_seconds",',
+                '"kvxferd_oldest_inflight_seconds",',
+            ),
+        ),
+        (
+            "tests/test_monitoring.py::test_rules_read_only_exported_families_and_labels",
+            "tests/test_monitoring.py::test_dashboard_reads_only_exported_families_and_labels",
+        ),
+    ),
+    Mutant(
+        "issue26-dashboard-groups-by-a-missing-label",
+        "a dashboard panel groups by a label its family does not have: one flat line",
+        (
+            Edit(
+                "deploy/grafana/kvxferd-dashboard.json",
+                "sum by (instance, outcome)",
+                "sum by (instance, result)",
+            ),
+        ),
+        ("tests/test_monitoring.py::test_dashboard_reads_only_exported_families_and_labels",),
+    ),
+    Mutant(
+        "issue26-runbook-row-without-its-rule",
+        "a runbook alert row no longer names its rule: the alert and its runbook drift apart",
+        (Edit("docs/operations.md", "| `KvxferdPeersEvicted`: ", "| "),),
+        ("tests/test_monitoring.py::test_runbook_alert_table_and_rules_are_the_same_alerts",),
+    ),
 )
 
 
