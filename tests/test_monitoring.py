@@ -33,8 +33,10 @@ import copy
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,21 +161,39 @@ def exported() -> Catalogue:
         ]
         for fam in families:
             assert fam.samples, f"{fam.name}: no sample, so its labels are unknown here"
-            for s in fam.samples:
-                entry = out.setdefault(s.name, Family())
-                for label, value in s.labels.items():
-                    values = entry.labels.setdefault(label, set())
-                    if values is not None:
-                        values.add(value)
-    for labels in out["kvxferd_sessions"].labels.values():
-        labels.clear()
-    out["kvxferd_sessions"].labels["state"] = None  # whatever states the table holds
+            _add_samples(out, fam.samples)
+    return _finish(out)
+
+
+def _add_samples(out: Catalogue, samples: Any) -> None:
+    for s in samples:
+        entry = out.setdefault(s.name, Family())
+        for label, value in s.labels.items():
+            values = entry.labels.setdefault(label, set())
+            if values is not None:
+                values.add(value)
+
+
+def _finish(out: Catalogue) -> Catalogue:
+    """Open the labels whose values are not a fixed set; add the families still arriving."""
+    out["kvxferd_sessions"].labels = {"state": None}  # whatever states the table holds
     for f in out.values():
         for label in OPEN_LABELS & f.labels.keys():
             f.labels[label] = None
     for name, arriving in ARRIVING.items():
         out.setdefault(name, Family({label: None for label in arriving}))
     return out
+
+
+def scraped(texts: list[str]) -> Catalogue:
+    """The catalogue of real /metrics bodies (Prometheus text), as :func:`exported` makes it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Catalogue = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            _add_samples(out, fam.samples)
+    return _finish(out)
 
 
 # -- reading PromQL ----------------------------------------------------------------------------
@@ -363,9 +383,9 @@ def check_rules_schema(data: dict[str, Any]) -> None:
     assert len(alerts) == len(set(alerts)), f"alert names repeat: {sorted(alerts)}"
 
 
-def check_rules_names(data: dict[str, Any]) -> None:
+def check_rules_names(data: dict[str, Any], families: Catalogue | None = None) -> None:
     """Every family, label and label value a rule reads is one kvxferd exports."""
-    families = with_records(data, exported())
+    families = with_records(data, exported() if families is None else families)
     problems = []
     for rule in rules_of(data):
         name = rule.get("alert") or rule.get("record")
@@ -546,9 +566,9 @@ def check_dashboard_variables(dash: dict[str, Any]) -> None:
 _LABEL_VALUES = re.compile(r"label_values\((.+),\s*(\w+)\)")
 
 
-def check_dashboard_names(dash: dict[str, Any]) -> None:
+def check_dashboard_names(dash: dict[str, Any], families: Catalogue | None = None) -> None:
     """Every family, label and value a panel or a variable reads is one kvxferd exports."""
-    families = exported()
+    families = exported() if families is None else families
     problems = []
     for p in panels(dash):
         for t in p.get("targets", []):
@@ -800,6 +820,51 @@ def test_monitoring_kustomization_builds() -> None:
     assert docs.keys() == {"PodMonitor", "PrometheusRule"}
     assert all(d["metadata"]["namespace"] == "kvxferd" for d in docs.values())
     assert docs["PrometheusRule"]["spec"] == load_rules()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_real_daemon_pairs_metrics_serve_the_rules_and_the_dashboard() -> None:
+    """A real sender and receiver move a request; their /metrics hold every family, label and
+    value the rules and the dashboard read, and the same sample names the collectors make here."""
+    from tests.test_daemon import DaemonProcess, Engines, http_get
+    from tests.test_metrics import CALL_S, STARTUP_S, pair_env
+
+    sock_dir = tempfile.mkdtemp(prefix="kmon")  # short: an ipc path must fit in sockaddr_un
+    tx = DaemonProcess("sender", "tx", sock_dir, pair_env(), ["--listen", "tcp://127.0.0.1:0"])
+    rx = DaemonProcess("receiver", "rx", sock_dir, pair_env(), [])
+    engines = Engines()
+    try:
+        tx.wait_ready(STARTUP_S), rx.wait_ready(STARTUP_S)
+        ct, _ = engines.client(tx)
+        cr, _ = engines.client(rx)
+        ct.publish("mon-1", [1], aux=b"x")
+        out = cr.wait(cr.fetch("mon-1", tx.endpoint, [1]), CALL_S)
+        assert out is not None and out.state == "done", out
+        bodies = []
+        for d in (tx, rx):
+            status, body = http_get(d.probe_port, "/metrics")
+            assert status == 200, body
+            bodies.append(body)
+        engines.close()
+        for d in (tx, rx):  # a drained stop removes the pool's /dev/shm segment
+            d.signal(signal.SIGTERM)
+        for d in (tx, rx):
+            assert d.wait_exit(CALL_S)[0] == 0, d.describe()
+    finally:
+        engines.close()
+        tx.kill()
+        rx.kill()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    real = scraped(bodies)
+    for name in ("kvxferd_peer_end_to_end_seconds_bucket", "kvxferd_peer_post_seconds_bucket"):
+        assert "peer" in real[name].labels, f"{name}: no peer series after a transfer"
+    check_rules_names(load_rules(), real)
+    check_dashboard_names(load_dashboard(), real)
+    made = exported()
+    assert real.keys() == made.keys(), sorted(real.keys() ^ made.keys())
+    for name, fam in real.items():
+        assert fam.labels.keys() == made[name].labels.keys(), name
 
 
 def test_arriving_families_are_declared_as_the_catalogue_has_them() -> None:
