@@ -130,8 +130,9 @@ def exported() -> Catalogue:
     """Each sample name a sender or receiver exports (with its engine gateway), and its labels.
 
     Built from the collectors /metrics serves, over a snapshot with every labelled table
-    filled (a peer in each per-peer histogram, a worker, sessions), so every family has
-    samples; the families another change adds (:data:`ARRIVING`) join while missing.
+    filled (a peer in each per-peer histogram, a worker, sessions); a family with no sample
+    still gives its declared labels (any value); the families another change adds
+    (:data:`ARRIVING`) join while missing.
     """
     from kvxferd.service.metrics import (
         GatewayReading,
@@ -160,9 +161,24 @@ def exported() -> Catalogue:
             *ReadinessCollector(lambda: (True, [])).collect(),
         ]
         for fam in families:
-            assert fam.samples, f"{fam.name}: no sample, so its labels are unknown here"
-            _add_samples(out, fam.samples)
+            if fam.samples:
+                _add_samples(out, fam.samples)
+            else:  # e.g. a per-link gauge with no link yet: its declared labels, any value
+                _add_declared(out, fam)
     return _finish(out)
+
+
+# The sample names of a family of each type (prometheus_client writes counters with _total).
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
+
+
+def _add_declared(out: Catalogue, fam: Any) -> None:
+    labels = getattr(fam, "_labelnames", None)
+    assert labels is not None, f"{fam.name}: no sample and no declared labels"
+    for suffix in _SUFFIXES.get(fam.type, ("",)):
+        entry = out.setdefault(fam.name + suffix, Family())
+        for label in (*labels, "le") if suffix == "_bucket" else labels:
+            entry.labels[label] = None
 
 
 def _add_samples(out: Catalogue, samples: Any) -> None:
