@@ -111,6 +111,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import numpy as np
+import torch
+
 from kvxferd.config import DataPlaneSettings
 from kvxferd.transfer.dlists import (
     Args,
@@ -216,6 +219,13 @@ class DataPlane(Protocol):
         ...
 
     def remove_peer(self, peer: str) -> None: ...
+
+    def probe_write(
+        self, peer: str, dst_base: int, nbytes: int, device_id: int
+    ) -> tuple[Xfer, XferState]:
+        """Post one link-probe WRITE from the local scratch region into ``peer``'s (the region
+        its Register advertised, never its KV pool); raises when nothing was posted."""
+        ...
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
@@ -354,6 +364,12 @@ class Prep:
         return path.local is not None
 
 
+def scratch_region(nbytes: int) -> torch.Tensor:
+    """The link probe's scratch region (``link_probe_bytes``): plain memory, never a KV block,
+    filled with ``i % 251`` (a pattern a test recognises where a probe WRITE landed)."""
+    return torch.arange(nbytes, dtype=torch.int32).remainder_(251).to(torch.uint8)
+
+
 def _remove_remote(peer: str, agents: list[Any]) -> None:
     """``remove_remote_agent`` on each agent; the first error is raised after the rest ran."""
     error: Exception | None = None
@@ -393,6 +409,9 @@ class NixlDataPlane:
         self.name = name
         self.settings = settings
         self._pool = pool
+        # The link probe's scratch region, registered on every path: a sender's probe WRITEs
+        # from it (link_probes.py), a receiver advertises it in its Register.
+        self.scratch = scratch_region(settings.link_probe_bytes)
         self._paths: list[Path] = []  # appended under _lock, never removed before close
         self._agent_seq = itertools.count(1)  # names of spare agents
         self._paths.append(self._open_path(0))
@@ -447,6 +466,8 @@ class NixlDataPlane:
             agent.register_memory([pool.kv], mem_type=pool.mem_type),
             agent.register_memory([pool.aux], mem_type="DRAM"),
         ]
+        if self.scratch.numel():
+            regs.append(agent.register_memory([self.scratch], mem_type="DRAM"))
         return Path(index, agent, regs)
 
     def _new_agent(self, name: str) -> Any:
@@ -474,6 +495,14 @@ class NixlDataPlane:
             },
         )
         return agent
+
+    @property
+    def scratch_base(self) -> int:
+        return int(self.scratch.data_ptr()) if self.scratch.numel() else 0
+
+    @property
+    def scratch_bytes(self) -> int:
+        return int(self.scratch.numel())
 
     @property
     def prepped(self) -> bool:
@@ -732,6 +761,35 @@ class NixlDataPlane:
             local = agent.get_xfer_descs(src, src_mem)
             remote = agent.get_xfer_descs(dst, dst_mem)
             handle = agent.initialize_xfer("WRITE", local, remote, peer, notif)
+        except Exception:
+            self._moves.mark_broken(key)
+            self._write_released(key, wid)
+            raise
+        return self._start(path, handle, key, lambda: self._write_released(key, wid))
+
+    def probe_write(
+        self, peer: str, dst_base: int, nbytes: int, device_id: int
+    ) -> tuple[Xfer, XferState]:
+        """Post one link-probe WRITE: ``nbytes`` of the local scratch region into ``peer``'s at
+        ``dst_base`` (DRAM, the region its Register advertised); raises when nothing was posted.
+
+        It takes the peer's current path, like a KV write, and is not counted in ``posts``.
+        """
+        if not 0 < nbytes <= self.scratch_bytes:
+            raise ValueError(f"a probe of {nbytes} bytes, scratch of {self.scratch_bytes}")
+        free: list[tuple[Any, object]] = []
+        with self._lock:
+            path = self._moves.route_locked(peer, free, self.settings.max_paths)
+            key = (peer, path.index)
+            wid = self._routes.posted(key)
+        release(free)
+        agent = path.agent
+        try:
+            src = np.array([[self.scratch_base, nbytes, 0]], dtype=np.int64)
+            local = agent.get_xfer_descs(src, "DRAM")
+            dst = np.array([[dst_base, nbytes, device_id]], dtype=np.int64)
+            remote = agent.get_xfer_descs(dst, "DRAM")
+            handle = agent.initialize_xfer("WRITE", local, remote, peer, b"")
         except Exception:
             self._moves.mark_broken(key)
             self._write_released(key, wid)
