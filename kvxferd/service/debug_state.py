@@ -137,7 +137,7 @@ def sender_state(
                 "peer": k.peer,
                 "receiver_id": k.receiver_id,
                 "state": k.state,
-                "gbps": None if k.gbps is None else round(k.gbps, 3),
+                "gbps": k.gbps,
                 "transport": k.transport,
                 "bytes": k.nbytes,
                 "writes": k.writes,

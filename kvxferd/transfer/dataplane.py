@@ -496,6 +496,11 @@ class NixlDataPlane:
         )
         return agent
 
+    def on_new_path(self, callback: Callable[[str], object]) -> None:
+        """Call ``callback(peer)`` once a peer's transport is fresh (a move to a fresh path, a
+        reload in place); it runs under the data plane's lock and must not block."""
+        self._moves.on_moved = callback
+
     @property
     def scratch_base(self) -> int:
         return int(self.scratch.data_ptr()) if self.scratch.numel() else 0

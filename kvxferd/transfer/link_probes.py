@@ -41,7 +41,8 @@ unset the figure is what UCX chose among all transports.
 
 Threads: the listener calls ``request`` and ``forget``; the probe thread runs probes;
 the view (probes, /metrics, the engine's ``links``) reads ``figures()``. ``_lock``
-guards ``_figures``, ``_queue`` and ``_latest``.
+guards ``_figures``, ``_queue``, ``_latest`` and ``_last``. ``again`` may be called by any
+thread (the data plane's, under its lock): it takes only ``_lock``.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class LinkProbes:
         self._queue: deque[_Probe] = deque()
         self._figures: dict[str, LinkFigure] = {}
         self._latest: dict[str, int] = {}  # peer -> the seq of its newest probe
+        self._last: dict[str, _Probe] = {}  # peer -> its newest probe (``again``)
         self._seq = 0
         self._stalled: list[tuple[Xfer, str]] = []  # probe thread only: (write, NIXL name)
         self._stopping = False
@@ -147,7 +149,9 @@ class LinkProbes:
                 self._seq += 1
                 key = peer.result_endpoint
                 self._latest[key] = self._seq
-                self._queue.append(_Probe(peer, scratch_base, nbytes, self._seq))
+                job = _Probe(peer, scratch_base, nbytes, self._seq)
+                self._last[key] = job
+                self._queue.append(job)
                 now = time.monotonic()
                 self._figures[key] = LinkFigure(
                     key, peer.receiver_id, "probing", None, transport(), nbytes, self.writes,
@@ -166,6 +170,13 @@ class LinkProbes:
             self._thread.start()
         return True
 
+    def again(self, nixl_name: str) -> bool:
+        """Probe again the link whose receiver agent is ``nixl_name`` (its transport is fresh:
+        a move to a fresh NIXL path, a reload in place); False when it was never probed."""
+        with self._lock:
+            last = next((j for j in self._last.values() if j.peer.nixl_name == nixl_name), None)
+        return last is not None and self.request(last.peer, last.base, last.nbytes)
+
     def forget(self, peer: Peer) -> None:
         """``peer`` left the table: its link has no figure any more (unless a newer
         incarnation on the same endpoint was probed since)."""
@@ -174,6 +185,7 @@ class LinkProbes:
             if fig is not None and fig.receiver_id == peer.receiver_id:
                 del self._figures[peer.result_endpoint]
                 self._latest.pop(peer.result_endpoint, None)
+                self._last.pop(peer.result_endpoint, None)
 
     # -- readers ---------------------------------------------------------------------------
     def figures(self) -> list[LinkFigure]:

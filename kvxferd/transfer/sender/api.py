@@ -192,6 +192,9 @@ class Sender:
             writes=settings.dataplane.link_probe_writes,
             timeout_s=settings.deadlines.link_probe_timeout_ms / 1000,
         )
+        on_new_path = getattr(self.dataplane, "on_new_path", None)
+        if on_new_path is not None:  # a fresh NIXL path: its link is measured again
+            on_new_path(self.probes.again)
         process_context(
             sockets_needed(settings.num_threads, settings.limits.max_peers)
         )  # before any socket
