@@ -1952,6 +1952,46 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides",
         ),
     ),
+    Mutant(
+        "issue26-link-floor-ignored",
+        "readiness ignores dataplane.min_link_gbps: a link measured below the floor is no"
+        " link_slow reason",
+        (Edit("kvxferd/service/probes.py", "link.gbps < floor", "link.gbps < 0"),),
+        (
+            "tests/test_link_probes.py::test_readiness_follows_the_link_floor",
+            "tests/test_link_speed.py::"
+            "test_readiness_follows_the_link_floor_between_shared_memory_and_tcp",
+        ),
+    ),
+    Mutant(
+        "issue26-probe-into-kv-blocks",
+        "the link probe WRITEs at the receiver's KV pool instead of its advertised scratch region",
+        (
+            Edit(
+                "kvxferd/transfer/sender/admission.py",
+                "probes.request(peer, msg.scratch_base,",
+                "probes.request(peer, msg.kv_base,",
+            ),
+        ),
+        (
+            "tests/test_link_probes.py::test_the_probe_lands_in_the_scratch_region_and_in_no_kv_block",
+        ),
+    ),
+    Mutant(
+        "issue26-probe-without-scratch",
+        "a receiver that advertised no scratch region (an older one) is probed anyway",
+        (
+            Edit(
+                "kvxferd/transfer/link_probes.py",
+                "if nbytes <= 0 or scratch_base <= 0:",
+                "if nbytes < 0:",
+            ),
+        ),
+        (
+            "tests/test_link_probes.py::test_a_receiver_without_scratch_is_not_probed",
+            "tests/test_link_probes.py::test_a_receiver_without_scratch_gets_no_probe",
+        ),
+    ),
 )
 
 
