@@ -364,6 +364,30 @@ class Prep:
         return path.local is not None
 
 
+def new_agent(name: str, settings: DataPlaneSettings) -> Any:
+    """A NIXL agent with ``settings``' backend and options, no memory registered."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    sync = {
+        "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        "none": nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
+        "default": nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT,
+    }[settings.sync_mode]
+    agent = nixl_agent(
+        name,
+        nixl_agent_config(enable_prog_thread=settings.progress_thread, backends=[], sync_mode=sync),
+    )
+    agent.create_backend(
+        settings.backend,
+        {
+            "ucx_error_handling_mode": settings.ucx_error_handling_mode,
+            "num_workers": str(settings.ucx_num_workers),
+        },
+    )
+    return agent
+
+
 def scratch_region(nbytes: int) -> torch.Tensor:
     """The link probe's scratch region (``link_probe_bytes``): plain memory, never a KV block,
     filled with ``i % 251`` (a pattern a test recognises where a probe WRITE landed)."""
@@ -412,6 +436,8 @@ class NixlDataPlane:
         # The link probe's scratch region, registered on every path: a sender's probe WRITEs
         # from it (link_probes.py), a receiver advertises it in its Register.
         self.scratch = scratch_region(settings.link_probe_bytes)
+        self.scratch_bytes = self.scratch.numel()
+        self.scratch_base = int(self.scratch.data_ptr()) if self.scratch_bytes else 0
         self._paths: list[Path] = []  # appended under _lock, never removed before close
         self._agent_seq = itertools.count(1)  # names of spare agents
         self._paths.append(self._open_path(0))
@@ -471,43 +497,12 @@ class NixlDataPlane:
         return Path(index, agent, regs)
 
     def _new_agent(self, name: str) -> Any:
-        """A NIXL agent with this data plane's backend and settings, no memory registered."""
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-        settings = self.settings
-        sync = {
-            "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-            "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
-            "none": nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
-            "default": nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT,
-        }[settings.sync_mode]
-        agent = nixl_agent(
-            name,
-            nixl_agent_config(
-                enable_prog_thread=settings.progress_thread, backends=[], sync_mode=sync
-            ),
-        )
-        agent.create_backend(
-            settings.backend,
-            {
-                "ucx_error_handling_mode": settings.ucx_error_handling_mode,
-                "num_workers": str(settings.ucx_num_workers),
-            },
-        )
-        return agent
+        return new_agent(name, self.settings)
 
     def on_new_path(self, callback: Callable[[str], object]) -> None:
         """Call ``callback(peer)`` once a peer's transport is fresh (a move to a fresh path, a
         reload in place); it runs under the data plane's lock and must not block."""
         self._moves.on_moved = callback
-
-    @property
-    def scratch_base(self) -> int:
-        return int(self.scratch.data_ptr()) if self.scratch.numel() else 0
-
-    @property
-    def scratch_bytes(self) -> int:
-        return int(self.scratch.numel())
 
     @property
     def prepped(self) -> bool:
@@ -775,11 +770,7 @@ class NixlDataPlane:
     def probe_write(
         self, peer: str, dst_base: int, nbytes: int, device_id: int
     ) -> tuple[Xfer, XferState]:
-        """Post one link-probe WRITE: ``nbytes`` of the local scratch region into ``peer``'s at
-        ``dst_base`` (DRAM, the region its Register advertised); raises when nothing was posted.
-
-        It takes the peer's current path, like a KV write, and is not counted in ``posts``.
-        """
+        """A link-probe WRITE on ``peer``'s current path (protocol); not counted in ``posts``."""
         if not 0 < nbytes <= self.scratch_bytes:
             raise ValueError(f"a probe of {nbytes} bytes, scratch of {self.scratch_bytes}")
         free: list[tuple[Any, object]] = []

@@ -53,7 +53,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvxferd.transfer.dataplane import DataPlane, Xfer, XferState
 from kvxferd.transfer.guard import Guard
@@ -131,6 +131,27 @@ class LinkProbes:
         self._stalled: list[tuple[Xfer, str]] = []  # probe thread only: (write, NIXL name)
         self._stopping = False
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def of(
+        cls, dataplane: DataPlane, agents: PeerAgents, stats: Stats, guard: Guard, settings: Any
+    ) -> LinkProbes:
+        """A sender's (``settings``: its SenderSettings): the data plane's scratch region (none
+        on a test double without one: no probe), and a peer moved to a fresh NIXL path (a
+        ``NixlDataPlane``'s ``on_new_path``) is probed again."""
+        probes = cls(
+            dataplane,
+            agents,
+            stats,
+            guard,
+            scratch_bytes=int(getattr(dataplane, "scratch_bytes", 0)),
+            writes=settings.dataplane.link_probe_writes,
+            timeout_s=settings.deadlines.link_probe_timeout_ms / 1000,
+        )
+        on_new_path = getattr(dataplane, "on_new_path", None)
+        if on_new_path is not None:
+            on_new_path(probes.again)
+        return probes
 
     # -- listener ------------------------------------------------------------------------
     def request(self, peer: Peer, scratch_base: int, scratch_bytes: int) -> bool:

@@ -183,18 +183,7 @@ class Sender:
         # Receivers' NIXL agents: writes in flight, deferred removals, replaced incarnations.
         self.agents = PeerAgents(self.dataplane, self.stats)
         # Each link's speed, measured by a probe WRITE into its receiver's scratch region.
-        self.probes = LinkProbes(
-            self.dataplane,
-            self.agents,
-            self.stats,
-            self.guard,
-            scratch_bytes=int(getattr(self.dataplane, "scratch_bytes", 0)),
-            writes=settings.dataplane.link_probe_writes,
-            timeout_s=settings.deadlines.link_probe_timeout_ms / 1000,
-        )
-        on_new_path = getattr(self.dataplane, "on_new_path", None)
-        if on_new_path is not None:  # a fresh NIXL path: its link is measured again
-            on_new_path(self.probes.again)
+        self.probes = LinkProbes.of(self.dataplane, self.agents, self.stats, self.guard, settings)
         process_context(
             sockets_needed(settings.num_threads, settings.limits.max_peers)
         )  # before any socket
