@@ -90,6 +90,7 @@ GATEWAY_CALLS: tuple[str, ...] = (
     "cancel",
     "close",
     "progress",
+    "links",
 )
 WORKER_MESSAGES: tuple[str, ...] = ("result", "cancel_ack")
 # Why a streamed publish's progress mark is refused (streams.py; the gateway: wrong_role).

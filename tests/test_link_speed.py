@@ -14,6 +14,7 @@ with the peer and its figure.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -80,6 +81,15 @@ def measure(
     samples = [(s.labels, s.value) for s in fams["kvxferd_link_gbps"].samples]
     probes = {s.labels["result"]: s.value for s in fams["kvxferd_link_probes"].samples}
     readyz = http_get(tx.probe_port, "/readyz")
+    # The engines' view: the sender's daemon names the link and its figure, the receiver's
+    # its sender link, unmeasured.
+    [info] = ct.links()
+    assert (info.peer, info.state, info.gbps) == (rx.endpoint, "ok", link["gbps"]), info
+    assert info.transport == link["transport"] and info.measured_at == pytest.approx(
+        link["measured_at"], abs=1e-3
+    )
+    [rinfo] = asyncio.run(engines.async_client(rx).links())
+    assert (rinfo.peer, rinfo.state, rinfo.gbps) == (tx.endpoint, "unmeasured", None), rinfo
     print(f"\n[{tag}] link {link}\n[{tag}] kvxferd_link_gbps {samples}, probes {probes}")
     print(f"[{tag}] /readyz {readyz}")
     assert link["peer"] == rx.endpoint and link["transport"] == f"UCX_TLS={tls}", link
