@@ -1992,6 +1992,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_link_probes.py::test_a_receiver_without_scratch_gets_no_probe",
         ),
     ),
+    Mutant(
+        "issue26-fresh-path-not-probed",
+        "a receiver moved to a fresh NIXL path keeps the figure of its old connection",
+        (
+            Edit(
+                "kvxferd/transfer/path_moves.py",
+                "            self.on_moved(peer)",
+                "            pass",
+            ),
+        ),
+        ("tests/test_link_probes.py::test_a_peer_moved_to_a_fresh_path_is_probed_again",),
+    ),
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -333,3 +334,46 @@ def test_a_probe_toward_a_killed_receiver_fails_counted_and_harmless(
     finally:
         rx.kill()
         sx.shutdown()
+
+
+@pytest.mark.integration
+def test_a_peer_moved_to_a_fresh_path_is_probed_again() -> None:
+    """Real NIXL: a data plane whose post toward a peer failed moves it to a fresh path (a new local agent); the sender's probes measure that link again, over the new path, into the peer's scratch."""
+    from tests.test_dataplane import _Pair, _wait
+    from tests.test_dataplane_reconnect import _fail_a_post
+
+    pair = _Pair(16, 16)
+    stats = Stats()
+    guard = Guard(stats, logging.getLogger("test"))
+    probes = LinkProbes.of(
+        pair.tx, PeerAgents(pair.tx, stats), stats, guard, load_sender_settings()
+    )
+    done = threading.Event()
+
+    def drive() -> None:  # the receiver's io thread would: its agent must progress
+        while not done.wait(0.0005):
+            pair.rx.progress()
+
+    driver = threading.Thread(target=drive, name="test-rx-progress", daemon=True)
+    driver.start()
+    try:
+        rx = Peer("rx", b"r", "tcp://127.0.0.1:7001", pair.peer, LAYOUT, 0, 0, "DRAM", 0)
+        pair.rx.scratch.zero_()
+        assert probes.request(rx, pair.rx.scratch_base, pair.rx.scratch_bytes)
+        wait_until(lambda: counts(stats)["ok"] == 1, WAIT_S, "the first probe")
+        pair.rx.scratch.zero_()
+        _fail_a_post(pair)
+        src, dst = np.array([1, 5], dtype=np.int64), np.array([2, 9], dtype=np.int64)
+        _wait(pair, pair.tx.post_blocks(pair.peer, src, dst, 0, 1))  # starts the move
+        wait_until(lambda: pair.tx.fresh_paths == 1, WAIT_S, "the peer moved to a fresh path")
+        wait_until(lambda: counts(stats)["ok"] == 2, WAIT_S, "the link probed again")
+        [fig] = probes.figures()
+        assert fig.state == "ok" and fig.gbps and pair.tx.paths() == 2, fig
+        want = torch.arange(fig.nbytes, dtype=torch.int32).remainder_(251).to(torch.uint8)
+        assert torch.equal(pair.rx.scratch[: fig.nbytes], want)
+        assert guard.broken() is None
+    finally:
+        probes.close(WAIT_S)
+        done.set()
+        driver.join(WAIT_S)
+        pair.close()
