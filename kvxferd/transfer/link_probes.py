@@ -32,7 +32,8 @@ What holds, and where:
   is not removed from under one; one stalled past the deadline stays counted until
   NIXL ends it (polled on this thread's later turns).
 * Each probe ends once, counted in ``link_probes_{result}``: ``ok``, ``failed``,
-  ``timeout``, ``dropped`` (queue full, or the incarnation gone before it ran).
+  ``timeout``, ``dropped`` (queue full, superseded by a newer probe of the link or the
+  incarnation gone before it ran, or the sender shutting down).
 
 ``transport``: what this process asked UCX for (``UCX_TLS``, from ``dataplane.ucx_tls``
 or the environment). NIXL 1.5 does not say which transport UCX picked for an endpoint
@@ -179,16 +180,14 @@ class LinkProbes:
                     time.time(), now,
                 )  # fmt: skip
                 self._wake.notify()
-            start = self._thread is None and not full
-            if start:
+            if self._thread is None and not full:  # started under the lock: close joins it
                 self._thread = threading.Thread(
                     target=self._run, name="kvxferd-tx-probe", daemon=True
                 )
+                self._thread.start()
         if full:
             self.stats.add("link_probes_dropped")
             return False
-        if start and self._thread is not None:
-            self._thread.start()
         return True
 
     def again(self, nixl_name: str) -> bool:
@@ -272,6 +271,9 @@ class LinkProbes:
         result, detail, ended = "ok", "", True
         try:
             for i in range(self.writes + 1):  # the first opens the connection: untimed
+                if self._stopping:  # read without the lock: one more WRITE at most
+                    result, detail = "dropped", "the sender is shutting down"
+                    break
                 t0 = time.monotonic()
                 xfer, state = self._dp.probe_write(name, job.base, job.nbytes, 0)
                 end = _wait(xfer, state, deadline)
@@ -298,8 +300,9 @@ class LinkProbes:
 
     def _record(self, job: _Probe, result: str, gbps: float | None, detail: str) -> None:
         peer = job.peer
+        state = "failed" if result == "dropped" else result
         fig = LinkFigure(
-            peer.result_endpoint, peer.receiver_id, result, gbps, transport(), job.nbytes,
+            peer.result_endpoint, peer.receiver_id, state, gbps, transport(), job.nbytes,
             self.writes, time.time(), time.monotonic(), detail,
         )  # fmt: skip
         with self._lock:
@@ -311,6 +314,9 @@ class LinkProbes:
                 "link to %s measured: %.2f GB/s (%s, %d x %d bytes)",
                 peer.result_endpoint, gbps, fig.transport, self.writes, job.nbytes,
             )  # fmt: skip
+            return
+        if result == "dropped":
+            self.stats.add("link_probes_dropped")
             return
         self.stats.add("link_probes_failed" if result == "failed" else "link_probes_timeout")
         log.warning("link probe toward %s %s: %s", peer.result_endpoint, result, detail)
