@@ -1957,11 +1957,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "readiness ignores dataplane.min_link_gbps: a link measured below the floor is no"
         " link_slow reason",
         (Edit("kvxferd/service/probes.py", "link.gbps < floor", "link.gbps < 0"),),
-        (
-            "tests/test_link_probes.py::test_readiness_follows_the_link_floor",
-            "tests/test_link_speed.py::"
-            "test_readiness_follows_the_link_floor_between_shared_memory_and_tcp",
-        ),
+        ("tests/test_link_probes.py::test_readiness_follows_the_link_floor",),
     ),
     Mutant(
         "issue26-probe-into-kv-blocks",
