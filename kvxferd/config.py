@@ -39,6 +39,7 @@ Deadlines (milliseconds)::
     connect_timeout_ms      1000   one TCP connect attempt of a DEALER (then retried afresh)
     peer_down_ms            1000   a receiver link lost and not back this long -> down: its fetches end
     reconnect_max_ms        2000   cap of a DEALER's redial backoff (from 100 ms, doubling)
+    link_probe_timeout_ms   2000   one link probe (all its WRITEs); past it the figure stays unknown
 """
 
 from __future__ import annotations
@@ -130,6 +131,23 @@ class DataPlaneSettings(_Frozen):
         " posix, sysv...; not cma, knem, xpmem, cuda_ipc); on: always (a teardown then ends no"
         " doubt unless the transports are revocable); off: one agent for every link",
     )
+    link_probe_bytes: int = Field(
+        4 << 20,
+        ge=0,
+        le=256 << 20,
+        description="a scratch region of this size registered with NIXL, never a KV block: a"
+        " receiver advertises its own in Register, a sender times WRITEs of it into the"
+        " receiver's at each new link (docs/operations.md, Link speed); 0: no probe",
+    )
+    link_probe_writes: int = Field(
+        8, ge=1, le=64, description="sender: timed WRITEs per link probe (after one untimed)"
+    )
+    min_link_gbps: float | None = Field(
+        None,
+        gt=0.0,
+        description="sender: a link measured below this many GB/s makes /readyz not ready"
+        " (link_slow, naming the peer and its figure); None: off",
+    )
 
 
 class Deadlines(_Frozen):
@@ -185,6 +203,12 @@ class Deadlines(_Frozen):
         ge=100,
         le=600_000,
         description="cap of a DEALER's redial backoff (libzmq's, from 100 ms, doubling)",
+    )
+    link_probe_timeout_ms: int = Field(
+        2_000,
+        ge=1,
+        le=600_000,
+        description="sender: one link probe's WRITEs; a probe still running then counts timeout",
     )
 
     @model_validator(mode="after")

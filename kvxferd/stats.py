@@ -90,6 +90,7 @@ GATEWAY_CALLS: tuple[str, ...] = (
     "cancel",
     "close",
     "progress",
+    "links",
 )
 WORKER_MESSAGES: tuple[str, ...] = ("result", "cancel_ack")
 # Why a streamed publish's progress mark is refused (streams.py; the gateway: wrong_role).
@@ -103,6 +104,9 @@ STREAM_MARK_REFUSALS: tuple[str, ...] = (
 # kvxferd.auth.REFUSALS and HANDSHAKE_KINDS (a test keeps them equal).
 AUTH_REFUSALS: tuple[str, ...] = ("unknown_key", "mechanism", "unknown_domain", "malformed")
 HANDSHAKE_KINDS: tuple[str, ...] = ("protocol", "auth", "no_detail")
+
+# How a link probe ended (kvxferd/transfer/link_probes.py).
+LINK_PROBE_RESULTS: tuple[str, ...] = ("ok", "failed", "timeout", "dropped")
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -379,6 +383,14 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "transport_fresh_paths",
         _S,
         "Receivers whose writes stalled, moved to a fresh connection (another local NIXL agent)",
+    ),
+    _c(
+        "link_probes_{result}",
+        _S,
+        "Link probes (timed WRITEs into a receiver's scratch region at each new link) by how"
+        " they ended: ok (kvxferd_link_gbps set), failed, timeout (link_probe_timeout_ms),"
+        " dropped (queue full, or the peer left first)",
+        values=LINK_PROBE_RESULTS,
     ),
     _c(
         "writes_in_doubt",

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvxferd.transfer.dataplane import XferState
 from kvxferd.transfer.layout import Descs, IdArray, Layout
 from kvxferd.transfer.reshard import Piece
@@ -25,7 +27,8 @@ class ControlledXfer:
     """A WRITE whose outcome the test decides with ``finish``.
 
     ``kind`` "descs": ``src``/``dst`` are the (n, 3) descriptors given to ``post_write``;
-    "blocks": the block ids given to ``post_blocks`` (``layers`` holds the range).
+    "blocks": the block ids given to ``post_blocks`` (``layers`` holds the range); "probe":
+    a ``probe_write`` (``dst``: the peer's scratch region written).
     """
 
     peer: str
@@ -75,6 +78,8 @@ class ControlledDataPlane:
         self.prepared: set[str] = set()
         self.pieces: dict[str, Piece] = {}
         self.xfers: list[ControlledXfer] = []
+        self.probes: list[ControlledXfer] = []  # link-probe WRITEs (probe_write)
+        self.scratch_bytes = 0  # > 0 (set before a Sender is made on it): links are probed
         self.posted = threading.Condition()
         self.fail_next_post: Exception | None = None
         self.closed = False
@@ -136,6 +141,22 @@ class ControlledDataPlane:
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
     ) -> tuple[ControlledXfer, XferState]:
         return self._post(ControlledXfer(peer, src, dst, notif=notif))
+
+    def probe_write(
+        self, peer: str, dst_base: int, nbytes: int, device_id: int
+    ) -> tuple[ControlledXfer, XferState]:
+        """A link-probe WRITE, kept in ``probes`` (not ``xfers``) until the test finishes it."""
+        if self.fail_next_post is not None:
+            err, self.fail_next_post = self.fail_next_post, None
+            raise err
+        src = np.array([[0, nbytes, 0]], dtype=np.int64)  # the local scratch region's
+        dst = np.array([[dst_base, nbytes, device_id]], dtype=np.int64)
+        xfer = ControlledXfer(peer, src, dst, "probe")
+        with self.posted:
+            self.probes.append(xfer)
+            self.posted.notify_all()
+        xfer.posted.set()
+        return xfer, "PROC"
 
     def post_blocks(
         self,

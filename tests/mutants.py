@@ -1997,6 +1997,54 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("docs/operations.md", "| `KvxferdPeersEvicted`: ", "| "),),
         ("tests/test_monitoring.py::test_runbook_alert_table_and_rules_are_the_same_alerts",),
     ),
+    Mutant(
+        "issue26-link-floor-ignored",
+        "readiness ignores dataplane.min_link_gbps: a link measured below the floor is no"
+        " link_slow reason",
+        (Edit("kvxferd/service/probes.py", "link.gbps < floor", "link.gbps < 0"),),
+        ("tests/test_link_probes.py::test_readiness_follows_the_link_floor",),
+    ),
+    Mutant(
+        "issue26-probe-into-kv-blocks",
+        "the link probe WRITEs at the receiver's KV pool instead of its advertised scratch region",
+        (
+            Edit(
+                "kvxferd/transfer/sender/admission.py",
+                "probes.request(peer, msg.scratch_base,",
+                "probes.request(peer, msg.kv_base,",
+            ),
+        ),
+        (
+            "tests/test_link_probes.py::test_the_probe_lands_in_the_scratch_region_and_in_no_kv_block",
+        ),
+    ),
+    Mutant(
+        "issue26-probe-without-scratch",
+        "a receiver that advertised no scratch region (an older one) is probed anyway",
+        (
+            Edit(
+                "kvxferd/transfer/link_probes.py",
+                "if nbytes <= 0 or scratch_base <= 0:",
+                "if nbytes < 0:",
+            ),
+        ),
+        (
+            "tests/test_link_probes.py::test_a_receiver_without_scratch_is_not_probed",
+            "tests/test_link_probes.py::test_a_receiver_without_scratch_gets_no_probe",
+        ),
+    ),
+    Mutant(
+        "issue26-fresh-path-not-probed",
+        "a receiver moved to a fresh NIXL path keeps the figure of its old connection",
+        (
+            Edit(
+                "kvxferd/transfer/path_moves.py",
+                "            self.on_moved(peer)",
+                "            pass",
+            ),
+        ),
+        ("tests/test_link_probes.py::test_a_peer_moved_to_a_fresh_path_is_probed_again",),
+    ),
 )
 
 

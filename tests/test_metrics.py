@@ -53,6 +53,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "transfer/dataplane.py": ("sender",),  # only the sender hands its data plane a Stats
     "transfer/path_moves.py": ("sender",),  # the data plane's moves, with its Stats
     "transfer/peer_agents.py": ("sender",),
+    "transfer/link_probes.py": ("sender",),
     "transfer/receiver/core.py": ("receiver",),
     "transfer/receiver/fetches.py": ("receiver",),
     "transfer/receiver/groups.py": ("receiver",),

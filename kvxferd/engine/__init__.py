@@ -12,6 +12,7 @@ shell or an integration (tests/test_layering.py checks it)::
     handles.py          the gateway's handle table: handles by id, the open Publish/Fetch of each key
     roles.py            what the gateway does differently for a sender and a receiver (an adapter each)
     client.py           what engines import: Client, AsyncClient, attach_pool (re-exported)
+    links.py            the ``links`` call on the engine side (Client.links, AsyncClient.links)
     errors.py           what an engine call raises: EngineError, EngineRejected, EngineUnavailable
     mapping.py          the daemon's pool mapped here: shared memory, or CUDA IPC on a GPU
 """

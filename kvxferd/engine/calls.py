@@ -17,10 +17,11 @@ waits.py for a call that waits. What a call does::
     Close     waits.py: cancel if open, then close           Closed (once its writes ended)
     Progress  the streamed publish's mark (roles.py)         nothing, ever (a bad mark is
                                                              counted; it fails the publish)
+    Links     the role's links (roles.py)                   LinksReply
 
 Calls in flight are bounded by ``max_inflight``: while that many wait, one more
-(inline or not) gets ``Error(busy)`` at once, it is never queued. Describe and Poll
-are not counted. A malformed frame gets ``Error(malformed)`` (or the ProtocolError's
+(inline or not) gets ``Error(busy)`` at once, it is never queued. Describe, Poll and
+Links are not counted. A malformed frame gets ``Error(malformed)`` (or the ProtocolError's
 reason) and is counted in ``stats``; an unexpected exception in a call goes through
 ``guard`` (logged, counted, the gateway's ``broken()`` names it) and the engine gets
 ``Error(internal)``; the io thread goes on.
@@ -131,6 +132,9 @@ class Calls:
             return
         if isinstance(msg, ep.Poll):
             self._reply(rid, self._poll(rid, msg))
+            return
+        if isinstance(msg, ep.Links):
+            self._reply(rid, self.adapter.links(msg.call_id))
             return
         if len(self.waits) >= self.max_inflight:
             self.stats.add("rejected_busy")

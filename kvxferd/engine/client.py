@@ -70,6 +70,7 @@ from kvxferd.engine import engine_protocol as ep
 from kvxferd.engine.channel import ChannelClosed, StreamChannel, ZmqChannel, wait_fd
 from kvxferd.engine.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.engine.errors import EngineError, EngineRejected, EngineUnavailable
+from kvxferd.engine.links import AsyncLinksCall, LinksCall
 from kvxferd.engine.mapping import PoolMapping, attach_pool
 from kvxferd.errors import ProtocolError
 from kvxferd.transfer.control import process_context
@@ -296,7 +297,7 @@ class _Slot:
     reply: ep.ToEngine | EngineError | None = None
 
 
-class Client:
+class Client(LinksCall):
     """A thread-safe, synchronous connection to one kvxferd daemon's engine socket.
 
     No thread of its own: the calling thread sends its frame and, if no other caller is
@@ -860,7 +861,7 @@ def _time_out(fut: asyncio.Future[ep.ToEngine]) -> None:
         fut.set_exception(TimeoutError())
 
 
-class AsyncClient:
+class AsyncClient(AsyncLinksCall):
     """The engine protocol as coroutines; usable from several event loops in several threads."""
 
     def __init__(

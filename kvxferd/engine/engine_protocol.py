@@ -29,6 +29,7 @@ Calls and their replies (engine DEALER -> gateway ROUTER and back)::
     Cancel(handle_id)                                -> Ok | Error
     Close(handle_id, timeout_ms)                     -> Closed | Error
     Progress(handle_id, layers_ready)                -> nothing (a streamed publish's mark)
+    Links                                            -> LinksReply (each link's speed)
 
 Every call but Describe and Poll carries ``deadline_unix_ms``: the moment (Unix
 time in ms, on the host's clock, which the engine and its local daemon share)
@@ -76,6 +77,8 @@ from kvxferd.transfer.topology import Topology
 # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch; 3: Wait.close; 4: Publish/Fetch
 # wait_ms + close (one round trip per request), Outcome.handle_id; ipc:// is a unix stream.
 ENGINE_PROTOCOL_VERSION = 4
+# Calls and replies a version-4 peer does not know (tag names): used only with version 5.
+V5_ONLY: frozenset[str] = frozenset({"links", "links_reply"})
 MAGIC = b"KE"
 HEADER = MAGIC + bytes([ENGINE_PROTOCOL_VERSION])
 MAX_FRAME_BYTES = 16 << 20  # a Publish of 1M block ids fits; nothing bigger is accepted
@@ -300,6 +303,13 @@ class Progress(_Msg, tag="progress", frozen=True, omit_defaults=True):
     call_id: CallId = 0  # unused: nothing answers a Progress
 
 
+class Links(_Msg, tag="links", frozen=True):
+    """Each link of the daemon and its last measured speed (kvxferd/engine/links.py); answered
+    at once, like Describe. Version 5 (``V5_ONLY``)."""
+
+    call_id: CallId
+
+
 # -- gateway -> engine ---------------------------------------------------------------------
 class PoolInfo(_Msg, tag="pool_info", frozen=True, omit_defaults=True):
     """The daemon's role and KV pool, enough for the engine to map it (see ``client.attach_pool``).
@@ -396,8 +406,33 @@ class Closed(_Msg, tag="closed", frozen=True):
     safe: bool
 
 
-ToGateway = Describe | Publish | Fetch | Lookup | Wait | Poll | Cancel | Close | Progress
-ToEngine = PoolInfo | Handle | Error | Outcome | Pending | Ok | Closed
+class LinkInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One link: a sender's to a receiver (``peer``: its result endpoint), measured by the
+    sender's link probe; a receiver's to a sender (``peer``: the sender's endpoint), which a
+    receiver does not measure (``state`` "unmeasured").
+
+    ``gbps``: nil unless ``state`` is "ok"; ``transport``: what UCX was asked for
+    (``UCX_TLS=...``); ``measured_at``: Unix seconds of the last probe's end (0: none).
+    """
+
+    peer: Endpoint
+    state: Literal["probing", "ok", "failed", "timeout", "unmeasured"]
+    gbps: Annotated[float, Meta(ge=0)] | None = None
+    transport: Text = ""
+    measured_at: Annotated[float, Meta(ge=0)] = 0.0
+    nbytes: U63 = 0
+    peer_id: Annotated[str, Meta(max_length=128)] = ""  # the incarnation on the other side
+
+
+class LinksReply(_Msg, tag="links_reply", frozen=True):
+    """The answer to Links, by peer. Version 5 (``V5_ONLY``)."""
+
+    call_id: CallId
+    links: Annotated[list[LinkInfo], Meta(max_length=65_536)]
+
+
+ToGateway = Describe | Publish | Fetch | Lookup | Wait | Poll | Cancel | Close | Progress | Links
+ToEngine = PoolInfo | Handle | Error | Outcome | Pending | Ok | Closed | LinksReply
 
 
 class _CallIdOnly(msgspec.Struct):

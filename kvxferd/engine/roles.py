@@ -26,6 +26,8 @@ Outcome                bytes of every slice; reusable      bytes and aux; in dou
                        once drained                        fence is; reusable once released
 PoolInfo identity      listen endpoint, ``sender_id``      result endpoint, ``receiver_id``
 Progress               marks the streamed publish          refused (``wrong_role``), counted
+Links                  each receiver's link, as its probe  each sender link, "unmeasured"
+                       measured it (link_probes.py)        (a receiver measures none)
 its engine connection  a stream still open is cancelled    nothing
 closed (no owner left)
 =====================  ==================================  ==================================
@@ -45,6 +47,7 @@ import msgspec
 
 from kvxferd.engine import engine_protocol as ep
 from kvxferd.errors import RejectedError
+from kvxferd.transfer import views
 from kvxferd.transfer.receiver import Receiver, RxHandle
 from kvxferd.transfer.sender import Sender, TxHandle
 from kvxferd.transfer.session import Fence, RxOutcome, TxOutcome
@@ -178,6 +181,22 @@ class SenderRole:
         """(endpoint, daemon id) for PoolInfo: where receivers reach this sender."""
         return self.service.endpoint, self.service.sender_id
 
+    def links(self, call_id: int) -> ep.LinksReply:
+        """Each registered receiver's link as its last probe measured it."""
+        links = [
+            ep.LinkInfo(
+                peer=f.peer,
+                state=f.state,  # type: ignore[arg-type]
+                gbps=f.gbps,
+                transport=f.transport[:1024],
+                measured_at=0.0 if f.state == "probing" else f.measured_at,
+                nbytes=f.nbytes,
+                peer_id=f.receiver_id,
+            )
+            for f in self.service.probes.figures()
+        ]
+        return ep.LinksReply(call_id=call_id, links=links)
+
 
 class ReceiverRole:
     """The gateway of a receiver: engines fetch."""
@@ -280,6 +299,16 @@ class ReceiverRole:
     def identity(self) -> tuple[str, str]:
         """(endpoint, daemon id) for PoolInfo: where senders send this receiver's Results."""
         return self.service.result_endpoint, self.service.receiver_id
+
+    def links(self, call_id: int) -> ep.LinksReply:
+        """Each sender link, unmeasured (the gateway runs on the io thread, which owns them)."""
+        links = sorted(views.copied_values(self.service.links.links), key=lambda k: k.endpoint)
+        return ep.LinksReply(
+            call_id=call_id,
+            links=[
+                ep.LinkInfo(peer=k.endpoint, state="unmeasured", peer_id=k.sender_id) for k in links
+            ],
+        )
 
 
 Role = SenderRole | ReceiverRole

@@ -56,6 +56,9 @@ def sender_state(
                    what each identity holds (docs/security.md, limits per identity)
         retiring_peers [{nixl_name, writes_in_flight}]  replaced or evicted peers whose
                    NIXL agent is kept until their last write ends
+        links      [{peer, receiver_id, state, gbps, transport, bytes, writes, age_s,
+                     measured_at, detail}]  each link's latest probe (link_probes.py):
+                   gbps null while probing or when it failed; measured_at: Unix time
         parked     {count, oldest [{request_id, receiver_id, fetch_id, age_s,
                     expires_in_s}]}  fetches waiting for their request to be published
         workers    [{index, alive, queue_depth, lanes_busy, writes_in_flight,
@@ -128,6 +131,21 @@ def sender_state(
         "identities": identities,
         "retiring_peers": [
             {"nixl_name": r.nixl_name, "writes_in_flight": r.writes_in_flight} for r in snd.retiring
+        ],
+        "links": [
+            {
+                "peer": k.peer,
+                "receiver_id": k.receiver_id,
+                "state": k.state,
+                "gbps": k.gbps,
+                "transport": k.transport,
+                "bytes": k.nbytes,
+                "writes": k.writes,
+                "age_s": _age(now, k.measured_mono),
+                "measured_at": round(k.measured_at, 3),
+                "detail": k.detail,
+            }
+            for k in snd.links[:limit]
         ],
         "parked": {
             "count": snd.parked_count,

@@ -35,6 +35,7 @@ probes.py judges them)::
     stuck: N slices queued or writing | N fetches open, and nothing ended for Xs  (stuck)
     peer failing: PEER F/T ended failed in the last Ws (...)                       (peer_failing)
     discovery: not registered with BACKEND     (discovery: the etcd lease is lost)
+    link_slow: PEER measured X GB/s < min_link_gbps=F (...)   (link_slow: a sender's link probe)
     readiness check timed out                  (HTTP only: the check itself hung)
 
 The server runs inside the daemon's own event loop (aiohttp ``AppRunner``; no

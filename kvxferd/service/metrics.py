@@ -84,6 +84,7 @@ READINESS_REASONS: tuple[str, ...] = (
     "stuck",
     "peer_failing",
     "discovery",
+    "link_slow",
     "other",
 )
 
@@ -106,6 +107,8 @@ def readiness_key(why: str) -> str:
         return "peer_failing"
     if why.startswith("discovery: "):
         return "discovery"
+    if why.startswith("link_slow: "):
+        return "link_slow"
     return "other"
 
 
@@ -140,6 +143,9 @@ class Snapshot:
         default_factory=dict
     )
     gateway: GatewayReading | None = None
+    # Sender: each link's measured GB/s by peer label (the journal's; "other": the slowest
+    # of the peers past the label budget); links without a figure are left out.
+    links: dict[str, float] = field(default_factory=dict)
 
 
 class SnapshotSource(Protocol):
@@ -216,6 +222,16 @@ class SnapshotCollector(Collector):
         )
         yield from _gauges(snap)
         yield from _peer_histograms(snap.histograms)
+        if snap.role == "sender":
+            links = GaugeMetricFamily(
+                "kvxferd_link_gbps",
+                "Sender: each link's GB/s as its last probe measured it (a WRITE into the"
+                " receiver's scratch region at each new link); no series while unknown",
+                labels=["peer"],
+            )
+            for peer, gbps in sorted(snap.links.items()):
+                links.add_metric([peer], gbps)
+            yield links
         if snap.gateway is not None:
             yield from _counters("gateway", snap.gateway.stats, 0)
             yield GaugeMetricFamily(

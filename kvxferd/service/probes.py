@@ -137,6 +137,7 @@ class SenderProbe:
         count, oldest = _tx_pending(view)
         what = f"{count} slice{'' if count == 1 else 's'} queued or writing"
         failing += _work_problems(self.sender.journal, self.settings, now, count, oldest, what)
+        failing += _slow_links(view, self.settings.dataplane.min_link_gbps)
         failing += _discovery_problems(self.registrar)
         return not failing, failing
 
@@ -168,6 +169,11 @@ class SenderProbe:
                     in_flight["in_doubt"] += 1
         retiring = {r.nixl_name for r in view.retiring}
         aux_total = self.settings.pool.aux_slots
+        links: dict[str, float] = {}
+        for link in view.links:
+            if link.gbps is not None:
+                label = snd.journal.label(link.peer)
+                links[label] = min(link.gbps, links.get(label, link.gbps))
         return Snapshot(
             role="sender",
             stats=snd.stats.snapshot(),
@@ -188,7 +194,24 @@ class SenderProbe:
             aux_slots={"free": view.aux_free, "in_use": aux_total - view.aux_free},
             histograms=snd.journal.histograms(),
             gateway=_gateway_reading(self.gateway),
+            links=links,
         )
+
+
+def _slow_links(view: SenderView, floor: float | None) -> list[str]:
+    """A ``link_slow`` reason for each link measured below ``dataplane.min_link_gbps``.
+
+    A link whose figure is unknown (probing, failed, no scratch advertised) is no reason:
+    its probe counter says why (``kvxferd_link_probes_total{result}``).
+    """
+    if floor is None:
+        return []
+    return [
+        f"link_slow: {link.peer} measured {link.gbps:.3g} GB/s < min_link_gbps={floor:g}"
+        f" ({link.transport}, receiver {link.receiver_id})"
+        for link in view.links
+        if link.gbps is not None and link.gbps < floor
+    ]
 
 
 class ReceiverProbe:

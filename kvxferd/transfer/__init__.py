@@ -26,6 +26,8 @@ Nothing here imports the service shell (:mod:`kvxferd.service`), the engine side
     sender/       the sender, a package by its state: the facade, the ROUTER listener thread,
                   peers (admitted, replaced, evicted), published requests, parked fetches, the drain
     peer_agents.py  the receivers' NIXL agents on a sender: writes in flight, deferred removals
+    link_probes.py  a sender's link probes: timed WRITEs into a receiver's scratch region at each
+                  new link (the kvxferd-tx-probe thread), each link's GB/s
     worker.py     a sender worker (a thread, or the listener's inline one): its turn, settling
                   each write that changed, one notification or Result per slice
     worker_tasks.py  what a worker is handed (write, cancel ack, reply, forget, STOP), the peer,

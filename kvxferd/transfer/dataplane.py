@@ -111,6 +111,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import numpy as np
+import torch
+
 from kvxferd.config import DataPlaneSettings
 from kvxferd.transfer.dlists import (
     Args,
@@ -216,6 +219,13 @@ class DataPlane(Protocol):
         ...
 
     def remove_peer(self, peer: str) -> None: ...
+
+    def probe_write(
+        self, peer: str, dst_base: int, nbytes: int, device_id: int
+    ) -> tuple[Xfer, XferState]:
+        """Post one link-probe WRITE from the local scratch region into ``peer``'s (the region
+        its Register advertised, never its KV pool); raises when nothing was posted."""
+        ...
 
     def post_write(
         self, peer: str, src: Descs, dst: Descs, src_mem: str, dst_mem: str, notif: bytes = b""
@@ -354,6 +364,36 @@ class Prep:
         return path.local is not None
 
 
+def new_agent(name: str, settings: DataPlaneSettings) -> Any:
+    """A NIXL agent with ``settings``' backend and options, no memory registered."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    sync = {
+        "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        "none": nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
+        "default": nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT,
+    }[settings.sync_mode]
+    agent = nixl_agent(
+        name,
+        nixl_agent_config(enable_prog_thread=settings.progress_thread, backends=[], sync_mode=sync),
+    )
+    agent.create_backend(
+        settings.backend,
+        {
+            "ucx_error_handling_mode": settings.ucx_error_handling_mode,
+            "num_workers": str(settings.ucx_num_workers),
+        },
+    )
+    return agent
+
+
+def scratch_region(nbytes: int) -> torch.Tensor:
+    """The link probe's scratch region (``link_probe_bytes``): plain memory, never a KV block,
+    filled with ``i % 251`` (a pattern a test recognises where a probe WRITE landed)."""
+    return torch.arange(nbytes, dtype=torch.int32).remainder_(251).to(torch.uint8)
+
+
 def _remove_remote(peer: str, agents: list[Any]) -> None:
     """``remove_remote_agent`` on each agent; the first error is raised after the rest ran."""
     error: Exception | None = None
@@ -393,6 +433,11 @@ class NixlDataPlane:
         self.name = name
         self.settings = settings
         self._pool = pool
+        # The link probe's scratch region, registered on every path: a sender's probe WRITEs
+        # from it (link_probes.py), a receiver advertises it in its Register.
+        self.scratch = scratch_region(settings.link_probe_bytes)
+        self.scratch_bytes = self.scratch.numel()
+        self.scratch_base = int(self.scratch.data_ptr()) if self.scratch_bytes else 0
         self._paths: list[Path] = []  # appended under _lock, never removed before close
         self._agent_seq = itertools.count(1)  # names of spare agents
         self._paths.append(self._open_path(0))
@@ -447,33 +492,17 @@ class NixlDataPlane:
             agent.register_memory([pool.kv], mem_type=pool.mem_type),
             agent.register_memory([pool.aux], mem_type="DRAM"),
         ]
+        if self.scratch.numel():
+            regs.append(agent.register_memory([self.scratch], mem_type="DRAM"))
         return Path(index, agent, regs)
 
     def _new_agent(self, name: str) -> Any:
-        """A NIXL agent with this data plane's backend and settings, no memory registered."""
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        return new_agent(name, self.settings)
 
-        settings = self.settings
-        sync = {
-            "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-            "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
-            "none": nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
-            "default": nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT,
-        }[settings.sync_mode]
-        agent = nixl_agent(
-            name,
-            nixl_agent_config(
-                enable_prog_thread=settings.progress_thread, backends=[], sync_mode=sync
-            ),
-        )
-        agent.create_backend(
-            settings.backend,
-            {
-                "ucx_error_handling_mode": settings.ucx_error_handling_mode,
-                "num_workers": str(settings.ucx_num_workers),
-            },
-        )
-        return agent
+    def on_new_path(self, callback: Callable[[str], object]) -> None:
+        """Call ``callback(peer)`` once a peer's transport is fresh (a move to a fresh path, a
+        reload in place); it runs under the data plane's lock and must not block."""
+        self._moves.on_moved = callback
 
     @property
     def prepped(self) -> bool:
@@ -732,6 +761,31 @@ class NixlDataPlane:
             local = agent.get_xfer_descs(src, src_mem)
             remote = agent.get_xfer_descs(dst, dst_mem)
             handle = agent.initialize_xfer("WRITE", local, remote, peer, notif)
+        except Exception:
+            self._moves.mark_broken(key)
+            self._write_released(key, wid)
+            raise
+        return self._start(path, handle, key, lambda: self._write_released(key, wid))
+
+    def probe_write(
+        self, peer: str, dst_base: int, nbytes: int, device_id: int
+    ) -> tuple[Xfer, XferState]:
+        """A link-probe WRITE on ``peer``'s current path (protocol); not counted in ``posts``."""
+        if not 0 < nbytes <= self.scratch_bytes:
+            raise ValueError(f"a probe of {nbytes} bytes, scratch of {self.scratch_bytes}")
+        free: list[tuple[Any, object]] = []
+        with self._lock:
+            path = self._moves.route_locked(peer, free, self.settings.max_paths)
+            key = (peer, path.index)
+            wid = self._routes.posted(key)
+        release(free)
+        agent = path.agent
+        try:
+            src = np.array([[self.scratch_base, nbytes, 0]], dtype=np.int64)
+            local = agent.get_xfer_descs(src, "DRAM")
+            dst = np.array([[dst_base, nbytes, device_id]], dtype=np.int64)
+            remote = agent.get_xfer_descs(dst, "DRAM")
+            handle = agent.initialize_xfer("WRITE", local, remote, peer, b"")
         except Exception:
             self._moves.mark_broken(key)
             self._write_released(key, wid)

@@ -200,6 +200,11 @@ class Journal:
         if log.isEnabledFor(level):
             log.log(level, "request ended", extra=e.fields())
 
+    def label(self, peer: str) -> str:
+        """``peer``'s label in the per-peer families (itself, or ``other`` past the budget)."""
+        with self._lock:
+            return self._label_locked(peer)
+
     def _label_locked(self, peer: str) -> str:
         label = self._labels.get(peer)
         if label is None:

@@ -48,7 +48,7 @@ from typing import Any
 
 from kvxferd.config import DataPlaneSettings
 from kvxferd.stats import Stats
-from kvxferd.transfer.dataplane import DataPlane
+from kvxferd.transfer.dataplane import DataPlane, scratch_region
 from kvxferd.transfer.pool import KvPool
 
 log = logging.getLogger("kvxferd.receiver")
@@ -127,6 +127,9 @@ class LinkAgents:
         self.pool = pool
         self.stats = stats
         self.proves = teardown_proves(os.environ.get("UCX_TLS"))
+        # The link probe's scratch region (a sender WRITEs it to measure the link; never KV):
+        # registered with every agent, advertised in each Register. Empty: no probe.
+        self.scratch = scratch_region(settings.link_probe_bytes)
         self._on_spare = on_spare
         self._on_torn = on_torn
         self._gens = itertools.count(1)
@@ -171,6 +174,14 @@ class LinkAgents:
 
     def linked(self) -> int:
         return len(self._linked)
+
+    @property
+    def scratch_base(self) -> int:
+        return int(self.scratch.data_ptr()) if self.scratch.numel() else 0
+
+    @property
+    def scratch_bytes(self) -> int:
+        return int(self.scratch.numel())
 
     def metadata(self) -> bytes:
         """One agent's metadata (a linked or spare one), as a Register carries it."""
@@ -259,6 +270,8 @@ class LinkAgents:
             agent.register_memory([pool.kv], mem_type=pool.mem_type),
             agent.register_memory([pool.aux], mem_type="DRAM"),
         ]
+        if self.scratch.numel():
+            regs.append(agent.register_memory([self.scratch], mem_type="DRAM"))
         self.stats.add("link_agents_made")
         return LinkAgent(gen, name, agent.get_agent_metadata(), agent, regs)
 
@@ -287,6 +300,9 @@ class SharedAgent:
     def __init__(self, dataplane: DataPlane) -> None:
         self.dataplane = dataplane
         self._one = LinkAgent(0, "", b"")
+        # The data plane's scratch region, registered on its agent (none: no link probe).
+        self.scratch_base = int(getattr(dataplane, "scratch_base", 0))
+        self.scratch_bytes = int(getattr(dataplane, "scratch_bytes", 0))
 
     def metadata(self) -> bytes:
         return self.dataplane.metadata()

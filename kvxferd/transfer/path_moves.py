@@ -101,6 +101,9 @@ class PathMoves:
         self._stats = stats
         self.reconnects = 0  # failed transports reconnected so far
         self.fresh_paths = 0  # peers moved to a fresh connection after a stall
+        # Called with a peer's name once its transport is fresh (moved or reloaded in place),
+        # under the lock: the sender probes that link again (link_probes.py). Must not block.
+        self.on_moved: Callable[[str], object] | None = None
 
     def mark_broken(self, key: Key) -> None:
         with self._lock:
@@ -277,6 +280,8 @@ class PathMoves:
             self.reconnects += 1
         if self._stats is not None:
             self._stats.add("transport_fresh_paths" if fresh else "transport_reconnects")
+        if self.on_moved is not None:
+            self.on_moved(peer)
         log.warning("transport to %s %s (path %d)", peer, what, path.index)
 
     def _reload(self, path: Path, peer: str, free: list[tuple[Any, object]]) -> None:

@@ -41,6 +41,8 @@ from kvxferd.transfer.reshard import check_pair
 from kvxferd.transfer.topology import Topology
 
 PROTOCOL_VERSION = 3  # 3: RequestData.notify, a fetch completed by its NIXL notification
+# Fields and messages a version-3 peer does not know: sent only to a peer of version 4 or more.
+V4_ONLY: frozenset[str] = frozenset({"Register.scratch_base", "Register.scratch_bytes"})
 MAGIC = b"KX"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 
@@ -126,6 +128,10 @@ class Register(_Msg, tag="register", omit_defaults=True):
     one. With a record on both sides the sender checks the pair with the reshard mapping
     instead of requiring an equal pool; without, the pools must be equal. Fields at their
     default are not sent (an older sender still reads a Register without a record).
+
+    ``scratch_base`` / ``scratch_bytes`` (version 4): a region of the receiver's registered
+    with the link's NIXL agent, outside the KV pool and the aux slots, that the sender may
+    WRITE to measure the link (the link probe); 0 bytes: none, the sender does not probe.
     """
 
     receiver_id: PeerId
@@ -137,6 +143,8 @@ class Register(_Msg, tag="register", omit_defaults=True):
     device: Literal["DRAM", "VRAM"] = "DRAM"
     device_id: Annotated[int, Meta(ge=0, le=1024)] = 0
     topology: Topology | None = None
+    scratch_base: U63 = 0
+    scratch_bytes: Annotated[int, Meta(ge=0, le=256 << 20)] = 0
 
 
 class RegisterReply(_Msg, tag="register_reply", omit_defaults=True):

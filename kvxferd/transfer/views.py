@@ -20,6 +20,7 @@ guards what::
       identities              IdentityView              the ownership table (registry lock)
       retiring NIXL agents    RetiringView              peer_agents.py's own lock
       parked fetches          ParkedView                registry lock
+      links' speeds           LinkSpeedView             link_probes.py's own lock
     Worker                    WorkerView                no lock: its tables are its thread's;
                                                         sizes read by len()
     Receiver                  ReceiverView              locked: ``_lock`` while it copies the
@@ -208,6 +209,37 @@ class ParkedView:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkSpeedView:
+    """A link's latest probe (link_probes.LinkFigure): ``gbps`` None while probing or failed."""
+
+    peer: str  # the receiver's result endpoint
+    receiver_id: str
+    state: str  # probing | ok | failed | timeout
+    gbps: float | None
+    transport: str  # what UCX was asked for (UCX_TLS): NIXL does not say what it picked
+    nbytes: int  # bytes per timed WRITE
+    writes: int
+    measured_at: float  # Unix time
+    measured_mono: float  # monotonic
+    detail: str
+
+    @classmethod
+    def of(cls, f: Any) -> LinkSpeedView:  # f: link_probes.LinkFigure
+        return cls(
+            f.peer,
+            f.receiver_id,
+            f.state,
+            f.gbps,
+            f.transport,
+            f.nbytes,
+            f.writes,
+            f.measured_at,
+            f.measured_mono,
+            f.detail,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """A sender worker (worker.Worker): a thread, or the listener's inline one."""
 
@@ -241,6 +273,7 @@ class SenderView:
     aux_free: int
     shared_dealers: int  # the shared pool's DEALERs (control.SharedDealerPool)
     dataplane_closed: bool  # the pool is no longer registered with NIXL
+    links: tuple[LinkSpeedView, ...] = ()  # by peer
 
 
 # -- the receiver ----------------------------------------------------------------------------

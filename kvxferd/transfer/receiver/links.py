@@ -179,6 +179,8 @@ class Links:
                 rx.stats.add("registers_waiting_agent")
                 return
         pool = rx.pool
+        # The link probe's scratch region (version 4 only; none: the sender does not probe).
+        scratch = rx.agents.scratch_bytes if getattr(link, "version", 4) >= 4 else 0
         reg = wire.Register(
             receiver_id=rx.receiver_id,
             result_endpoint=rx.result_endpoint,
@@ -189,6 +191,8 @@ class Links:
             device="VRAM" if pool.mem_type == "VRAM" else "DRAM",
             device_id=pool.device_id,
             topology=rx.topology,
+            scratch_base=rx.agents.scratch_base if scratch else 0,
+            scratch_bytes=scratch,
         )
         self.flush(link)
         try:

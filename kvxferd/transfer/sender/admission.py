@@ -10,7 +10,8 @@ A Register is admitted on the listener thread, in four steps::
                      replaced ones end (``end_incarnation``) outside the lock
     3. load          the data plane loads the peer's NIXL metadata and prepares its
                      descriptor lists (``load_peer``; NIXL may block here)
-    4. bind          under the lock the peer enters the table (peers.py); then the reply
+    4. bind          under the lock the peer enters the table (peers.py); then the reply,
+                     and its link probe is queued (link_probes.py) when it advertised scratch
 
 Receivers are keyed by incarnation (``receiver_id`` = name-uuid, also their NIXL agent's
 name), never by address. Which peer state changes how::
@@ -96,6 +97,8 @@ class Admission:
             return self._refuse(routing_id, r.reason, r.detail)
         self._bind(peer)  # 4
         self._s.listener.reply(routing_id, self._accepted())
+        # The link's speed: measured off this thread (link_probes.py); no scratch, no probe.
+        self._s.probes.request(peer, msg.scratch_base, msg.scratch_bytes)
 
     def _accepted(self) -> wire.RegisterReply:
         """The reply to an accepted Register: it carries this rank's record, if any."""
@@ -298,6 +301,7 @@ class Admission:
                 ended += 1
         for i, w in enumerate(s._all_workers()):
             w.put(ForgetTask(old.result_endpoint, shared=i == 0, drop=True))
+        s.probes.forget(old)
         self.stats.add("peers_replaced")
         if ended:
             self.stats.add("fetches_ended_peer_restarted", ended)
@@ -313,6 +317,7 @@ class Admission:
         """Release what an evicted (or reclaimed) peer held: its NIXL agent and DEALERs to it."""
         s = self._s
         s.agents.retire(peer.nixl_name, False)
+        s.probes.forget(peer)
         with s._lock:
             still_used = s.peers.forget(peer)
         if not still_used:  # the listener never waits on a socket: the workers close them

@@ -82,6 +82,7 @@ from kvxferd.transfer.guard import Guard
 from kvxferd.transfer.iohooks import IoHooks
 from kvxferd.transfer.journal import Ending, Journal
 from kvxferd.transfer.layout import check_blocks
+from kvxferd.transfer.link_probes import LinkProbes
 from kvxferd.transfer.ownership import IdentityLimits, Ownership
 from kvxferd.transfer.peer_agents import PeerAgents
 from kvxferd.transfer.pool import IdAllocator, KvPool
@@ -181,6 +182,8 @@ class Sender:
         )
         # Receivers' NIXL agents: writes in flight, deferred removals, replaced incarnations.
         self.agents = PeerAgents(self.dataplane, self.stats)
+        # Each link's speed, measured by a probe WRITE into its receiver's scratch region.
+        self.probes = LinkProbes.of(self.dataplane, self.agents, self.stats, self.guard, settings)
         process_context(
             sockets_needed(settings.num_threads, settings.limits.max_peers)
         )  # before any socket
@@ -307,12 +310,14 @@ class Sender:
             with self._lock:
                 sessions, peers, parked, parked_count, who = tables()
             writes, retiring = self.agents.writes(), sorted(self.agents.retiring())
+            links = self.probes.figures()
         else:
             sessions, peers, parked, parked_count, who = views.copied(
                 tables, lambda: ([], [], [], 0, {})
             )
             writes = views.copied(self.agents.writes_unlocked, dict)
             retiring = views.copied(self.agents.retiring_unlocked, list)
+            links = views.copied(self.probes.figures_unlocked, list)
         seen: dict[bytes, float] = views.copied(self.peers.heard_at, dict)  # never locked
 
         def lane(session: TxSession, receiver_id: str) -> int:
@@ -341,6 +346,7 @@ class Sender:
             self.aux_slots.free,
             self._shared.size,
             views.dataplane_closed(self.dataplane),
+            tuple(map(views.LinkSpeedView.of, links)),
         )
 
     # -- engine API --------------------------------------------------------------------

@@ -197,11 +197,12 @@ class Drain:
         s._shared.close_all()
         # 5. deregister only when no write can touch the memory
         # Workers still inside a bounded send cannot post: every session refuses admission now.
+        s.probes.close(max(0.0, deadline - time.monotonic()))
         in_flight = sum(x.writes_in_flight for x in sessions)
         in_doubt = sum(1 for x in sessions if x.writes_in_flight > 0)
         if in_doubt:
             self.stats.add("drain_dropped_in_doubt", in_doubt)
-        if in_flight == 0:
+        if in_flight == 0 and s.probes.in_flight() == 0:
             s.dataplane.close()
             if s._owns_pool:
                 s.pool.close()
