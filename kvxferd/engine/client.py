@@ -68,6 +68,7 @@ import zmq
 from kvxferd.auth import Curve
 from kvxferd.engine import engine_protocol as ep
 from kvxferd.engine.channel import ChannelClosed, StreamChannel, ZmqChannel, wait_fd
+from kvxferd.engine.dialect import Dialect
 from kvxferd.engine.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.engine.errors import EngineError, EngineRejected, EngineUnavailable
 from kvxferd.engine.mapping import PoolMapping, attach_pool
@@ -320,6 +321,7 @@ class Client:
         self._pending: dict[int, _Slot] = {}
         self._closed = False
         self._chan: StreamChannel | ZmqChannel | None = None
+        self._dialect = Dialect()  # the connection's engine protocol version (dialect.py)
 
     def __enter__(self) -> Client:
         return self
@@ -569,10 +571,12 @@ class Client:
         """A streamed publish: layers ``[0, layers_ready)`` hold their KV. One frame, never
         answered (a bad mark fails the publish: its outcome says ``bad_progress``); any
         thread. EngineUnavailable if the frame cannot be sent."""
-        frame, deadline = _progress_frame(handle, layers_ready), time.monotonic() + self.timeout_s
+        msg = ep.Progress(handle_id=handle, layers_ready=layers_ready)
+        deadline = time.monotonic() + self.timeout_s
         try:
             with self._send_lock:
-                self._channel(self.timeout_s).send_blocking(frame, deadline)
+                chan = self._channel(self.timeout_s)
+                chan.send_blocking(self._dialect.encode(msg), deadline)
         except ChannelClosed as e:
             raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
 
@@ -614,14 +618,14 @@ class Client:
                 if self._closed:
                     chan.close()
                     raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
-                self._chan = chan
+                self._chan, self._dialect = chan, Dialect()
         return chan
 
     def _call(self, build: Build, wait_s: float = 0.0) -> ep.ToEngine:
         call_id = next(_call_ids)
         bound = max(0.0, wait_s) + self.timeout_s
         deadline = time.monotonic() + bound
-        frame = ep.encode(build(call_id, _deadline_ms(bound)))  # before the wait below starts
+        msg = build(call_id, _deadline_ms(bound))  # before the wait below starts
         slot = _Slot()
         with self._lock:
             if self._closed:
@@ -630,7 +634,7 @@ class Client:
         try:
             with self._send_lock:
                 chan = self._channel(bound)
-                chan.send_blocking(frame, deadline)
+                chan.send_blocking(self._dialect.encode(msg), deadline)
         except ChannelClosed as e:
             error = EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}")
             if isinstance(chan, ZmqChannel):  # ZMQ refused this one frame; it reconnects itself
@@ -677,10 +681,8 @@ class Client:
             except ChannelClosed as e:
                 self._broken(EngineUnavailable(EngineReason.PEER_LOST, f"connection lost: {e}"))
                 return
-            for frame in frames:
-                reply = _decode(frame, self.endpoint)
-                if reply is not None:
-                    self._finish(reply.call_id, reply)
+            for reply in self._dialect.take(frames, self.endpoint, chan, self._send_lock, deadline):
+                self._finish(reply.call_id, reply)
             if slot.reply is not None or frames:
                 continue
             left = deadline - time.monotonic()
