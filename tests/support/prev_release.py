@@ -37,7 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANGELOG = ROOT / "CHANGELOG.md"
-CACHE = ROOT / ".cache"
+# KVXFERD_RELEASE_CACHE: another tree's cache (tests/mutants.py runs tests in copies of this
+# tree, which have neither .cache nor .git: they use the checkout's built release).
+CACHE = Path(os.environ.get("KVXFERD_RELEASE_CACHE") or ROOT / ".cache")
 BUILD_TIMEOUT_S = 300.0  # pip building one pure-Python wheel: seconds in practice
 
 _RELEASE = re.compile(r"^## \[?(\d+\.\d+\.\d+)\]?", re.M)
