@@ -60,6 +60,15 @@ def version_line() -> str:
     )
 
 
+class _Version(argparse.Action):
+    """``--version``: the line of :func:`version_line`, built only when asked (the protocol
+    modules import numpy; a refusal or ``keygen`` imports neither torch nor NIXL)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        sys.stdout.write(version_line() + "\n")
+        parser.exit(0)
+
+
 def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
@@ -84,7 +93,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser(tool: str | None = None) -> argparse.ArgumentParser:
     """The command line's parser; ``tool`` ("bench", "faults") adds that tool's options."""
     p = _Parser(prog="kvxferd", description=__doc__.splitlines()[0])
-    p.add_argument("--version", action="version", version=version_line())
+    p.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = p.add_subparsers(
         dest="cmd",
         required=True,
