@@ -119,4 +119,4 @@ zero-copy-check: $(STAMP)
 	$(PY) scripts/zero_copy_check.py --device cuda
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .cache
