@@ -17,13 +17,13 @@ The unit tests check the negotiation and the encoder's refusals without daemons.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from kvxferd.engine import engine_protocol as ep
-from kvxferd.engine.client import Client, attach_pool
+from kvxferd.engine.client import AsyncClient, Client, attach_pool
 from kvxferd.engine.dialect import Dialect
 from kvxferd.launch import Daemon
 from kvxferd.transfer import protocol as wire
@@ -138,8 +138,8 @@ class _Sent:
     def __init__(self) -> None:
         self.frames: list[bytes] = []
 
-    def send_blocking(self, frame: bytes, deadline: float) -> None:
-        self.frames.append(frame)
+    def resend(self, frames: list[bytes]) -> None:
+        self.frames.extend(frames)
 
 
 def _old_refusal() -> bytes:
@@ -155,11 +155,11 @@ def test_a_client_connection_falls_back_to_4_once_and_sends_its_calls_again() ->
     first = d.encode(ep.Describe(call_id=1))
     d.encode(ep.Poll(call_id=2, handle_id=9))
     assert first[2] == 5
-    replies = d.take([_old_refusal()], "ipc://x", chan, threading.Lock(), time.monotonic() + 1)
+    replies = d.take([_old_refusal()], "ipc://x", chan.resend)
     assert replies == [] and d.version == 4
     assert [f[2] for f in chan.frames] == [4, 4]
     assert [ep.decode_to_gateway([f]).call_id for f in chan.frames] == [1, 2]
-    later = d.take([_old_refusal()], "ipc://x", chan, threading.Lock(), time.monotonic() + 1)
+    later = d.take([_old_refusal()], "ipc://x", chan.resend)
     assert len(later) == 1 and len(chan.frames) == 2
     assert d.encode(ep.Describe(call_id=3))[2] == 4
 
@@ -168,8 +168,8 @@ def test_a_client_connection_that_got_a_reply_in_5_never_falls_back() -> None:
     """Once the daemon answered in 5 it is not an old one: nothing is kept, nothing resent."""
     d, chan = Dialect(), _Sent()
     d.encode(ep.Describe(call_id=1))
-    assert d.take([ep.encode(ep.Ok(call_id=1))], "ipc://x", chan, threading.Lock(), 0.0)
-    assert d.take([_old_refusal()], "ipc://x", chan, threading.Lock(), 0.0)
+    assert d.take([ep.encode(ep.Ok(call_id=1))], "ipc://x", chan.resend)
+    assert d.take([_old_refusal()], "ipc://x", chan.resend)
     assert d.version == 5 and chan.frames == []
 
 
@@ -282,15 +282,25 @@ def test_old_sender_new_receiver_fetch_byte_exact_at_version_3(
     old: prev_release.Built, spawn: Spawn, workdir: Path
 ) -> None:
     """The new receiver registers at 4, is refused by the 0.1.0 sender, registers again at 3
-    (once, counted) and fetches every request byte-exact. This release's Client drives the
-    old sender (falling back to engine protocol 4); the old release's client drives the new
-    receiver (the gateway answers it in 4)."""
+    (once, counted) and fetches every request byte-exact. This release's Client (and an
+    AsyncClient) drive the old sender, falling back to engine protocol 4; the old release's
+    client drives the new receiver (the gateway answers it in 4)."""
     tx = spawn("sender", "old-tx", old_release=True)
     rx = spawn("receiver", "new-rx", old_release=False)
     ids = [f"o2n-{i}" for i in range(N_REQ)]
     with Client(tx.ready["engine_socket"], timeout_s=20) as c:
         publish(c, attach_pool(c.describe()), ids)
         assert c._dialect.version == 4  # the old daemon refused 5 once; the connection speaks 4
+
+    async def describe_async() -> tuple[str, int]:  # the vLLM connector's client
+        ac = AsyncClient(tx.ready["engine_socket"], timeout_s=20)
+        try:
+            info = await ac.describe()
+            return info.role, ac._conn().dialect.version
+        finally:
+            await ac.aclose()
+
+    assert asyncio.run(describe_async()) == ("sender", 4)
     lines = run_driver(
         str(old.python), "fetch", rx.ready["engine_socket"], tx.ready["endpoint"], *ids,
         old_release=True, cwd=workdir,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvxferd.engine import engine_protocol as ep
@@ -35,6 +35,23 @@ log = logging.getLogger("kvxferd.engine")
 
 class _Sends(Protocol):
     def send_blocking(self, frame: bytes, deadline: float) -> None: ...
+
+
+Resend = Callable[[list[bytes]], None]
+
+
+def resend_on(chan: _Sends, lock: threading.Lock, deadline: float, endpoint: str) -> Resend:
+    """How a Client sends calls again: on ``chan``, under its send ``lock``, by ``deadline``."""
+
+    def resend(frames: list[bytes]) -> None:
+        try:
+            with lock:
+                for frame in frames:
+                    chan.send_blocking(frame, deadline)
+        except ChannelClosed as e:  # those calls end at their bound, as any unanswered
+            log.warning("calls to %s could not be sent again: %s", endpoint, e)
+
+    return resend
 
 
 def refuses_newest(reply: ep.ToEngine) -> bool:
@@ -63,17 +80,10 @@ class Dialect:
                 self._kept[call_id] = msg
             return ep.encode(msg, self.version)
 
-    def take(
-        self,
-        frames: Sequence[bytes],
-        endpoint: str,
-        chan: _Sends,
-        send_lock: threading.Lock,
-        deadline: float,
-    ) -> list[ep.ToEngine]:
+    def take(self, frames: Sequence[bytes], endpoint: str, resend: Resend) -> list[ep.ToEngine]:
         """The replies in ``frames``; an older daemon's refusal of our newest version is
         not one: it switches this connection to the previous version and the calls sent
-        in the newest go again, on ``chan`` (under ``send_lock``), by ``deadline``."""
+        in the newest go again, through ``resend`` (before the replies are handed on)."""
         replies: list[ep.ToEngine] = []
         again: list[bytes] = []
         for frame in frames:
@@ -97,10 +107,5 @@ class Dialect:
                     self._unsure, self._kept = False, {}
             replies.append(reply)
         if again:
-            try:
-                with send_lock:
-                    for frame in again:
-                        chan.send_blocking(frame, deadline)
-            except ChannelClosed as e:  # those calls end at their bound, as any unanswered
-                log.warning("calls to %s could not be sent again: %s", endpoint, e)
+            resend(again)
         return replies
