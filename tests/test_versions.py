@@ -173,6 +173,23 @@ def test_a_client_connection_that_got_a_reply_in_5_never_falls_back() -> None:
     assert d.version == 5 and chan.frames == []
 
 
+def test_the_changelog_names_this_release_its_protocols_and_the_previous_release() -> None:
+    """CHANGELOG.md's newest section is this package version with the protocol versions the
+    code speaks; the previous release is 0.1.0 at its commit (what prev_release builds)."""
+    import kvxferd
+
+    text = prev_release.CHANGELOG.read_text(encoding="utf-8")
+    newest = prev_release.releases(text)[0]
+    assert newest.version == kvxferd.__version__
+    section = text.split("\n## ")[1]
+    spoken = ", ".join(str(v) for v in sorted(wire.SUPPORTED_VERSIONS, reverse=True))
+    engine = ", ".join(str(v) for v in sorted(ep.ENGINE_VERSIONS, reverse=True))
+    assert f"Wire protocol: {spoken}\n" in section and f"Engine protocol: {engine}\n" in section
+    assert prev_release.previous(text) == prev_release.Release(
+        "0.1.0", "5ca684b8a473009f69052807adeb4b2437390166"
+    )
+
+
 # -- the previous release, and daemons of both -------------------------------------------------
 
 

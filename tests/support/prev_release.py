@@ -25,6 +25,7 @@ be built, e.g. a shallow clone without the commit (``git fetch --unshallow``).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -121,10 +122,21 @@ def _version_of(kvxferd: Path, cwd: Path) -> str:
 
 
 def build(release: Release | None = None) -> Built:
-    """The previous release (or ``release``) in its venv, built now or found in the cache."""
+    """The previous release (or ``release``) in its venv, built now or found in the cache.
+
+    One process builds at a time (a lock file beside the cache dir: test files running in
+    parallel ask together); the others wait for it and find the build done.
+    """
     rel = release or previous()
     if rel.commit == "unreleased":
         raise NotBuildable(f"release {rel.version} is not cut yet")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"release-{rel.version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _build(rel)
+
+
+def _build(rel: Release) -> Built:
     root = CACHE / f"release-{rel.version}"
     venv = root / "venv"
     python = venv / "bin" / "python"
