@@ -190,6 +190,17 @@ def test_the_changelog_names_this_release_its_protocols_and_the_previous_release
     )
 
 
+def test_a_release_whose_commit_is_not_in_the_clone_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shallow clone without the release's commit: NotBuildable naming `git fetch --unshallow`
+    (the mixed-version tests skip with it), and nothing half-built left behind."""
+    monkeypatch.setattr(prev_release, "CACHE", tmp_path)
+    with pytest.raises(prev_release.NotBuildable, match="git fetch --unshallow"):
+        prev_release.build(prev_release.Release("9.9.9", "f" * 40))
+    assert not (tmp_path / "release-9.9.9").exists()
+
+
 # -- the previous release, and daemons of both -------------------------------------------------
 
 
