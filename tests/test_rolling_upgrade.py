@@ -58,6 +58,9 @@ RUN_S = 300.0  # the whole run's bound
 MAX_REQUESTS = 5000  # per engine loop
 SLOTS = 8  # request slots per engine loop in each pool (a pool holds 16)
 RETRY_S = 60.0  # how long one request is retried through restarts before it counts failed
+# Between two tries of a refused call (a daemon draining or restarting): a retry's pace,
+# not a synchronisation; every try has its own bound and the request RETRY_S.
+BACKOFF_S = 0.05
 DRAIN_LINE = re.compile(r"drain (complete|incomplete): (.*?); exit (\d+)")
 
 
@@ -219,7 +222,8 @@ def fleet(old: prev_release.Built) -> Iterator[Fleet]:
 
 class Loop(threading.Thread):
     """One engine: publish on a sender (the other when it refuses), fetch on its receiver,
-    check the bytes; a request is retried through restarts for RETRY_S, then counts failed."""
+    check the bytes; a request is retried through restarts for RETRY_S, then counts failed.
+    ``stop`` ends the loop between requests: the one under way is finished."""
 
     def __init__(self, fleet: Fleet, r: int, tally: Tally, stop: threading.Event) -> None:
         super().__init__(name=f"engine-{r}", daemon=True)
@@ -240,11 +244,11 @@ class Loop(threading.Thread):
     def one(self, rid: str, slot: int, first: int) -> None:
         deadline = time.monotonic() + RETRY_S
         data = drv.content(rid)
-        while time.monotonic() < deadline and not self.stop_.is_set():
+        while time.monotonic() < deadline:
             sent = self.publish(rid, slot, first, data)
             if sent is None:
                 self.tally.add("publish_retries")
-                self.stop_.wait(0.05)  # both refused: one is restarting (poll, bounded by deadline)
+                time.sleep(BACKOFF_S)  # both refused: one is restarting (poll, bounded by deadline)
                 continue
             sender, handle = sent
             outcome = self.fetch(rid, sender, slot, data, deadline)
@@ -258,7 +262,7 @@ class Loop(threading.Thread):
                     self.tally.failures.append(f"{rid}: wrong bytes")
                 return
             self.tally.add("republished")  # the sender went away before the fetch: again
-            self.stop_.wait(0.05)  # (its link is down until it redials: poll, bounded)
+            time.sleep(BACKOFF_S)  # (its link is down until it redials: poll, bounded)
         with self.tally.lock:
             self.tally.failures.append(f"{rid}: not fetched within {RETRY_S}s")
 
@@ -282,7 +286,7 @@ class Loop(threading.Thread):
         """ "exact", "mismatch", or "gone" (the request is not at its sender any more)."""
         rx = self.fleet.receivers[self.r]
         endpoint = sender.listen
-        while time.monotonic() < deadline and not self.stop_.is_set():
+        while time.monotonic() < deadline:
             try:
                 with rx.lock:
                     client, pool = rx.mapped()
@@ -290,11 +294,11 @@ class Loop(threading.Thread):
                 out = client.fetch_wait(rid, endpoint, drv.blocks(slot), 20.0)
             except EngineRejected as e:
                 self.tally.add(f"fetch_refused_{e.reason}")
-                self.stop_.wait(0.05)  # a draining receiver: its successor is asked (bounded)
+                time.sleep(BACKOFF_S)  # a draining receiver: its successor is asked (bounded)
                 continue
             except EngineError as e:
                 self.tally.add(f"fetch_unavailable_{e.reason}")
-                self.stop_.wait(0.05)
+                time.sleep(BACKOFF_S)
                 continue
             if out.ok:
                 got = pool[:, drv.blocks(slot)].contiguous().numpy().tobytes()
@@ -307,7 +311,7 @@ class Loop(threading.Thread):
             self.tally.add(f"fetch_failed_{out.reason}")
             if out.reason in ("peer_lost", "peer_restarted", "unknown_request", "expired"):
                 return "gone"
-            self.stop_.wait(0.05)
+            time.sleep(BACKOFF_S)
         return "gone"
 
 
