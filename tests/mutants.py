@@ -2098,8 +2098,9 @@ def _runner() -> multiprocessing.context.ForkServerContext:
             os.environ.setdefault(
                 "PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker"
             )
-            # The copies have no .cache: the mixed-version tests use this tree's release builds.
-            os.environ.setdefault("KVXFERD_RELEASE_CACHE", str(ROOT / ".cache"))
+            # The copies have no .git or .cache: the mixed-version tests build the previous
+            # release from this checkout's history into its .cache (tests/support/prev_release.py).
+            os.environ.setdefault("KVXFERD_RELEASE_ROOT", str(ROOT))
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(list(PRELOAD))
             _forkserver = ctx

@@ -38,9 +38,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANGELOG = ROOT / "CHANGELOG.md"
-# KVXFERD_RELEASE_CACHE: another tree's cache (tests/mutants.py runs tests in copies of this
-# tree, which have neither .cache nor .git: they use the checkout's built release).
-CACHE = Path(os.environ.get("KVXFERD_RELEASE_CACHE") or ROOT / ".cache")
+# KVXFERD_RELEASE_ROOT: the checkout whose git history and .cache to use (tests/mutants.py
+# runs tests in copies of this tree, which have neither .git nor .cache).
+CHECKOUT = Path(os.environ.get("KVXFERD_RELEASE_ROOT") or ROOT)
+CACHE = CHECKOUT / ".cache"
 BUILD_TIMEOUT_S = 300.0  # pip building one pure-Python wheel: seconds in practice
 
 _RELEASE = re.compile(r"^## \[?(\d+\.\d+\.\d+)\]?", re.M)
@@ -100,7 +101,7 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def _git(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        ["git", "-C", str(ROOT), *args], capture_output=True, timeout=timeout, check=False
+        ["git", "-C", str(CHECKOUT), *args], capture_output=True, timeout=timeout, check=False
     )
 
 
@@ -155,7 +156,8 @@ def _build(rel: Release) -> Built:
     src = root / "src"
     src.mkdir(parents=True)
     archive = subprocess.Popen(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rel.commit], stdout=subprocess.PIPE
+        ["git", "-C", str(CHECKOUT), "archive", "--format=tar", rel.commit],
+        stdout=subprocess.PIPE,
     )
     untar = subprocess.run(["tar", "-x", "-C", str(src)], stdin=archive.stdout, timeout=120)
     if archive.wait(timeout=120) != 0 or untar.returncode != 0:
