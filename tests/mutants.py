@@ -1965,6 +1965,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             VERSIONS + "test_a_register_offered_at_any_version_is_answered_in_the_lower_of_the_two",
+            VERSIONS + "test_a_sender_answers_a_version_3_register_in_3_and_records_it",
             VERSIONS + "test_new_sender_old_receiver_fetch_byte_exact_and_nothing_newer_reaches_it",
         ),
     ),
@@ -1990,7 +1991,11 @@ MUTANTS: tuple[Mutant, ...] = (
                 "if True:",
             ),
         ),
-        (VERSIONS + "test_old_sender_new_receiver_fetch_byte_exact_at_version_3",),
+        (
+            VERSIONS
+            + "test_a_receiver_refused_at_4_registers_again_at_3_and_speaks_3_on_that_link",
+            VERSIONS + "test_old_sender_new_receiver_fetch_byte_exact_at_version_3",
+        ),
     ),
     Mutant(
         "issue26-v4-only-sent-to-v3",

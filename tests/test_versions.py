@@ -32,12 +32,16 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 
+from kvxferd.config import load_receiver_settings, load_sender_settings
 from kvxferd.engine import engine_protocol as ep
 from kvxferd.engine.client import AsyncClient, Client, attach_pool
 from kvxferd.engine.dialect import Dialect
 from kvxferd.launch import Daemon
 from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.receiver import Receiver
+from kvxferd.transfer.sender import Sender
 from tests.support import engine_driver as drv
 from tests.support import prev_release
 
@@ -199,6 +203,102 @@ def test_a_release_whose_commit_is_not_in_the_clone_says_how_to_get_it(
     with pytest.raises(prev_release.NotBuildable, match="git fetch --unshallow"):
         prev_release.build(prev_release.Release("9.9.9", "f" * 40))
     assert not (tmp_path / "release-9.9.9").exists()
+
+
+# -- in process: the negotiation against hand-written peers of version 3 -----------------------
+
+POOL = dict(num_layers=1, num_blocks=16, block_elems=256, dtype="uint8")
+REPLY_S = 10.0
+
+
+def _recv(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """The next message on ``sock``, or AssertionError at the deadline."""
+    assert sock.poll(int(REPLY_S * 1000), zmq.POLLIN), "no message in time"
+    return sock.recv_multipart()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_sender_answers_a_version_3_register_in_3_and_records_it() -> None:
+    """A Register in version 3 (a 0.1.0 receiver) is answered in 3; the peer is version 3 in
+    the sender's view and counted; a Cancel from it is answered in 3 too."""
+    sender = Sender(load_sender_settings(listen="tcp://127.0.0.1:0", pool=POOL)).start()
+    receiver = Receiver(load_receiver_settings(pool=POOL)).start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sender.endpoint)
+        reg = wire.Register(
+            receiver_id="old-receiver",
+            result_endpoint="tcp://127.0.0.1:1",
+            agent_metadata=receiver.agents.metadata(),
+            layout=wire.WireLayout.of(receiver.pool.layout),
+            kv_base=receiver.pool.kv_base,
+            aux_base=receiver.pool.aux_base,
+        )
+        sock.send(wire.encode(reg, 3))
+        (reply,) = _recv(sock)
+        assert reply[:3] == b"KX\x03", reply[:3]
+        assert wire.decode_to_receiver([reply], 1 << 20) == wire.RegisterReply(
+            ok=True, sender_id=sender.sender_id
+        )
+        assert [p.version for p in sender.view().peers] == [3]
+        assert sender.stats.get("peers_registered_previous_version") == 1
+        sock.send(wire.encode(wire.Cancel(request_id="q", fetch_id=1), 3))
+        (ack,) = _recv(sock)
+        assert ack[:3] == b"KX\x03" and isinstance(
+            wire.decode_to_receiver([ack], 1 << 20), wire.CancelAck
+        )
+    finally:
+        sock.close(linger=0)
+        receiver.shutdown(timeout=5)
+        sender.shutdown(timeout=5)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_receiver_refused_at_4_registers_again_at_3_and_speaks_3_on_that_link() -> None:
+    """Toward a sender that refuses version 4 as 0.1.0 does (Reject{unsupported_version} in a
+    version-3 frame), the receiver registers again at 3, once, counted; its RequestData on
+    that link is in version 3."""
+    receiver = Receiver(load_receiver_settings(pool=POOL)).start()
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:*")
+        endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        handle = receiver.fetch("q-1", endpoint, [1, 2], timeout_ms=5000)
+        rid, first = _recv(router)
+        assert first[:3] == b"KX\x04" and isinstance(
+            wire.decode_to_sender([first], 1 << 22), wire.Register
+        )
+        refusal = wire.Reject(
+            reason=wire.Reason.UNSUPPORTED_VERSION, detail="version 4, this side speaks 3"
+        )
+        router.send_multipart([rid, wire.encode(refusal, 3)])
+        rid, again = _recv(router)
+        assert again[:3] == b"KX\x03" and isinstance(
+            wire.decode_to_sender([again], 1 << 22), wire.Register
+        )
+        reply = wire.RegisterReply(ok=True, sender_id="old-sender")
+        router.send_multipart([rid, wire.encode(reply, 3)])
+        rid, request = _recv(router)
+        msg = wire.decode_to_sender([request], 1 << 22)
+        assert request[:3] == b"KX\x03" and isinstance(msg, wire.RequestData), request[:3]
+        assert [x.version for x in receiver.view().links] == [3]
+        assert receiver.stats.get("register_version_fallbacks") == 1
+        failed = wire.Result(
+            request_id=msg.request_id,
+            fetch_id=msg.fetch_id,
+            status="failed",
+            reason=wire.Reason.BUSY,
+        )
+        router.send_multipart([rid, wire.encode(failed, 3)])
+        outcome = handle.wait(REPLY_S)
+        assert outcome is not None and outcome.reason is wire.Reason.BUSY, outcome
+    finally:
+        router.close(linger=0)
+        receiver.shutdown(timeout=5)
 
 
 # -- the previous release, and daemons of both -------------------------------------------------
