@@ -2003,8 +2003,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/protocol.py",
-                "if version < 4 and (newer := v4_only_parts(msg)):",
-                "if False and (newer := v4_only_parts(msg)):",
+                "if version < 4 and V4_ONLY and (newer := v4_only_parts(msg)):",
+                "if False and V4_ONLY and (newer := v4_only_parts(msg)):",
             ),
         ),
         (VERSIONS + "test_the_encoder_refuses_a_v4_only_field_or_message_toward_a_version_3_peer",),

@@ -40,8 +40,9 @@ from kvxferd.transfer.layout import Layout
 from kvxferd.transfer.reshard import check_pair
 from kvxferd.transfer.topology import Topology
 
-PROTOCOL_VERSION = 4  # 3: RequestData.notify, a fetch completed by its NIXL notification;
-# 4: negotiated per link at Register (the lower both speak), V4_ONLY fields and messages
+# 3: RequestData.notify, a fetch completed by its NIXL notification; 4: negotiated per link
+# at Register (the lower both speak), V4_ONLY fields and messages (docs/protocol.md §2.1)
+PROTOCOL_VERSION = 4
 MIN_PROTOCOL_VERSION = 3  # the previous release's: a daemon speaks every version in between
 SUPPORTED_VERSIONS = frozenset(range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
 # "Message" or "Message.field" names that exist from version 4 on: ``encode`` refuses a
@@ -270,7 +271,7 @@ def encode(msg: _Msg, version: int = PROTOCOL_VERSION) -> bytes:
     """
     if version not in SUPPORTED_VERSIONS:
         raise ValueError(f"protocol version {version} is not one this side speaks")
-    if version < 4 and (newer := v4_only_parts(msg)):
+    if version < 4 and V4_ONLY and (newer := v4_only_parts(msg)):
         raise ValueError(f"{', '.join(newer)} not in protocol version {version}")
     return MAGIC + bytes([version]) + _encoder.encode(msg)
 
@@ -303,21 +304,17 @@ def decode_frame(
         raise ProtocolError(Reason.TOO_LARGE, f"frame of {len(frame)} bytes > {max_bytes}")
     if len(frame) < 3 or frame[:2] != magic:
         raise ProtocolError(Reason.MALFORMED, f"missing {magic.decode()} header")
-    spoken = ", ".join(str(v) for v in sorted(versions))
-    unsupported = ProtocolError(
-        Reason.UNSUPPORTED_VERSION, f"version {frame[2]}, this side speaks {spoken}"
-    )
     if frame[2] not in versions:
         # A newer peer's offer (a Register) is read and answered in our newest version;
         # anything else in a version we do not speak, valid or not, is refused as such.
         if offers is None or frame[2] < max(versions):
-            raise unsupported
+            raise _unsupported(frame[2], versions)
         try:
             offer = decoder.decode(memoryview(frame)[3:])
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-            raise unsupported from None
+            raise _unsupported(frame[2], versions) from None
         if not isinstance(offer, offers):
-            raise unsupported
+            raise _unsupported(frame[2], versions)
         return offer
     try:
         return decoder.decode(memoryview(frame)[3:])
@@ -331,6 +328,13 @@ def decode_frame(
         raise ProtocolError(Reason.MALFORMED, str(e)[:300]) from None
     except RecursionError:  # a tagged union skips fields before the tag: ~1 KB of [[[...]]]
         raise ProtocolError(Reason.MALFORMED, "nested deeper than the decoder's limit") from None
+
+
+def _unsupported(version: int, versions: frozenset[int]) -> ProtocolError:
+    spoken = ", ".join(str(v) for v in sorted(versions))
+    return ProtocolError(
+        Reason.UNSUPPORTED_VERSION, f"version {version}, this side speaks {spoken}"
+    )
 
 
 def decode_to_sender(frames: list[bytes], max_bytes: int) -> ToSender:
