@@ -234,9 +234,11 @@ class Listener:
     def _handle_one(
         self, routing_id: bytes, frame: bytes | None, identity: str, max_bytes: int
     ) -> None:
-        """One message; its answers go in its frame's version (the nearest one spoken here)."""
-        offered = wire.frame_version(frame) if frame is not None and len(frame) > 2 else 0
-        self._answering = wire.answer_version(offered)
+        """One message; its answers go in its frame's version (the nearest one spoken here;
+        a frame without our header: the version of the peer on the route, if any)."""
+        ours = frame is not None and len(frame) > 2 and frame[:2] == wire.MAGIC
+        offered = wire.frame_version(frame) if frame is not None and ours else 0
+        self._answering = wire.answer_version(offered) if ours else None
         try:
             self._handle_message(routing_id, frame, identity, max_bytes, offered)
         finally:
