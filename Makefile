@@ -22,6 +22,13 @@ setup: $(STAMP) etcd
 
 # The etcd discovery tests run a real etcd (Debian's etcd-server). Installed here only as root
 # with apt and no etcd yet; never fails the build: without it those tests skip and say how.
+# The previous release (CHANGELOG.md), built from its commit into .cache/release-<v>/venv,
+# its dependencies taken from $(VENV) (no network, seconds); reused when built. The
+# mixed-version tests (tests/test_versions.py) build it themselves if it is missing.
+.PHONY: prev-release
+prev-release: $(STAMP)
+	$(PY) -m tests.support.prev_release
+
 .PHONY: etcd
 etcd:
 	@if command -v etcd >/dev/null 2>&1; then :; \
@@ -128,4 +135,4 @@ zero-copy-check: $(STAMP)
 	$(PY) scripts/zero_copy_check.py --device cuda
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .cache

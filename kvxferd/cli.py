@@ -16,7 +16,8 @@ daemon's own key and the log level change by restart, which drains.
 ``D/N.key_secret`` (mode 0600: this daemon's ``security.key_file``); it never
 overwrites a file (exit 1).
 
-``--version`` prints the version. The ``_bench-*`` commands are private children
+``--version`` prints the version and the protocol versions this release speaks
+(``kvxferd 0.2.0 (wire protocol 4, 3; engine protocol 5, 4)``: the newest first). The ``_bench-*`` commands are private children
 of ``bench`` and are left out of ``--help``. Output cut short by a closed pipe
 (``kvxferd print-config | head -1``) ends quietly, without a traceback.
 """
@@ -45,6 +46,29 @@ EXIT_CONFIG = 2
 EXIT_NOT_DRAINED = 3
 
 
+def version_line() -> str:
+    """What ``--version`` prints: the release and every protocol version it speaks."""
+    from kvxferd.engine import engine_protocol as ep
+    from kvxferd.transfer import protocol as wire
+
+    def spoken(versions: frozenset[int]) -> str:
+        return ", ".join(str(v) for v in sorted(versions, reverse=True))
+
+    return (
+        f"kvxferd {__version__} (wire protocol {spoken(wire.SUPPORTED_VERSIONS)}; "
+        f"engine protocol {spoken(ep.ENGINE_VERSIONS)})"
+    )
+
+
+class _Version(argparse.Action):
+    """``--version``: the line of :func:`version_line`, built only when asked (the protocol
+    modules import numpy; a refusal or ``keygen`` imports neither torch nor NIXL)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        sys.stdout.write(version_line() + "\n")
+        parser.exit(0)
+
+
 def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
@@ -69,7 +93,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser(tool: str | None = None) -> argparse.ArgumentParser:
     """The command line's parser; ``tool`` ("bench", "faults") adds that tool's options."""
     p = _Parser(prog="kvxferd", description=__doc__.splitlines()[0])
-    p.add_argument("--version", action="version", version=f"kvxferd {__version__}")
+    p.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = p.add_subparsers(
         dest="cmd",
         required=True,

@@ -310,6 +310,9 @@ def daemon_command(
 class Daemon(Child):
     """``python -m kvxferd ROLE --name NAME ARGS``; ``ready`` holds its ready line once seen.
 
+    ``python``: the interpreter (another release's venv runs that release; give it an
+    ``env`` and ``cwd`` that do not put this tree's kvxferd first).
+
     stdout goes to ``workdir/NAME.out`` (``pipe=True``: a pipe), stderr to
     ``workdir/NAME.err`` unless the caller names another file.
     """
@@ -329,12 +332,13 @@ class Daemon(Child):
         cwd: str | Path | None = None,
         append: bool = False,
         new_session: bool = True,
+        python: str = sys.executable,
     ) -> None:
         self.role = role
         self.ready: dict[str, Any] = {}
         workdir = Path(workdir)
         super().__init__(
-            daemon_command(role, name, args, log_level=log_level, prefix=prefix),
+            daemon_command(role, name, args, log_level=log_level, python=python, prefix=prefix),
             name,
             stdout=None if pipe else workdir / f"{name}.out",
             stderr=stderr or workdir / f"{name}.err",

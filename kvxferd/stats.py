@@ -323,6 +323,11 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Receiver ids / NIXL names released orphan_ttl_ms after their peer left (ownership.py)",
     ),
     _c("peers_registered", _S, "New peers registered (a NIXL remote agent added)"),
+    _c(
+        "peers_registered_previous_version",
+        _S,
+        "Peers registered at the previous release's wire protocol version (negotiated down)",
+    ),
     _c("peers_replaced", _S, "Peers replaced by a new receiver process at their result endpoint"),
     _c(
         "fetches_ended_peer_restarted",
@@ -489,6 +494,12 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Results or CancelAcks for a fetch this receiver no longer tracks (arrived too late)",
     ),
     _c("registers_sent", _R, "REGISTERs sent to senders"),
+    _c(
+        "register_version_fallbacks",
+        _R,
+        "REGISTERs sent again at the previous wire protocol version after a sender refused"
+        " the newest one (unsupported_version: a sender of the previous release)",
+    ),
     _c(
         "endpoints_refused",
         _R,

@@ -83,6 +83,7 @@ SURVIVOR_TRIES = 3  # runs of a mutant's tests before it counts as survived
 TXRACES = "tests/test_sender_races.py::"
 RXWIRE = "tests/test_receiver_wire.py::"
 GATEWAY = "tests/test_gateway.py::"
+VERSIONS = "tests/test_versions.py::"
 PREFLIGHT = "tests/test_preflight.py::"
 JOURNAL = "tests/test_journal.py::"
 READINESS = "tests/test_readiness.py::"
@@ -2045,6 +2046,103 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_link_probes.py::test_a_peer_moved_to_a_fresh_path_is_probed_again",),
     ),
+    Mutant(
+        "issue26-no-negotiation",
+        "a sender answers every Register in its newest wire version, whatever was offered",
+        (
+            Edit(
+                "kvxferd/transfer/protocol.py",
+                "return min(offered, PROTOCOL_VERSION)",
+                "return PROTOCOL_VERSION",
+            ),
+        ),
+        (
+            VERSIONS + "test_a_register_offered_at_any_version_is_answered_in_the_lower_of_the_two",
+            VERSIONS + "test_a_sender_answers_a_version_3_register_in_3_and_records_it",
+            VERSIONS + "test_new_sender_old_receiver_fetch_byte_exact_and_nothing_newer_reaches_it",
+        ),
+    ),
+    Mutant(
+        "issue26-notification-newest-version",
+        "a sender's NIXL done notification carries its newest version, not the peer's",
+        (
+            Edit(
+                "kvxferd/transfer/worker_writes.py",
+                "wire.encode_notification(records, version)",
+                "wire.encode_notification(records)",
+            ),
+        ),
+        (VERSIONS + "test_new_sender_old_receiver_fetch_byte_exact_and_nothing_newer_reaches_it",),
+    ),
+    Mutant(
+        "issue26-no-register-fallback",
+        "a receiver refused unsupported_version at Register never registers again at 3",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/links.py",
+                "if link.ready or link.fell_back or link.version <= wire.MIN_PROTOCOL_VERSION:",
+                "if True:",
+            ),
+        ),
+        (
+            VERSIONS
+            + "test_a_receiver_refused_at_4_registers_again_at_3_and_speaks_3_on_that_link",
+            VERSIONS + "test_old_sender_new_receiver_fetch_byte_exact_at_version_3",
+        ),
+    ),
+    Mutant(
+        "issue26-v4-only-sent-to-v3",
+        "the encoder sends V4_ONLY fields and messages toward a version-3 peer",
+        (
+            Edit(
+                "kvxferd/transfer/protocol.py",
+                "if version < 4 and V4_ONLY and (newer := v4_only_parts(msg)):",
+                "if False and V4_ONLY and (newer := v4_only_parts(msg)):",
+            ),
+        ),
+        (VERSIONS + "test_the_encoder_refuses_a_v4_only_field_or_message_toward_a_version_3_peer",),
+    ),
+    Mutant(
+        "issue26-gateway-answers-newest",
+        "the engine gateway answers a version-4 client in version 5",
+        (
+            Edit(
+                "kvxferd/engine/gateway.py",
+                "frame = ep.encode(msg, self._older.get(rid, ep.ENGINE_PROTOCOL_VERSION))",
+                "frame = ep.encode(msg)",
+            ),
+        ),
+        (VERSIONS + "test_old_sender_new_receiver_fetch_byte_exact_at_version_3",),
+    ),
+    Mutant(
+        "issue26-client-no-fallback",
+        "the engine Client keeps speaking 5 to a daemon that refused it",
+        (
+            Edit(
+                "kvxferd/engine/dialect.py",
+                "if self._unsure and refuses_newest(reply):",
+                "if False:",
+            ),
+        ),
+        (
+            VERSIONS + "test_a_client_connection_falls_back_to_4_once_and_sends_its_calls_again",
+            VERSIONS + "test_old_sender_new_receiver_fetch_byte_exact_at_version_3",
+        ),
+    ),
+    Mutant(
+        "issue26-reconnect-keeps-old-version",
+        "a receiver's link keeps the previous version after its sender was replaced by a newer one",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/links.py",
+                "link.version, link.fell_back = wire.PROTOCOL_VERSION, False",
+                "pass",
+            ),
+        ),
+        (
+            "tests/test_rolling_upgrade.py::test_a_fleet_upgraded_one_process_at_a_time_under_traffic_loses_nothing",
+        ),
+    ),
 )
 
 
@@ -2098,6 +2196,9 @@ def _runner() -> multiprocessing.context.ForkServerContext:
             os.environ.setdefault(
                 "PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker"
             )
+            # The copies have no .git or .cache: the mixed-version tests build the previous
+            # release from this checkout's history into its .cache (tests/support/prev_release.py).
+            os.environ.setdefault("KVXFERD_RELEASE_ROOT", str(ROOT))
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(list(PRELOAD))
             _forkserver = ctx

@@ -29,10 +29,13 @@ def _kvxferd(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_version() -> None:
-    """kvxferd --version prints the package version and exits 0."""
+    """kvxferd --version prints the package version and the protocol versions spoken, newest
+    first, and exits 0."""
     out = _kvxferd("--version")
     assert out.returncode == 0
-    assert out.stdout.strip() == f"kvxferd {__version__}"
+    assert out.stdout.strip() == (
+        f"kvxferd {__version__} (wire protocol 4, 3; engine protocol 5, 4)"
+    )
 
 
 def test_private_bench_commands_hidden_from_help() -> None:

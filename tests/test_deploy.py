@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from kvxferd import __version__
 from kvxferd.config import (
     THREADS_ENV,
     Deadlines,
@@ -521,7 +522,8 @@ CHECKS = [check_sidecar, check_shm, check_probes, check_grace, check_pdb, check_
 
 
 def test_kustomization_lists_every_manifest() -> None:
-    """kustomization.yaml names every manifest in deploy/k8s, and the images it pins."""
+    """kustomization.yaml names every manifest in deploy/k8s, and the images it pins: the
+    daemon's tag is the package version (a release bumps both)."""
     kust = _kustomization()
     listed = set(kust["resources"])
     on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
@@ -529,9 +531,9 @@ def test_kustomization_lists_every_manifest() -> None:
     docs = _docs()
     daemons = {_daemon(_sts(docs, role))["image"] for role in ROLES}
     engines = {_engine(_sts(docs, role))["image"] for role in ROLES}
-    assert daemons == {"kvxferd:0.1.0"}
+    assert daemons == {f"kvxferd:{__version__}"}
     assert engines == {"engine:placeholder"}
-    assert {"name": "kvxferd", "newName": "kvxferd", "newTag": "0.1.0"} in kust["images"]
+    assert {"name": "kvxferd", "newName": "kvxferd", "newTag": __version__} in kust["images"]
     assert {"name": "engine", "newName": "engine", "newTag": "placeholder"} in kust["images"]
 
 

@@ -111,9 +111,9 @@ def test_every_message_to_a_receiver_round_trips(msg: wire.ToReceiver) -> None:
 
 @pytest.mark.parametrize("msg", [*TO_SENDER, *TO_RECEIVER], ids=lambda m: type(m).__name__)
 def test_a_frame_is_the_header_then_a_plain_msgpack_map_tagged_t(msg: wire._Msg) -> None:
-    """Every frame is b"KX\\x03" followed by a msgpack map any msgpack library can read, tag in "t"."""
+    """Every frame is b"KX\\x04" followed by a msgpack map any msgpack library can read, tag in "t"."""
     data = wire.encode(msg)
-    assert data[:3] == b"KX\x03"
+    assert data[:3] == b"KX\x04"
     body = msgspec.msgpack.decode(data[3:])  # untyped: plain msgpack, no extension types
     assert isinstance(body, dict)
     assert body["t"] == msg.__struct_config__.tag
@@ -187,9 +187,10 @@ def test_a_frame_without_the_kx_header_is_malformed(data: bytes) -> None:
     assert reason_of(wire.decode_to_sender, [data]) is Reason.MALFORMED
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 4, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 5, 255])
 def test_another_version_is_unsupported(version: int) -> None:
-    """A frame with a version byte other than 3 (an older peer's 2 too) is unsupported_version."""
+    """A frame with a version byte other than 3 and 4 (an older peer's 2 too) is
+    unsupported_version; only a Register may come in a newer one (next test)."""
     good = wire.encode(wire.Cancel(request_id="q", fetch_id=1))
     data = b"KX" + bytes([version]) + good[3:]
     assert reason_of(wire.decode_to_sender, [data]) is Reason.UNSUPPORTED_VERSION

@@ -12,6 +12,8 @@ shell or an integration (tests/test_layering.py checks it)::
     handles.py          the gateway's handle table: handles by id, the open Publish/Fetch of each key
     roles.py            what the gateway does differently for a sender and a receiver (an adapter each)
     client.py           what engines import: Client, AsyncClient, attach_pool (re-exported)
+    dialect.py          the engine protocol version one Client connection speaks (the newest,
+                        or the previous release's toward a daemon of that release)
     links.py            the ``links`` call on the engine side (Client.links, AsyncClient.links)
     errors.py           what an engine call raises: EngineError, EngineRejected, EngineUnavailable
     mapping.py          the daemon's pool mapped here: shared memory, or CUDA IPC on a GPU

@@ -54,6 +54,7 @@ it; for an AsyncClient, use it from the loop that created or found it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -68,11 +69,11 @@ import zmq
 from kvxferd.auth import Curve
 from kvxferd.engine import engine_protocol as ep
 from kvxferd.engine.channel import ChannelClosed, StreamChannel, ZmqChannel, wait_fd
+from kvxferd.engine.dialect import Dialect, resend_on
 from kvxferd.engine.engine_protocol import EngineReason, Outcome, PoolInfo
 from kvxferd.engine.errors import EngineError, EngineRejected, EngineUnavailable
 from kvxferd.engine.links import AsyncLinksCall, LinksCall
 from kvxferd.engine.mapping import PoolMapping, attach_pool
-from kvxferd.errors import ProtocolError
 from kvxferd.transfer.control import process_context
 from kvxferd.transfer.topology import Topology
 
@@ -186,10 +187,6 @@ def _publish_msg(
     )
 
 
-def _progress_frame(handle: int, layers_ready: int) -> bytes:
-    return ep.encode(ep.Progress(handle_id=handle, layers_ready=layers_ready))
-
-
 def _fetch_msg(
     request_id: str,
     sender_endpoint: str,
@@ -282,14 +279,6 @@ def _connect(endpoint: str, timeout: float, curve: Curve | None) -> StreamChanne
     return ZmqChannel(sock)
 
 
-def _decode(frame: bytes, endpoint: str) -> ep.ToEngine | None:
-    try:
-        return ep.decode_to_engine([frame])
-    except ProtocolError as e:
-        log.warning("undecodable reply from %s: %s", endpoint, e)
-        return None
-
-
 # -- synchronous client -------------------------------------------------------------------
 @dataclass(slots=True)
 class _Slot:
@@ -321,6 +310,7 @@ class Client(LinksCall):
         self._pending: dict[int, _Slot] = {}
         self._closed = False
         self._chan: StreamChannel | ZmqChannel | None = None
+        self._dialect = Dialect()  # the connection's engine protocol version (dialect.py)
 
     def __enter__(self) -> Client:
         return self
@@ -570,10 +560,11 @@ class Client(LinksCall):
         """A streamed publish: layers ``[0, layers_ready)`` hold their KV. One frame, never
         answered (a bad mark fails the publish: its outcome says ``bad_progress``); any
         thread. EngineUnavailable if the frame cannot be sent."""
-        frame, deadline = _progress_frame(handle, layers_ready), time.monotonic() + self.timeout_s
+        msg = ep.Progress(handle_id=handle, layers_ready=layers_ready)
+        deadline = time.monotonic() + self.timeout_s
         try:
             with self._send_lock:
-                self._channel(self.timeout_s).send_blocking(frame, deadline)
+                self._channel(self.timeout_s).send_blocking(self._dialect.encode(msg), deadline)
         except ChannelClosed as e:
             raise EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}") from None
 
@@ -615,14 +606,14 @@ class Client(LinksCall):
                 if self._closed:
                     chan.close()
                     raise EngineUnavailable(EngineReason.PEER_LOST, "client closed")
-                self._chan = chan
+                self._chan, self._dialect = chan, Dialect()
         return chan
 
     def _call(self, build: Build, wait_s: float = 0.0) -> ep.ToEngine:
         call_id = next(_call_ids)
         bound = max(0.0, wait_s) + self.timeout_s
         deadline = time.monotonic() + bound
-        frame = ep.encode(build(call_id, _deadline_ms(bound)))  # before the wait below starts
+        msg = build(call_id, _deadline_ms(bound))  # before the wait below starts
         slot = _Slot()
         with self._lock:
             if self._closed:
@@ -631,7 +622,7 @@ class Client(LinksCall):
         try:
             with self._send_lock:
                 chan = self._channel(bound)
-                chan.send_blocking(frame, deadline)
+                chan.send_blocking(self._dialect.encode(msg), deadline)
         except ChannelClosed as e:
             error = EngineUnavailable(EngineReason.PEER_LOST, f"send failed: {e}")
             if isinstance(chan, ZmqChannel):  # ZMQ refused this one frame; it reconnects itself
@@ -678,10 +669,9 @@ class Client(LinksCall):
             except ChannelClosed as e:
                 self._broken(EngineUnavailable(EngineReason.PEER_LOST, f"connection lost: {e}"))
                 return
-            for frame in frames:
-                reply = _decode(frame, self.endpoint)
-                if reply is not None:
-                    self._finish(reply.call_id, reply)
+            again = resend_on(chan, self._send_lock, deadline, self.endpoint)
+            for reply in self._dialect.take(frames, self.endpoint, again):
+                self._finish(reply.call_id, reply)
             if slot.reply is not None or frames:
                 continue
             left = deadline - time.monotonic()
@@ -748,6 +738,7 @@ class _LoopConn:
         self._flushing = False  # a _flush is scheduled on the loop
         self._close_lock = threading.Lock()  # closed: set once, by the loop or by close_client
         self.shut = threading.Event()  # the socket is closed
+        self.dialect = Dialect()  # its engine protocol version (dialect.py)
         loop.add_reader(self.fd, self._on_readable)
 
     def send(self, frame: bytes) -> None:
@@ -798,13 +789,16 @@ class _LoopConn:
             self._fail_all(f"connection lost: {e}")
             return
         pending = self.pending
-        for frame in frames:
-            reply = _decode(frame, self.endpoint)
-            if reply is None:
-                continue
+        for reply in self.dialect.take(frames, self.endpoint, self._send_again):
             fut = pending.pop(reply.call_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
+
+    def _send_again(self, frames: list[bytes]) -> None:
+        """Calls the daemon refused in our newest version, in its (dialect.py)."""
+        for frame in frames:
+            with contextlib.suppress(EngineUnavailable):  # then their callers hear peer_lost
+                self.send(frame)
 
     def _fail_all(self, why: str) -> None:
         """The connection broke: calls in flight fail; the client opens a new one next time."""
@@ -905,7 +899,7 @@ class AsyncClient(AsyncLinksCall):
             # extra task and future per call (issue 12: the engine side's cost per call).
             timer = conn.loop.call_later(bound, _time_out, fut)
             try:
-                conn.send(ep.encode(build(call_id, _deadline_ms(bound))))
+                conn.send(conn.dialect.encode(build(call_id, _deadline_ms(bound))))
                 return await fut
             except TimeoutError:
                 raise EngineUnavailable(
@@ -1108,7 +1102,8 @@ class AsyncClient(AsyncLinksCall):
         that published ``handle`` (a coroutine or a callback of that loop: the handle is
         its connection's); it queues the frame and returns (sent at the loop's next turn).
         """
-        self._conn().send(_progress_frame(handle, layers_ready))
+        conn = self._conn()
+        conn.send(conn.dialect.encode(ep.Progress(handle_id=handle, layers_ready=layers_ready)))
 
     async def close(self, handle: int, timeout: float) -> bool:
         reply = await self._call(

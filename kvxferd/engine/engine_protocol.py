@@ -75,9 +75,12 @@ from kvxferd.transfer.protocol import (
 from kvxferd.transfer.topology import Topology
 
 # 2: deadline_unix_ms, Lookup, idempotent Publish/Fetch; 3: Wait.close; 4: Publish/Fetch
-# wait_ms + close (one round trip per request), Outcome.handle_id; ipc:// is a unix stream.
-ENGINE_PROTOCOL_VERSION = 4
-# Calls and replies a version-4 peer does not know (tag names): used only with version 5.
+# wait_ms + close (one round trip per request), Outcome.handle_id; ipc:// is a unix stream;
+# 5: the gateway answers each connection in the version it speaks (4 or 5), V5_ONLY calls.
+ENGINE_PROTOCOL_VERSION = 5
+MIN_ENGINE_PROTOCOL_VERSION = 4  # the previous release's: the gateway speaks both
+ENGINE_VERSIONS = frozenset(range(MIN_ENGINE_PROTOCOL_VERSION, ENGINE_PROTOCOL_VERSION + 1))
+# Message tags that exist from version 5 on: ``encode`` refuses them in a version-4 frame.
 V5_ONLY: frozenset[str] = frozenset({"links", "links_reply"})
 MAGIC = b"KE"
 HEADER = MAGIC + bytes([ENGINE_PROTOCOL_VERSION])
@@ -448,13 +451,26 @@ _call_id_only = msgspec.msgpack.Decoder(_CallIdOnly)
 _cuda_ipc = msgspec.msgpack.Decoder(CudaIpcHandle)
 
 
-def encode(msg: _Msg) -> bytes:
-    """One frame: header + msgpack body."""
-    return HEADER + _encoder.encode(msg)
+def encode(msg: _Msg, version: int = ENGINE_PROTOCOL_VERSION) -> bytes:
+    """One frame in ``version`` (the connection's): header + msgpack body; a V5_ONLY
+    message in a version-4 frame is a bug of the caller, never sent: ValueError."""
+    if version not in ENGINE_VERSIONS:
+        raise ValueError(f"engine protocol version {version} is not one this side speaks")
+    tag = str(msg.__struct_config__.tag)
+    if version < 5 and tag in V5_ONLY:
+        raise ValueError(f"{tag} is not in engine protocol version {version}")
+    return MAGIC + bytes([version]) + _encoder.encode(msg)
+
+
+def frame_version(frame: bytes) -> int:
+    """The version to answer ``frame`` in: its own when spoken here, else the nearest one
+    (the newest for a frame without our magic)."""
+    v = frame[2] if len(frame) >= 3 and frame[:2] == MAGIC else ENGINE_PROTOCOL_VERSION
+    return min(max(v, MIN_ENGINE_PROTOCOL_VERSION), ENGINE_PROTOCOL_VERSION)
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, frames: list[bytes], max_bytes: int) -> object:
-    return decode_frame(decoder, frames, max_bytes, MAGIC, ENGINE_PROTOCOL_VERSION)
+    return decode_frame(decoder, frames, max_bytes, MAGIC, ENGINE_VERSIONS)
 
 
 def decode_to_gateway(frames: list[bytes], max_bytes: int = MAX_FRAME_BYTES) -> ToGateway:
@@ -469,7 +485,12 @@ def decode_to_engine(frames: list[bytes], max_bytes: int = MAX_FRAME_BYTES) -> T
 
 def salvage_call_id(frames: list[bytes]) -> int:
     """The call id of a frame that did not decode, or 0 when even that is unreadable."""
-    if len(frames) != 1 or len(frames[0]) > MAX_FRAME_BYTES or frames[0][:3] != HEADER:
+    if (
+        len(frames) != 1
+        or len(frames[0]) > MAX_FRAME_BYTES
+        or frames[0][:2] != MAGIC
+        or frames[0][2:3] not in (bytes([v]) for v in ENGINE_VERSIONS)
+    ):
         return 0
     try:
         return _call_id_only.decode(memoryview(frames[0])[3:]).call_id

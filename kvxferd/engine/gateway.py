@@ -142,6 +142,9 @@ class Gateway:
         self._conns: dict[bytes, _Conn] = {}
         self._by_fd: dict[int, _Conn] = {}
         self._dirty: set[_Conn] = set()  # connections with replies queued this turn
+        # Connections whose last frame came in an older engine protocol version (a client
+        # of the previous release): their replies go in it. Bounded: MAX_CONNECTIONS.
+        self._older: dict[bytes, int] = {}
         self._started = False
         self._stopped = threading.Event()  # io_stop ran: every socket is closed
         self._closing = False  # stop() was called: the next io_stop closes for good
@@ -267,7 +270,7 @@ class Gateway:
                 self._flush(conn)
             if events & zmq.POLLIN:
                 for frame in conn.channel.recv():
-                    self.calls.serve(conn.rid, frame)
+                    self._serve(conn.rid, frame)
                 if conn.channel.failed is not None:  # its frames before the fault answered
                     self._flush_replies()
                     raise ChannelClosed(conn.channel.failed)
@@ -404,6 +407,7 @@ class Gateway:
         if self._conns.pop(conn.rid, None) is None:
             return
         self._by_fd.pop(conn.fd, None)
+        self._older.pop(conn.rid, None)
         conn.channel.close()
         self.calls.orphaned(conn.rid, set(self._conns))  # a stream it left open is aborted
         if "closed by the peer" not in why:
@@ -443,7 +447,17 @@ class Gateway:
                     ),
                 )
                 continue
-            self.calls.serve(frames[0], frames[1])
+            self._serve(frames[0], frames[1])
+
+    def _serve(self, rid: bytes, frame: bytes) -> None:
+        """Serve one frame; it and what follows on ``rid`` are answered in its version."""
+        version = ep.frame_version(frame)
+        self._older.pop(rid, None)
+        if version != ep.ENGINE_PROTOCOL_VERSION:
+            if len(self._older) >= MAX_CONNECTIONS:
+                del self._older[next(iter(self._older))]  # the longest-quiet one
+            self._older[rid] = version
+        self.calls.serve(rid, frame)
 
     def _router_readable(self) -> bool:
         sock = self._router
@@ -454,7 +468,7 @@ class Gateway:
         )
 
     def _reply(self, rid: bytes, msg: ep._Msg) -> None:
-        frame = ep.encode(msg)
+        frame = ep.encode(msg, self._older.get(rid, ep.ENGINE_PROTOCOL_VERSION))
         if self._router is not None:
             # NOBLOCK: a gone engine (ROUTER_MANDATORY), a full queue or a closing socket
             # drops the reply, counted.

@@ -48,10 +48,11 @@ def sender_state(
                    layers_ready: a streamed publish's layers marked so far, else null
         topology   this rank's record (docs/topology.md) or null
         peers      [{receiver_id, endpoint, nixl_name, idle_s, writes_in_flight, prepped,
-                     identity, decode_rank}]
+                     identity, decode_rank, version}]
                    receiver_id names the receiver's incarnation (name-uuid); identity: the
                    CURVE key (Z85) that registered it, "" when security is off;
-                   decode_rank: its record's rank when it reads through the mapping
+                   decode_rank: its record's rank when it reads through the mapping;
+                   version: the wire protocol version negotiated at its Register
         identities [{identity, peers, fetches, parked, receiver_ids}]  the ownership table:
                    what each identity holds (docs/security.md, limits per identity)
         retiring_peers [{nixl_name, writes_in_flight}]  replaced or evicted peers whose
@@ -99,6 +100,7 @@ def sender_state(
             "prepped": p.prepped,
             "identity": p.identity,
             "decode_rank": p.decode_rank,
+            "version": p.version,
         }
         for p in snd.peers
     ]
@@ -204,9 +206,10 @@ def receiver_state(
                   a write possibly still landing; blocks and aux slot kept
         aux_slots {free, quarantined, total}
         links     [{endpoint, ready, sender_id, waiting, ever_connected, disconnected,
-                    down, register_deadline_in_s}]  sender_id: the incarnation that
+                    down, register_deadline_in_s, version}]  sender_id: the incarnation that
                   answered; waiting: fetches queued until it registers; down: lost and
-                  not answering (its fetches fail peer_lost at once)
+                  not answering (its fetches fail peer_lost at once); version: the wire
+                  protocol version spoken on it (negotiated at Register)
         commands_queued, io_thread {alive, last_progress_age_s}
         journal   {endings, idle_s, last_done_age_s, window_s, peer_rates [...]}
         stats     {counter: value}
@@ -253,6 +256,7 @@ def receiver_state(
                 "disconnected": link.disconnected,
                 "down": link.down,
                 "register_deadline_in_s": None if link.ready else _age(link.register_deadline, now),
+                "version": link.version,
             }
             for link in rx.links[:limit]
         ],

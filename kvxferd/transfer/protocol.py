@@ -40,11 +40,28 @@ from kvxferd.transfer.layout import Layout
 from kvxferd.transfer.reshard import check_pair
 from kvxferd.transfer.topology import Topology
 
-PROTOCOL_VERSION = 3  # 3: RequestData.notify, a fetch completed by its NIXL notification
-# Fields and messages a version-3 peer does not know: sent only to a peer of version 4 or more.
+# 3: RequestData.notify, a fetch completed by its NIXL notification; 4: negotiated per link
+# at Register (the lower both speak), V4_ONLY fields and messages (docs/protocol.md §2.1)
+PROTOCOL_VERSION = 4
+MIN_PROTOCOL_VERSION = 3  # the previous release's: a daemon speaks every version in between
+SUPPORTED_VERSIONS = frozenset(range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
+# "Message" or "Message.field" names that exist from version 4 on: ``encode`` refuses a
+# frame toward a version-3 peer that carries one (a field set, i.e. not at its default).
 V4_ONLY: frozenset[str] = frozenset({"Register.scratch_base", "Register.scratch_bytes"})
 MAGIC = b"KX"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
+
+
+def negotiate(offered: int) -> int:
+    """The version a sender answers a Register offered at ``offered`` in: the lower of the two."""
+    return min(offered, PROTOCOL_VERSION)
+
+
+def answer_version(frame_version: int) -> int:
+    """The version to answer a frame in that came in ``frame_version`` (maybe not one we
+    speak): the nearest one we speak, so a peer of either release reads the refusal."""
+    return max(MIN_PROTOCOL_VERSION, negotiate(frame_version))
+
 
 REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"  # printable ASCII, no spaces
 RequestId = Annotated[str, Meta(min_length=1, max_length=256, pattern=REQUEST_ID_PATTERN)]
@@ -95,22 +112,24 @@ NONCE_BYTES = 8
 # one message, decoded and handled in order. At most this many frames.
 MAX_BATCH = 64
 NOTIFY_MAGIC = b"KN" + bytes([PROTOCOL_VERSION])
+_NOTIFY_MAGICS = frozenset(b"KN" + bytes([v]) for v in SUPPORTED_VERSIONS)
 _NOTIFY_HEAD = struct.Struct("<3sH")
 _NOTIFY_RECORD = struct.Struct("<Q8sQI")
 
 Notified = tuple[int, bytes, int, int]  # (fetch_id, nonce, nbytes, aux_bytes)
 
 
-def encode_notification(records: list[Notified]) -> bytes:
-    """The NIXL notification telling a receiver these fetches are done (module docstring)."""
-    parts = [_NOTIFY_HEAD.pack(NOTIFY_MAGIC, len(records))]
+def encode_notification(records: list[Notified], version: int = PROTOCOL_VERSION) -> bytes:
+    """The NIXL notification telling a receiver these fetches are done (module docstring),
+    its magic carrying the peer's negotiated ``version``."""
+    parts = [_NOTIFY_HEAD.pack(b"KN" + bytes([version]), len(records))]
     parts += [_NOTIFY_RECORD.pack(*r) for r in records]
     return b"".join(parts)
 
 
 def decode_notification(payload: bytes) -> list[Notified] | None:
     """The records of a notification, or None if it is not one of ours (or malformed)."""
-    if len(payload) < _NOTIFY_HEAD.size or not payload.startswith(NOTIFY_MAGIC):
+    if len(payload) < _NOTIFY_HEAD.size or payload[:3] not in _NOTIFY_MAGICS:
         return None
     _, count = _NOTIFY_HEAD.unpack_from(payload)
     if count > MAX_BATCH or len(payload) != _NOTIFY_HEAD.size + count * _NOTIFY_RECORD.size:
@@ -238,9 +257,34 @@ _to_sender = msgspec.msgpack.Decoder(ToSender)
 _to_receiver = msgspec.msgpack.Decoder(ToReceiver)
 
 
-def encode(msg: _Msg) -> bytes:
-    """One frame: header + msgpack body."""
-    return HEADER + _encoder.encode(msg)
+def v4_only_parts(msg: _Msg) -> list[str]:
+    """The V4_ONLY names ``msg`` carries: its message, and each of its fields not at its default."""
+    name = type(msg).__name__
+    if name in V4_ONLY:
+        return [name]
+    return [
+        f"{name}.{f.name}"
+        for f in msgspec.structs.fields(msg)
+        if f"{name}.{f.name}" in V4_ONLY and getattr(msg, f.name) != f.default
+    ]
+
+
+def encode(msg: _Msg, version: int = PROTOCOL_VERSION) -> bytes:
+    """One frame in ``version`` (the peer's, negotiated): header + msgpack body.
+
+    A message or field that ``version`` does not have (V4_ONLY toward a version-3 peer)
+    is a bug of the caller, never sent: ValueError.
+    """
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"protocol version {version} is not one this side speaks")
+    if version < 4 and V4_ONLY and (newer := v4_only_parts(msg)):
+        raise ValueError(f"{', '.join(newer)} not in protocol version {version}")
+    return MAGIC + bytes([version]) + _encoder.encode(msg)
+
+
+def frame_version(frame: bytes) -> int:
+    """The version byte of a frame that decoded (``decode_frame`` checked its header)."""
+    return frame[2]
 
 
 def decode_frame(
@@ -248,13 +292,16 @@ def decode_frame(
     frames: list[bytes],
     max_bytes: int,
     magic: bytes = MAGIC,
-    version: int = PROTOCOL_VERSION,
+    versions: frozenset[int] = SUPPORTED_VERSIONS,
+    offers: type | None = None,
 ) -> object:
     """One frame ``magic + version + msgpack body`` checked step by step, or ProtocolError.
 
     The steps (frame count, size, header, version, body) and their reasons are
     the table of docs/protocol.md section 2 (Frames); the engine protocol
-    (magic ``KE``) goes through the same steps.
+    (magic ``KE``) goes through the same steps. ``versions``: those this side speaks;
+    ``offers``: the message type (Register) that may come in a higher version too (an
+    offer, answered in the lower one).
     """
     if len(frames) != 1:
         raise ProtocolError(Reason.MALFORMED, f"expected 1 frame, got {len(frames)}")
@@ -263,10 +310,18 @@ def decode_frame(
         raise ProtocolError(Reason.TOO_LARGE, f"frame of {len(frame)} bytes > {max_bytes}")
     if len(frame) < 3 or frame[:2] != magic:
         raise ProtocolError(Reason.MALFORMED, f"missing {magic.decode()} header")
-    if frame[2] != version:
-        raise ProtocolError(
-            Reason.UNSUPPORTED_VERSION, f"version {frame[2]}, this side speaks {version}"
-        )
+    if frame[2] not in versions:
+        # A newer peer's offer (a Register) is read and answered in our newest version;
+        # anything else in a version we do not speak, valid or not, is refused as such.
+        if offers is None or frame[2] < max(versions):
+            raise _unsupported(frame[2], versions)
+        try:
+            offer = decoder.decode(memoryview(frame)[3:])
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            raise _unsupported(frame[2], versions) from None
+        if not isinstance(offer, offers):
+            raise _unsupported(frame[2], versions)
+        return offer
     try:
         return decoder.decode(memoryview(frame)[3:])
     except msgspec.ValidationError as e:
@@ -281,9 +336,16 @@ def decode_frame(
         raise ProtocolError(Reason.MALFORMED, "nested deeper than the decoder's limit") from None
 
 
+def _unsupported(version: int, versions: frozenset[int]) -> ProtocolError:
+    spoken = ", ".join(str(v) for v in sorted(versions))
+    return ProtocolError(
+        Reason.UNSUPPORTED_VERSION, f"version {version}, this side speaks {spoken}"
+    )
+
+
 def decode_to_sender(frames: list[bytes], max_bytes: int) -> ToSender:
     """Decode a frame received by a sender, or raise ProtocolError."""
-    return decode_frame(_to_sender, frames, max_bytes)  # type: ignore[return-value]
+    return decode_frame(_to_sender, frames, max_bytes, offers=Register)  # type: ignore[return-value]
 
 
 def decode_to_receiver(frames: list[bytes], max_bytes: int) -> ToReceiver:

@@ -158,6 +158,7 @@ class PeerView:
     prepped: bool
     identity: str  # the CURVE key that registered it; "" with security off
     decode_rank: int | None  # its topology record's rank when it reads through the mapping
+    version: int  # the wire version negotiated at its Register
 
     @classmethod
     def of(cls, p: Peer, last_heard: float | None, writes_in_flight: int) -> PeerView:
@@ -171,6 +172,7 @@ class PeerView:
             p.prepped,
             p.identity,
             rank,
+            p.version,
         )
 
 
@@ -340,6 +342,7 @@ class LinkView:
     disconnected: bool
     down: bool
     register_deadline: float
+    version: int  # the wire version it speaks (negotiated at Register)
 
     @classmethod
     def of(cls, link: Any) -> LinkView:  # link: receiver.links.Link
@@ -352,6 +355,7 @@ class LinkView:
             link.disconnected,
             link.down,
             link.register_deadline,
+            link.version,
         )
 
 

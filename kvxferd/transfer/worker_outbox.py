@@ -99,7 +99,7 @@ class Outbox:
         self._server_keys[endpoint] = peer.identity  # its result ROUTER presents that key
         deadline = time.monotonic() + self.host.settings.deadlines.worker_send_timeout_ms / 1000
         tag = msg.__struct_config__.tag
-        out = _Outgoing(wire.encode(msg), deadline, str(tag), msg.fetch_id)
+        out = _Outgoing(wire.encode(msg, peer.version), deadline, str(tag), msg.fetch_id)
         self._outbox.setdefault(endpoint, deque()).append(out)
         self._flush_one(endpoint)
 

@@ -58,6 +58,9 @@ class Peer:
     # rank (None: nothing); writes then follow the reshard mapping (reshard.py).
     topology: Topology | None = None
     piece: Piece | None = None
+    # The wire version negotiated at its Register (protocol.negotiate): every frame and
+    # notification toward it is encoded in it.
+    version: int = wire.PROTOCOL_VERSION
 
 
 @dataclass(frozen=True, slots=True)

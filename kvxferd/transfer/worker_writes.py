@@ -293,12 +293,13 @@ class WritesInFlight:
         it. One notification covers every slice of a coalesced WRITE.
         """
         records = []
+        version = parts[0][0].peer.version if parts else wire.PROTOCOL_VERSION  # one peer
         for task, nbytes in parts:
             sl, s = task.slice, task.session
             if sl.notify:
                 aux = s.aux_len if sl.aux_slot >= 0 else 0
                 records.append((sl.fetch_id, sl.notify, sl.nbytes + nbytes, aux))
-        return wire.encode_notification(records) if records else b""
+        return wire.encode_notification(records, version) if records else b""
 
     # -- polling -------------------------------------------------------------------------
     def take(self) -> list[Write]:

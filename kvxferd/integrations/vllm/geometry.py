@@ -42,7 +42,6 @@ import torch
 
 from kvxferd.engine.engine_protocol import PoolInfo
 from kvxferd.errors import ConfigError
-from kvxferd.transfer.protocol import PROTOCOL_VERSION
 from kvxferd.transfer.topology import (
     DTYPE_BYTES,
     LayoutKind,
@@ -70,6 +69,8 @@ _CONFIG_DTYPES = {
     "float32": "float32",
     "float": "float32",
 }
+
+RECORD_WIRE_VERSION = 3  # the protocol version the topology record was defined in
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +308,9 @@ class KvGeometry:
         name = str(self.torch_dtype).removeprefix("torch.")
         dtype = name if name in DTYPE_BYTES else self.shape.dtype
         compat = compat_hash(
-            PROTOCOL_VERSION,
+            # The record's wire format, unchanged since protocol version 3: not the newest
+            # version, or a prefill and a decode of consecutive releases never pair.
+            RECORD_WIRE_VERSION,
             f"vllm:{model.model_id}:{model.backend}",
             dtype,
             model.num_layers,

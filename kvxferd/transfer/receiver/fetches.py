@@ -214,7 +214,7 @@ class Fetches:
         # (``Links.send_cancel`` flushes it first), so the sender always sees them in order.
         f.mark_sent(link.sender_id)
         f.agent_gen = link.agent.gen if link.agent is not None else -1
-        rx.links.batch(link, f, wire.encode(msg), was_sent)
+        rx.links.batch(link, f, wire.encode(msg, link.version), was_sent)
 
     def cancel(self, f: RxSession, state: RxState, reason: Reason, detail: str) -> bool:
         rx = self.rx

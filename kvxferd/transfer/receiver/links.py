@@ -95,6 +95,12 @@ class Link:
     # RequestData frames of this turn, sent together at its end (``Links.flush``): one
     # multipart message, one wake-up of ZMQ's I/O threads and of the sender's listener.
     batch: list[tuple[RxSession, bytes, bool]] = field(default_factory=list)
+    # The wire version its Register offers and, once answered, the one its sender answered
+    # in (protocol.negotiate); every frame on it is encoded in it. A Reject
+    # (unsupported_version) of a Register at the newest version (a sender of the previous
+    # release) makes it register again at the previous one, once per connection.
+    version: int = wire.PROTOCOL_VERSION
+    fell_back: bool = False
 
     @property
     def ready(self) -> bool:
@@ -180,7 +186,7 @@ class Links:
                 return
         pool = rx.pool
         # The link probe's scratch region (version 4 only; none: the sender does not probe).
-        scratch = rx.agents.scratch_bytes if getattr(link, "version", 4) >= 4 else 0
+        scratch = rx.agents.scratch_bytes if link.version >= 4 else 0
         reg = wire.Register(
             receiver_id=rx.receiver_id,
             result_endpoint=rx.result_endpoint,
@@ -196,11 +202,26 @@ class Links:
         )
         self.flush(link)
         try:
-            send_bounded(link.dealer, wire.encode(reg))
+            send_bounded(link.dealer, wire.encode(reg, link.version))
         except SendTimeout:
             self.drop(link, Reason.PEER_LOST, "REGISTER could not be sent")
             return
         rx.stats.add("registers_sent")
+
+    def fall_back(self, link: Link) -> bool:
+        """The sender refused ``link``'s Register as unsupported_version: register again at
+        the previous version (once per connection; counted). False when it may not."""
+        if link.ready or link.fell_back or link.version <= wire.MIN_PROTOCOL_VERSION:
+            return False
+        link.version, link.fell_back = wire.MIN_PROTOCOL_VERSION, True
+        self.rx.stats.add("register_version_fallbacks")
+        log.info(
+            "sender at %s speaks an older protocol: registering at version %d",
+            link.endpoint,
+            link.version,
+        )
+        self.register(link, waited=True)
+        return True
 
     def agent_ready(self) -> None:
         """A spare NIXL agent: links waiting for one register."""
@@ -342,6 +363,8 @@ class Links:
                     # are; its reply says whether it is the same incarnation.
                     link.disconnected = False
                     stats.add("reconnects")
+                    # Maybe another release there now: offer the newest version again.
+                    link.version, link.fell_back = wire.PROTOCOL_VERSION, False
                     self.register(link)
                     if self.links.get(link.endpoint) is not link:
                         return
@@ -427,7 +450,9 @@ class Links:
         try:
             send_bounded(
                 link.dealer,
-                wire.encode(wire.Cancel(request_id=f.request_id, fetch_id=f.fetch_id)),
+                wire.encode(
+                    wire.Cancel(request_id=f.request_id, fetch_id=f.fetch_id), link.version
+                ),
             )
             self.rx.stats.add("cancels_sent")
         except SendTimeout:

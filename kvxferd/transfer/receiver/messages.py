@@ -75,24 +75,39 @@ class Messages:
                 rx.stats.add(f"rejected_{e.reason}")
                 continue
             try:
-                self.on_message(sock, msg, identity)
+                self.on_message(sock, msg, identity, wire.frame_version(body[0]))
             except Exception:
                 rx.guard.caught("rx-io message")
 
-    def on_message(self, sock: zmq.Socket[bytes], msg: wire.ToReceiver, identity: str = "") -> None:
+    def on_message(
+        self,
+        sock: zmq.Socket[bytes],
+        msg: wire.ToReceiver,
+        identity: str = "",
+        version: int = wire.PROTOCOL_VERSION,
+    ) -> None:
+        """One message; ``version``: its frame's (a RegisterReply's is the link's version)."""
         rx = self.rx
         links, fetches = rx.links, rx.fetches
         if isinstance(msg, wire.RegisterReply):
             link = links.by_socket.get(sock)
             if link is not None and sock is link.dealer:
+                link.version = min(version, link.version)  # the sender answers in the lower
                 self.on_register_reply(link, msg)
             else:  # on the result socket: no sender sends one there
                 rx.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
             return
         if isinstance(msg, wire.Reject):
             rx.stats.add(f"peer_rejected_{msg.reason}")
-            log.warning("sender rejected a message: %s %s", msg.reason, msg.detail)
             link = links.by_socket.get(sock)
+            if (
+                msg.reason is Reason.UNSUPPORTED_VERSION
+                and link is not None
+                and sock is link.dealer
+                and links.fall_back(link)
+            ):
+                return  # a sender of the previous release: registering again in its version
+            log.warning("sender rejected a message: %s %s", msg.reason, msg.detail)
             if msg.reason is Reason.NOT_AUTHORIZED and link is not None and sock is link.dealer:
                 self.key_refused(link, msg.detail)
             return

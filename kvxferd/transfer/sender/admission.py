@@ -83,16 +83,27 @@ class Admission:
         self._s = sender
         self.stats = sender.stats
 
-    def on_register(self, routing_id: bytes, msg: wire.Register, identity: str = "") -> None:
-        """Admit ``msg`` (steps 1-4) and reply; a refusal is counted and replied."""
+    def on_register(
+        self,
+        routing_id: bytes,
+        msg: wire.Register,
+        identity: str = "",
+        offered: int = wire.PROTOCOL_VERSION,
+    ) -> None:
+        """Admit ``msg`` (steps 1-4) and reply; a refusal is counted and replied.
+
+        ``offered``: the version byte of its frame; the peer speaks ``wire.negotiate`` of
+        it (recorded on it, counted), the RegisterReply already in that version.
+        """
+        version = wire.negotiate(offered)
         try:
             piece = self._validate(msg)  # 1
             # Read the NIXL agent's name before NIXL loads anything: loading an impostor's
             # metadata under the owner's name would replace the owner's connection details.
             agent = nixl_agent_name(msg.agent_metadata)
-            if not self._incarnations(routing_id, msg, identity, agent):  # 2
+            if not self._incarnations(routing_id, msg, identity, agent, version):  # 2
                 return
-            peer = self.load_peer(routing_id, msg, identity, agent, piece)  # 3
+            peer = self.load_peer(routing_id, msg, identity, agent, piece, version)  # 3
         except Refused as r:
             return self._refuse(routing_id, r.reason, r.detail)
         self._bind(peer)  # 4
@@ -130,7 +141,12 @@ class Admission:
         return None
 
     def _incarnations(
-        self, routing_id: bytes, msg: wire.Register, identity: str, agent: str | None
+        self,
+        routing_id: bytes,
+        msg: wire.Register,
+        identity: str,
+        agent: str | None,
+        version: int = wire.PROTOCOL_VERSION,
     ) -> bool:
         """Step 2: settle the incarnations ``msg`` replaces; False when it was answered here
         (registered again, unchanged); Refused when it may not register."""
@@ -139,7 +155,7 @@ class Admission:
         with s._lock:
             known = s.peers.get(routing_id)
             plan.owner_problem = s.peers.register_problem(routing_id, msg, identity, agent)
-            plan.again = s.peers.is_again(routing_id, msg, agent)
+            plan.again = s.peers.is_again(routing_id, msg, agent, version)
             if plan.owner_problem is None and not plan.again:
                 # Only one process can bind a result endpoint: a new receiver id there (or
                 # on this route) means the old process is gone; what it held is released.
@@ -200,6 +216,7 @@ class Admission:
         identity: str,
         agent: str | None,
         piece: Piece | None,
+        version: int = wire.PROTOCOL_VERSION,
     ) -> Peer:
         """Step 3: the data plane loads the peer's NIXL metadata and prepares its lists.
 
@@ -260,6 +277,7 @@ class Admission:
             identity,  # also the key its result ROUTER presents (CURVE)
             msg.topology if s.topology is not None else None,
             piece,
+            version,
         )
 
     def _bind(self, peer: Peer) -> None:
@@ -269,6 +287,8 @@ class Admission:
             s.peers.add(peer)
         s.peers.seen(peer.routing_id)
         self.stats.add("peers_registered")
+        if peer.version < wire.PROTOCOL_VERSION:
+            self.stats.add("peers_registered_previous_version")
         self.stats.add("registers_accepted")
         log.info("receiver %s registered (results at %s)", peer.receiver_id, peer.result_endpoint)
 

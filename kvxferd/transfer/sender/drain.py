@@ -117,7 +117,9 @@ class Drain:
 
     def _reply_shared(self, peer: Peer, msg: wire._Msg) -> None:
         try:
-            self._s._shared.send(peer.result_endpoint, wire.encode(msg), peer.identity)
+            self._s._shared.send(
+                peer.result_endpoint, wire.encode(msg, peer.version), peer.identity
+            )
         except SendTimeout:
             self.stats.add("send_timeouts")
         except zmq.ZMQError as e:

@@ -66,6 +66,8 @@ class Listener:
         self._reap_at = 0.0  # next orphan reclaim
         self._streams_at = 0.0  # next look for stalled streams (streams.py)
         self._allowed_keys: frozenset[str] = frozenset()  # the allow-list last seen
+        # The version of the frame being handled (this thread's): its answers go in it.
+        self._answering: int | None = None
         self.thread = threading.Thread(target=self._listen, name="kvxferd-listener", daemon=True)
 
     def close_unstarted(self) -> None:
@@ -181,6 +183,12 @@ class Listener:
             if isinstance(msg, wire.Cancel):
                 self._handle_one(routing_id, frame, identity, max_bytes)
                 continue
+            # Answered in its frame's version (one that did not decode: the route's peer's).
+            self._answering = (
+                wire.answer_version(wire.frame_version(frame))
+                if frame is not None and msg is not None
+                else None
+            )
             if isinstance(msg, wire.RequestData):
                 self._refuse_fetch(routing_id, None, msg, Reason.NOT_AUTHORIZED, detail)
                 continue
@@ -196,6 +204,7 @@ class Listener:
             else:
                 reply = wire.Reject(reason=Reason.NOT_AUTHORIZED, detail=detail)
             self.reply(routing_id, reply)
+        self._answering = None
 
     def _tell_revoked(self) -> None:
         """After the allow-list changed: tell each registered peer whose key left it.
@@ -225,6 +234,19 @@ class Listener:
     def _handle_one(
         self, routing_id: bytes, frame: bytes | None, identity: str, max_bytes: int
     ) -> None:
+        """One message; its answers go in its frame's version (the nearest one spoken here;
+        a frame without our header: the version of the peer on the route, if any)."""
+        ours = frame is not None and len(frame) > 2 and frame[:2] == wire.MAGIC
+        offered = wire.frame_version(frame) if frame is not None and ours else 0
+        self._answering = wire.answer_version(offered) if ours else None
+        try:
+            self._handle_message(routing_id, frame, identity, max_bytes, offered)
+        finally:
+            self._answering = None
+
+    def _handle_message(
+        self, routing_id: bytes, frame: bytes | None, identity: str, max_bytes: int, offered: int
+    ) -> None:
         try:
             msg = wire.decode_to_sender([] if frame is None else [frame], max_bytes)
         except ProtocolError as e:
@@ -234,7 +256,7 @@ class Listener:
         self._note_heard(routing_id, identity)
         try:
             if isinstance(msg, wire.Register):
-                self._s.admission.on_register(routing_id, msg, identity)
+                self._s.admission.on_register(routing_id, msg, identity, offered)
             elif isinstance(msg, wire.RequestData):
                 self._on_request(routing_id, msg, identity)
             else:
@@ -252,8 +274,16 @@ class Listener:
             self._s.agents.heard(peer.nixl_name)
 
     def reply(self, routing_id: bytes, msg: wire._Msg) -> None:
-        """Send ``msg`` on the ROUTER to ``routing_id`` (listener thread), never waiting."""
-        if not router_reply(self._router, routing_id, wire.encode(msg)):
+        """Send ``msg`` on the ROUTER to ``routing_id`` (listener thread), never waiting.
+
+        In the version of the frame it answers (``_handle_one``); outside one (housekeeping),
+        in the version negotiated with the peer on that route.
+        """
+        version = self._answering
+        if version is None:
+            peer = self._s.peers.get(routing_id)
+            version = wire.PROTOCOL_VERSION if peer is None else peer.version
+        if not router_reply(self._router, routing_id, wire.encode(msg, version)):
             self.stats.add("reply_dropped")
 
     # -- RequestData and Cancel ------------------------------------------------------------

@@ -89,12 +89,20 @@ class PeerTable:
             return f"result_endpoint {msg.result_endpoint} is registered by another identity"
         return None
 
-    def is_again(self, routing_id: bytes, msg: wire.Register, agent: str | None) -> bool:
-        """True when ``msg`` registers again the peer already on this route, unchanged."""
+    def is_again(
+        self,
+        routing_id: bytes,
+        msg: wire.Register,
+        agent: str | None,
+        version: int = wire.PROTOCOL_VERSION,
+    ) -> bool:
+        """True when ``msg`` registers again the peer already on this route, unchanged
+        (in the same negotiated version)."""
         known = self._peers.get(routing_id)
         return (
             known is not None
             and known.receiver_id == msg.receiver_id
+            and known.version == version
             and known.topology == msg.topology
             and (agent is None or known.nixl_name == agent)
         )
