@@ -5,9 +5,12 @@ for a request not published here (parked ones get it at once); Registers are sti
 and a fetch of a request published before the drain is attached and served::
 
     0. draining set (under the registry lock: publish and parking check it there)
-    1. parked fetches refused ``draining`` (the SharedDealerPool, bounded by the deadline)
+    1. parked fetches refused ``draining`` (the SharedDealerPool, bounded by the deadline);
+       then the handover: requests no fetch touched offered to ``[handover] targets``
+       (handover.py), which fetch them from here
     2. wait, up to ``drain_timeout_ms``, until every published request ended (fetched, or
-       expired by its TTL) and no slice is queued or writing
+       expired by its TTL, or moved) and no slice is queued or writing; the moved requests'
+       receivers are told (``Moved``) and redirects answered up to ``redirect_window_ms``
     3. what is still open ends ``failed``/``shutting_down``; workers refuse its queued writes
     4. threads stopped, each join bounded by what is left
     5. memory deregistered only when no write is in flight
@@ -115,7 +118,7 @@ class Drain:
             doubt,
         )
 
-    def _reply_shared(self, peer: Peer, msg: wire._Msg) -> None:
+    def reply_shared(self, peer: Peer, msg: wire._Msg) -> None:
         try:
             self._s._shared.send(peer.result_endpoint, wire.encode(msg), peer.identity)
         except SendTimeout:
@@ -139,7 +142,7 @@ class Drain:
                 self.stats.add("shutdown_refusals_skipped")
                 continue
             self.stats.add(f"rejected_{Reason.DRAINING}")
-            self._reply_shared(
+            self.reply_shared(
                 p.peer,
                 wire.Result(
                     request_id=p.msg.request_id,
@@ -149,6 +152,9 @@ class Drain:
                     detail="sender is draining: request not published here",
                 ),
             )
+        # 1b. hand what no fetch touched yet to another sender (handover.py)
+        handover = s.handover
+        handover.offer(drain_deadline)
         unfetched, attached = self.open_requests()
         if unfetched or attached:
             log.info(
@@ -173,7 +179,12 @@ class Drain:
         busy = open_work()  # checked once even when drain_timeout_ms is 0
         while busy and time.monotonic() < drain_deadline:
             time.sleep(0.01)  # poll: no event covers "every slice of every session"
+            handover.settle()
             busy = open_work()
+        handover.settle()
+        handover.give_up()
+        # 2b. moved requests: tell the receivers, answer redirects for a short window
+        handover.tell_and_wait(deadline - join_reserve)
         # 3. the drain deadline: end what is still open; workers refuse its queued writes
         with s._lock:
             sessions = list(s.published.sessions.values())
@@ -181,6 +192,8 @@ class Drain:
             if not x.ended:
                 self._drain_end(x, "still open at the drain deadline (drain_timeout_ms)")
         # 4. stop threads, each join bounded by what is left
+        if s.adopt is not None:  # requests adopted from another sender: its own receiver
+            s.adopt.close(max(0.0, deadline - time.monotonic() - join_reserve / 2))
         for w in s._workers:
             w.queue.put(STOP)
         s._stopping.set()
@@ -215,6 +228,7 @@ class Drain:
             never_fetched=never,
             transfers_cut=cut,
             requests_in_doubt=in_doubt,
+            moved=handover.moved,
         )
         log.info("sender shutdown: %s", report)
         return report

@@ -8,7 +8,8 @@ and calls, iohooks.py), and drives the inline worker each turn. Each turn::
     the inline worker's step -> housekeeping -> the hooks' timers
 
 Message dispatch: REGISTER -> :class:`~kvxferd.transfer.sender.admission.Admission`;
-REQUEST_DATA -> its deadline (``timeout_ms``, ``deadline_unix_ms``), then attached to
+HANDOVER -> the adopter's reply (adopt.py); REQUEST_DATA of a request this drain moved
+-> ``Result{failed, moved, moved_to}`` (handover.py); REQUEST_DATA -> its deadline (``timeout_ms``, ``deadline_unix_ms``), then attached to
 its published request (published.py) or parked until publish (parked.py), queued on
 the pair's lane (``Sender._lane_for``); CANCEL -> admission ended, acked through the
 lane (after the slice's own Result). A key removed from the allow-list is answered
@@ -41,6 +42,7 @@ from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.control import bind_router, router_reply
 from kvxferd.transfer.layout import Layout, check_blocks, check_layers
 from kvxferd.transfer.poller import Poller, tight_timers
+from kvxferd.transfer.sender.adopt import adopt_reply
 from kvxferd.transfer.sender.parked import Parked
 from kvxferd.transfer.worker import STOP, TICK_S, AckTask, Peer, WriteTask
 
@@ -237,6 +239,8 @@ class Listener:
                 self._s.admission.on_register(routing_id, msg, identity)
             elif isinstance(msg, wire.RequestData):
                 self._on_request(routing_id, msg, identity)
+            elif isinstance(msg, wire.Handover):  # another sender drains (sender/adopt.py)
+                self.reply(routing_id, adopt_reply(self._s, msg))
             else:
                 self._on_cancel(routing_id, msg, identity)
         except Exception:  # a bug on one message must not kill the listener
@@ -288,6 +292,22 @@ class Listener:
                 Reason.TIMEOUT,
                 "the fetch's deadline passed before it was read",
             )
+        moved_to = s.handover.moved_to(msg.request_id) if getattr(peer, "version", 4) >= 4 else None
+        if moved_to is not None:  # handed over by this drain (handover.py): nothing written
+            self.stats.add("moved_redirects")
+            self.stats.add(f"rejected_{Reason.MOVED}")
+            self.reply(
+                routing_id,
+                wire.Result(
+                    request_id=msg.request_id,
+                    fetch_id=msg.fetch_id,
+                    status="failed",
+                    reason=Reason.MOVED,
+                    detail="the draining sender handed this request over",
+                    moved_to=moved_to,
+                ),
+            )
+            return None
         outcome: WriteTask | wire.Result | None = None
         with s._lock:
             key = (peer.receiver_id, msg.fetch_id)
