@@ -427,6 +427,12 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         metric="kvxferd_handover_requests",
         values=HANDOVER_RESULTS,
     ),
+    _c("adopt_blocks_taken", _S, "Reserved blocks taken for adopted requests (adopt_blocks)"),
+    _c(
+        "adopt_blocks_returned",
+        _S,
+        "Reserved blocks free again (the adopted publish ended, or its fetch failed)",
+    ),
     _c("moved_redirects", _S, "Fetches of a moved request answered with its new sender (moved)"),
     _c("moved_told", _S, "Moved messages a draining sender sent to its receivers"),
     _c("fetches_redirected", _R, "Fetches re-sent to the sender a moved request went to"),

@@ -168,6 +168,7 @@ class Adopter:
                 )
                 self.stats.add("handover_adopt_refused")
                 continue
+            self.stats.add("adopt_blocks_taken", int(blocks.size))
             a = Adopted(item, blocks, accepted_at=time.monotonic())
             with self._lock:
                 self._adopted[item.request_id] = a
@@ -278,6 +279,7 @@ class Adopter:
             self.stats.add("handover_adopt_failed")
         if reusable:
             self.blocks.give_back(a.blocks)
+            self.stats.add("adopt_blocks_returned", int(a.blocks.size))
 
     def close(self, timeout: float) -> None:
         """Stop the thread and shut the embedded receiver down, within ``timeout``."""

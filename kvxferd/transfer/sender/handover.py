@@ -200,6 +200,8 @@ class Handover:
         """Offered requests whose move ended: moved (the target's fetch is done) or kept."""
         with self._lock:
             offered = list(self._offered.items())
+        if not offered:
+            return
         for rid, (x, target, receiver_id) in offered:
             mine = [sl for sl in x.slices() if sl.peer_id == receiver_id]
             if any(sl.state is SliceState.DONE for sl in mine):
@@ -218,6 +220,17 @@ class Handover:
                     del self._offered[rid]
                 self.stats.add("handover_kept")
                 log.warning("handover: %s not moved to %s; it stays here", rid, target)
+        with self._lock:
+            settled = not self._offered
+            moved = len(self._moved)
+        if settled:
+            log.info(
+                "handover: %d request%s moved (%d bytes) in %.3f s",
+                moved,
+                "" if moved == 1 else "s",
+                self.moved_bytes,
+                max(0.0, self.moved_at - self.started_at),
+            )
 
     def give_up(self) -> None:
         """The drain deadline: offered requests not moved stay here (counted kept)."""
@@ -235,13 +248,6 @@ class Handover:
             moved = dict(self._moved)
         if not moved:
             return
-        log.info(
-            "handover: %d request%s moved (%d bytes) in %.3f s",
-            len(moved),
-            "" if len(moved) == 1 else "s",
-            self.moved_bytes,
-            max(0.0, self.moved_at - self.started_at),
-        )
         now = time.monotonic()
         by_target: dict[str, list[wire.MovedItem]] = {}
         for rid, (target, until) in moved.items():
@@ -257,6 +263,10 @@ class Handover:
                     msg = wire.Moved(endpoint=target, items=items[i : i + MOVED_BATCH])
                     s.drain.reply_shared(p, msg)
                     self.stats.add("moved_told")
+        log.info(
+            "handover: receivers told; answering redirects for up to %d ms",
+            s.settings.handover.redirect_window_ms,
+        )
         window = min(deadline, time.monotonic() + s.settings.handover.redirect_window_ms / 1000)
         while time.monotonic() < window:
             with self._lock:

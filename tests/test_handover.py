@@ -1,0 +1,234 @@
+"""Scale-down without loss: a draining sender hands its unfetched requests to another one.
+
+Real daemons (SIGTERM), real ZMQ, real NIXL (UCX over DRAM): the draining sender D
+offers what no fetch touched to the sender T named in ``[handover] targets``; T fetches
+each one it accepts into its reserved blocks (``adopt_blocks``) with kvxferd's receiver
+core and publishes it again under the same id and token; a receiver that asks D is
+redirected to T (a ``Moved`` message, or a ``moved`` Result). With no target it behaves
+as before and says so. Daemons log JSON so each stderr line is read as fields.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvxferd.engine.client import Client, EngineRejected
+from kvxferd.engine.engine_protocol import EngineReason
+from tests import test_daemon as td
+from tests import test_drain as tdr
+from tests.support.conditions import wait_until
+from tests.support.peers import request_content
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+LAYERS, BLOCKS, BLOCK_BYTES = 2, 4, 16 << 10  # 128 KiB per request
+POOL_BLOCKS = 512
+N = 50
+ADOPT_BLOCKS = 256  # T's top half: room for 64 requests of 4 blocks
+CALL_S = 20.0
+
+sock_dir = tdr.sock_dir
+spawn = tdr.spawn
+
+
+@pytest.fixture
+def engines() -> Iterator[td.Engines]:
+    e = td.Engines()
+    yield e
+    e.close()
+
+
+def env(**extra: str | int) -> dict[str, str]:
+    settings: dict[str, str | int] = {
+        "KVXFERD_POOL__NUM_LAYERS": LAYERS,
+        "KVXFERD_POOL__NUM_BLOCKS": POOL_BLOCKS,
+        "KVXFERD_POOL__BLOCK_ELEMS": BLOCK_BYTES,
+        "KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS": 30_000,
+        "KVXFERD_DEADLINES__SHUTDOWN_TIMEOUT_MS": 45_000,
+        "KVXFERD_DEADLINES__KV_TRANSFER_TIMEOUT_MS": 20_000,
+        "KVXFERD_SERVICE__LOG_JSON": "true",
+    }
+    return td.daemon_env(**{**settings, **extra})
+
+
+def blocks_of(i: int) -> list[int]:
+    return list(range(i * BLOCKS, (i + 1) * BLOCKS))
+
+
+def content(rid: str) -> torch.Tensor:
+    return request_content(rid, LAYERS, BLOCKS, BLOCK_BYTES)
+
+
+def publish(ct: Client, pt: torch.Tensor, ids: list[str]) -> dict[str, str]:
+    """Write each request's bytes into its blocks, publish it with a fetch token; the tokens."""
+    tokens = {}
+    for i, rid in enumerate(ids):
+        pt[:, blocks_of(i)] = content(rid)
+        tokens[rid] = ct.publish_for(rid, blocks_of(i), aux=rid.encode(), token=True).token
+    return tokens
+
+
+def fetch_all(
+    cr: Client, pr: torch.Tensor, endpoint: str, ids: list[str], tokens: dict[str, str]
+) -> None:
+    """Fetch each request from ``endpoint``; every one done, byte-exact, aux included."""
+    handles = [
+        cr.fetch(rid, endpoint, blocks_of(i), token=tokens[rid]) for i, rid in enumerate(ids)
+    ]
+    deadline = time.monotonic() + CALL_S
+    for i, (rid, h) in enumerate(zip(ids, handles, strict=True)):
+        out = cr.wait(h, max(0.1, deadline - time.monotonic()))
+        assert out is not None and out.state == "done", (rid, out)
+        assert torch.equal(pr[:, blocks_of(i)], content(rid)), f"{rid}: bytes differ"
+        assert out.aux == rid.encode(), (rid, out.aux)
+        cr.close(h, 5.0)
+
+
+def events(d: td.DaemonProcess) -> list[str]:
+    return [str(e.get("event", "")) for e in tdr.log_lines(d)]
+
+
+def wait_event(d: td.DaemonProcess, pattern: str, timeout: float) -> re.Match[str]:
+    found: list[re.Match[str]] = []
+
+    def seen() -> bool:
+        found[:] = [m for e in events(d) if (m := re.search(pattern, e))]
+        return bool(found)
+
+    wait_until(seen, timeout, f"{d.name} logs {pattern!r}")
+    return found[0]
+
+
+def counter(d: td.DaemonProcess, family: str, **labels: str) -> float:
+    fam = td.metrics(d.probe_port)[family]
+    return float(
+        sum(
+            s.value
+            for s in fam.samples
+            if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+    )
+
+
+def test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0(
+    spawn: td.Spawn, engines: td.Engines
+) -> None:
+    """50 requests published with tokens and unfetched at SIGTERM: D hands them to T, a receiver that asks D gets all 50 byte-exact from T, D exits 0 saying 50 moved, T's reserved blocks are free again, and a fetch at T with a wrong token is refused."""
+    t = spawn("sender", "t", env(KVXFERD_HANDOVER__ADOPT_BLOCKS=ADOPT_BLOCKS))
+    t.wait_ready()
+    d = spawn(
+        "sender",
+        "d",
+        env(
+            KVXFERD_HANDOVER__TARGETS=f'["{t.endpoint}"]',
+            KVXFERD_HANDOVER__REDIRECT_WINDOW_MS=3000,
+        ),
+    )
+    r = spawn("receiver", "r", env())
+    d.wait_ready(), r.wait_ready()
+    cd, pd = engines.client(d)
+    ctt, _ = engines.client(t)
+    cr, pr = engines.client(r)
+    # An engine publish naming a reserved block is refused.
+    with pytest.raises(EngineRejected) as e:
+        ctt.publish("reserved", [POOL_BLOCKS - 1])
+    assert e.value.reason is EngineReason.BAD_BLOCKS, e.value
+    # The receiver has talked to D before.
+    warm = publish(cd, pd, ["warm-up"])
+    fetch_all(cr, pr, d.endpoint, ["warm-up"], warm)
+    ids = [f"req-{i}" for i in range(N)]
+    tokens = publish(cd, pd, ids)
+    t0 = d.signal(signal.SIGTERM)
+    m = wait_event(d, r"^handover: (\d+) requests? moved \((\d+) bytes\) in ([0-9.]+) s", 60.0)
+    moved_at = time.monotonic()
+    assert int(m.group(1)) == N, m.group(0)
+    # The moved requests keep their tokens at T.
+    h = cr.fetch(ids[0], t.endpoint, blocks_of(N), token="wrong-token-0123456789")
+    out = cr.wait(h, CALL_S)
+    assert out is not None and out.state == "failed" and out.reason == "not_authorized", out
+    cr.close(h, 5.0)
+    # The receiver asks D's endpoint: all 50 come from T.
+    t1 = time.monotonic()
+    fetch_all(cr, pr, d.endpoint, ids, tokens)
+    fetched_s = time.monotonic() - t1
+    code, elapsed = d.wait_exit(60.0)
+    assert code == 0, d.describe()
+    last = tdr.last_event(d)
+    assert re.match(
+        r"^drain complete: 0 published requests never fetched, 0 transfers cut, 0 in doubt, "
+        rf"{N} moved; exit 0",
+        last,
+    ), last
+    assert counter(r, "kvxferd_moved_followed") + counter(r, "kvxferd_fetches_redirected") >= N
+    assert counter(t, "kvxferd_handover_requests", result="adopted") == N
+    wait_until(
+        lambda: counter(t, "kvxferd_adopt_blocks_returned") == N * BLOCKS,
+        10.0,
+        "T's reserved blocks are free again",
+    )
+    assert counter(t, "kvxferd_adopt_blocks_taken") == N * BLOCKS
+    print(
+        f"\n[handover] {N} requests, {m.group(2)} bytes moved in {m.group(3)} s "
+        f"(SIGTERM to moved: {moved_at - t0:.2f} s); fetched from T in {fetched_s:.2f} s; "
+        f"D exited {code} after {elapsed:.2f} s"
+    )
+
+
+def test_a_target_with_too_few_blocks_takes_some_and_the_rest_stay_with_the_draining_sender(
+    spawn: td.Spawn, engines: td.Engines
+) -> None:
+    """T has room for 3 of 5: those 3 move, 2 stay with D; a receiver that never talked to D gets the moved ones by a moved Result redirect and the others from D, all byte-exact, and D exits 0 saying 3 moved."""
+    t = spawn("sender", "t", env(KVXFERD_HANDOVER__ADOPT_BLOCKS=3 * BLOCKS))
+    t.wait_ready()
+    d = spawn("sender", "d", env(KVXFERD_HANDOVER__TARGETS=f'["{t.endpoint}"]'))
+    r = spawn("receiver", "r", env())
+    d.wait_ready(), r.wait_ready()
+    cd, pd = engines.client(d)
+    cr, pr = engines.client(r)
+    ids = [f"part-{i}" for i in range(5)]
+    tokens = publish(cd, pd, ids)
+    d.signal(signal.SIGTERM)
+    m = wait_event(d, r"^handover: (\d+) requests? moved", 60.0)
+    assert int(m.group(1)) == 3, m.group(0)
+    assert any(re.search(r"3 requests offered and taken, 2 kept here", e) for e in events(d))
+    fetch_all(cr, pr, d.endpoint, ids, tokens)
+    assert counter(r, "kvxferd_fetches_redirected") == 3
+    code, _ = d.wait_exit(60.0)
+    assert code == 0, d.describe()
+    assert re.search(r"0 in doubt, 3 moved; exit 0", tdr.last_event(d)), tdr.last_event(d)
+
+
+def test_with_no_target_reachable_the_drain_behaves_as_before_and_says_so(
+    spawn: td.Spawn, engines: td.Engines
+) -> None:
+    """The only target does not answer: the handover says no target was reachable, the unfetched requests are dropped at drain_timeout_ms as before, and D exits 3."""
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    d = spawn(
+        "sender",
+        "d",
+        env(
+            KVXFERD_HANDOVER__TARGETS=f'["{dead}"]',
+            KVXFERD_HANDOVER__REPLY_TIMEOUT_MS=500,
+            KVXFERD_DEADLINES__DRAIN_TIMEOUT_MS=1500,
+            KVXFERD_DEADLINES__SHUTDOWN_TIMEOUT_MS=4000,
+        ),
+    )
+    d.wait_ready()
+    cd, pd = engines.client(d)
+    publish(cd, pd, ["kept-0", "kept-1"])
+    d.signal(signal.SIGTERM)
+    code, _ = d.wait_exit(10.0)
+    assert code == 3, d.describe()
+    assert any(
+        "0 requests offered and taken, 2 kept here (no target reachable)" in e for e in events(d)
+    )
+    assert tdr.sender_counts(d) == ("incomplete", 2, 0, 0, 3)
