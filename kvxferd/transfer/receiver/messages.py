@@ -93,14 +93,8 @@ class Messages:
             else:  # on the result socket: no sender sends one there
                 rx.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
             return
-        if isinstance(msg, wire.Moved):
-            if sock is rx._router:
-                self.on_moved(msg, identity)
-            else:
-                rx.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
-            return
-        if isinstance(msg, wire.HandoverReply):  # only a draining sender's DEALER gets one
-            rx.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
+        if isinstance(msg, wire.Moved | wire.HandoverReply):
+            self.on_moved(sock, msg, identity)
             return
         if isinstance(msg, wire.Reject):
             rx.stats.add(f"peer_rejected_{msg.reason}")
@@ -154,14 +148,20 @@ class Messages:
             f, msg.status, msg.reason, msg.detail, msg.nbytes, msg.aux_bytes, msg.digest
         )
 
-    def on_moved(self, msg: wire.Moved, identity: str) -> None:
+    def on_moved(
+        self, sock: zmq.Socket[bytes], msg: wire.Moved | wire.HandoverReply, identity: str
+    ) -> None:
         """A draining sender says where its requests went: remember them (moved.py).
 
-        Taken only from a sender this receiver registered with (a link at some endpoint
-        whose server key is ``identity``; with security off, any link): the entries are
-        keyed by that link's endpoint, so nobody can redirect another sender's requests.
+        Taken only on the result socket, from a sender this receiver registered with (a
+        link at some endpoint whose server key is ``identity``; with security off, any
+        link): the entries are keyed by that link's endpoint, so nobody can redirect
+        another sender's requests. A HandoverReply is for a draining sender's own DEALER.
         """
         rx = self.rx
+        if not isinstance(msg, wire.Moved) or sock is not rx._router:
+            rx.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
+            return
         olds = [
             link.endpoint
             for link in rx.links.links.values()
