@@ -88,6 +88,7 @@ JOURNAL = "tests/test_journal.py::"
 READINESS = "tests/test_readiness.py::"
 DRAIN = "tests/test_drain.py::"
 DISCOVERY_DAEMONS = "tests/test_discovery_daemons.py::"
+HANDOVER = "tests/test_handover.py::"
 INCARNATIONS = "tests/test_incarnations.py::"
 FUZZ = "tests/test_fuzz_frames.py::"
 
@@ -1951,6 +1952,98 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_vllm_topology.py::"
             "test_a_decode_abort_mid_stream_ends_it_and_frees_both_sides",
         ),
+    ),
+    Mutant(
+        "issue26-moved-fetch-not-redirected",
+        "a draining sender serves (or refuses) a fetch of a request it handed over instead of"
+        " answering moved with its new sender",
+        (
+            Edit(
+                "kvxferd/transfer/sender/listener.py",
+                'moved_to = s.handover.moved_to(msg.request_id) if getattr(peer, "version", 4) >= 4 else None',
+                "moved_to = None",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_target_with_too_few_blocks_takes_some_and_the_rest_stay_with_the_draining_sender",
+        ),
+    ),
+    Mutant(
+        "issue26-receiver-ignores-moved",
+        "a receiver whose fetch is answered moved ends it failed instead of following it",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/messages.py",
+                'if msg.status == "failed" and msg.reason is Reason.MOVED and self.follow_moved(f, msg):',
+                "if False:",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_target_with_too_few_blocks_takes_some_and_the_rest_stay_with_the_draining_sender",
+        ),
+    ),
+    Mutant(
+        "issue26-adopted-without-token",
+        "the adopting sender publishes a moved request without its fetch token",
+        (
+            Edit(
+                "kvxferd/transfer/sender/adopt.py",
+                "token=item.token or None,",
+                "token=None,",
+            ),
+        ),
+        (HANDOVER + "test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0",),
+    ),
+    Mutant(
+        "issue26-engine-publishes-into-reserved-blocks",
+        "an engine publish naming a block reserved for adopted requests is taken",
+        (
+            Edit(
+                "kvxferd/transfer/sender/api.py",
+                "self.adopt.refuse_reserved(blocks)",
+                "pass",
+            ),
+        ),
+        (HANDOVER + "test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0",),
+    ),
+    Mutant(
+        "issue26-reserved-blocks-never-freed",
+        "the reserved blocks of an adopted request stay taken after its publish ended",
+        (
+            Edit(
+                "kvxferd/transfer/sender/adopt.py",
+                "if session.ended and session.drained:",
+                "if False:",
+            ),
+        ),
+        (HANDOVER + "test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0",),
+    ),
+    Mutant(
+        "issue26-moved-before-the-target-has-it",
+        "a request counts as moved once the target's fetch is attached, before its bytes are there",
+        (
+            Edit(
+                "kvxferd/transfer/sender/handover.py",
+                "if any(sl.state is SliceState.DONE for sl in mine):",
+                "if mine:",
+            ),
+        ),
+        (HANDOVER + "test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0",),
+    ),
+    Mutant(
+        "issue26-no-target-claims-moved",
+        "with no target reachable the handover stops without saying so: the operator is not"
+        " told the drain keeps (and drops) the requests as before",
+        (
+            Edit(
+                "kvxferd/transfer/sender/handover.py",
+                "            if reply is None:\n                continue",
+                "            if reply is None:\n                return",
+            ),
+        ),
+        (HANDOVER + "test_with_no_target_reachable_the_drain_behaves_as_before_and_says_so",),
     ),
 )
 

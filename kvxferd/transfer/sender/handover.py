@@ -75,20 +75,21 @@ class Handover:
             return entry[0]
 
     # -- the offer ---------------------------------------------------------------------------
-    def candidates(self) -> list[TxSession]:
+    def candidates(self) -> list[tuple[TxSession, str]]:
+        """(session, its fetch token or "") of each request that may be offered."""
         s = self._s
         with s._lock:
             sessions = list(s.published.live.values())
             grants = dict(s.published.grants)
-        return [
-            x
-            for x in sessions
-            if not x.ended
-            and not x.slices()
-            and x.expected_fetches >= 1
-            and not x.streaming
-            and not (grants.get(x.session_id) and grants[x.session_id].allowed)
-        ]
+        out = []
+        for x in sessions:
+            grant = grants.get(x.session_id)
+            if grant is not None and grant.allowed:
+                continue  # only the receivers it names may fetch it: not the target
+            if x.ended or x.slices() or x.expected_fetches < 1 or x.streaming:
+                continue
+            out.append((x, grant.token.decode() if grant is not None and grant.token else ""))
+        return out
 
     def offer(self, deadline: float) -> None:
         """Offer every candidate to the targets in turn, within ``deadline``; logs the result."""
@@ -117,12 +118,12 @@ class Handover:
             answered = True
             taken = set(reply.accepted)
             with self._lock:
-                for x in left:
+                for x, _ in left:
                     if x.request_id in taken:
                         self._offered[x.request_id] = (x, target, reply.receiver_id)
             for r in reply.refused[:3]:
                 log.info("handover: %s refused %s: %s %s", target, r.request_id, r.reason, r.detail)
-            left = [x for x in left if x.request_id not in taken]
+            left = [(x, t) for x, t in left if x.request_id not in taken]
         with self._lock:
             offered = len(self._offered)
         if left:
@@ -136,15 +137,13 @@ class Handover:
         )
 
     def _ask(
-        self, target: str, sessions: list[TxSession], deadline: float
+        self, target: str, sessions: list[tuple[TxSession, str]], deadline: float
     ) -> wire.HandoverReply | None:
         """One Handover to ``target`` and its reply, or None (unreachable, refused, late)."""
         s = self._s
         now = time.monotonic()
         items = []
-        for x in sessions[:4096]:
-            grant = s.published.grants.get(x.session_id)
-            token = grant.token.decode() if grant is not None and grant.token else ""
+        for x, token in sessions[:4096]:
             items.append(
                 wire.HandoverItem(
                     request_id=x.request_id,
@@ -210,7 +209,7 @@ class Handover:
                 with self._lock:
                     del self._offered[rid]
                     self._moved[rid] = (target, x.ttl_deadline)
-                    self.moved_bytes += sum(sl.nbytes for sl in mine) + x.aux_len
+                    self.moved_bytes += sum(sl.nbytes for sl in mine)  # aux included
                 self.moved_at = time.monotonic()
                 self.stats.add("handover_moved")
             elif x.ended or any(
