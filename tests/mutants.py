@@ -2045,6 +2045,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (HANDOVER + "test_with_no_target_reachable_the_drain_behaves_as_before_and_says_so",),
     ),
+    Mutant(
+        "issue26-adopt-blocks-whole-pool-starts",
+        "a sender whose adopt_blocks leaves no block for the engine gets past the start-up checks",
+        (
+            Edit(
+                "kvxferd/service/preflight.py",
+                "if adopt >= settings.pool.num_blocks:",
+                "if False:",
+            ),
+        ),
+        (PREFLIGHT + "test_adopt_blocks_taking_the_whole_pool_exits_2",),
+    ),
 )
 
 
