@@ -2057,6 +2057,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (PREFLIGHT + "test_adopt_blocks_taking_the_whole_pool_exits_2",),
     ),
+    Mutant(
+        "issue26-moved-entry-never-expires",
+        "a receiver keeps following a moved entry after its TTL",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/moved.py",
+                "if entry[1] <= now:",
+                "if False:",
+            ),
+        ),
+        (HANDOVER + "test_the_moved_table_follows_an_entry_until_its_ttl_and_stays_bounded",),
+    ),
 )
 
 

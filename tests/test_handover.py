@@ -21,12 +21,12 @@ import torch
 
 from kvxferd.engine.client import Client, EngineRejected
 from kvxferd.engine.engine_protocol import EngineReason
+from kvxferd.transfer.receiver.moved import MovedTable
+from kvxferd.transfer.sender.adopt import AdoptBlocks
 from tests import test_daemon as td
 from tests import test_drain as tdr
 from tests.support.conditions import wait_until
 from tests.support.peers import request_content
-
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 LAYERS, BLOCKS, BLOCK_BYTES = 2, 4, 16 << 10  # 128 KiB per request
 POOL_BLOCKS = 512
@@ -117,6 +117,8 @@ def counter(d: td.DaemonProcess, family: str, **labels: str) -> float:
     )
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(240)
 def test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0(
     spawn: td.Spawn, engines: td.Engines
 ) -> None:
@@ -181,6 +183,8 @@ def test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0(
     )
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(240)
 def test_a_target_with_too_few_blocks_takes_some_and_the_rest_stay_with_the_draining_sender(
     spawn: td.Spawn, engines: td.Engines
 ) -> None:
@@ -205,6 +209,8 @@ def test_a_target_with_too_few_blocks_takes_some_and_the_rest_stay_with_the_drai
     assert re.search(r"0 in doubt, 3 moved; exit 0", tdr.last_event(d)), tdr.last_event(d)
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(240)
 def test_with_no_target_reachable_the_drain_behaves_as_before_and_says_so(
     spawn: td.Spawn, engines: td.Engines
 ) -> None:
@@ -232,3 +238,36 @@ def test_with_no_target_reachable_the_drain_behaves_as_before_and_says_so(
         "0 requests offered and taken, 2 kept here (no target reachable)" in e for e in events(d)
     )
     assert tdr.sender_counts(d) == ("incomplete", 2, 0, 0, 3)
+
+
+# -- the tables, on their own --------------------------------------------------------------
+
+
+def test_the_moved_table_follows_an_entry_until_its_ttl_and_stays_bounded() -> None:
+    """A learnt move redirects fetches toward the old endpoint only, until its TTL; the oldest entry goes first beyond the bound."""
+    t = MovedTable(max_entries=2)
+    t.learn("tcp://d:1", "a", "tcp://t:2", 30.0)
+    t.learn("tcp://d:1", "b", "tcp://t:2", 0.05)
+    assert t.target("tcp://d:1", "a") == "tcp://t:2"
+    assert t.target("tcp://other:1", "a") is None  # only the sender that said so
+    wait_until(lambda: t.target("tcp://d:1", "b") is None, 5.0, "the short entry expires")
+    t.learn("tcp://d:1", "c", "tcp://t:2", 30.0)
+    t.learn("tcp://d:1", "e", "tcp://t:2", 30.0)
+    assert len(t) == 2
+    assert t.target("tcp://d:1", "a") is None  # the oldest went first
+    assert t.target("tcp://d:1", "e") == "tcp://t:2"
+    t.learn("tcp://t:2", "x", "tcp://t:2", 30.0)  # a move to itself is no move
+    assert t.target("tcp://t:2", "x") is None
+
+
+def test_reserved_blocks_are_taken_whole_and_come_back() -> None:
+    """The reserved blocks are handed out only when all of a request's blocks are free, never twice, and come back."""
+    b = AdoptBlocks(first=100, count=8)
+    one = b.take(5)
+    assert one is not None and sorted(one.tolist()) == [100, 101, 102, 103, 104]
+    assert b.take(4) is None  # 3 left: nothing partial
+    two = b.take(3)
+    assert two is not None and set(two.tolist()).isdisjoint(one.tolist())
+    assert b.free == 0
+    b.give_back(one)
+    assert b.free == 5
