@@ -2069,6 +2069,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (HANDOVER + "test_the_moved_table_follows_an_entry_until_its_ttl_and_stays_bounded",),
     ),
+    Mutant(
+        "issue26-failed-adopt-keeps-its-blocks",
+        "the reserved blocks of an adopt fetch that failed (no write in flight) never come back",
+        (
+            Edit(
+                "kvxferd/transfer/sender/adopt.py",
+                "elif f.blocks_reusable:",
+                "elif False:",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_target_whose_fetch_fails_frees_its_blocks_and_the_request_stays_with_the_drain",
+        ),
+    ),
 )
 
 

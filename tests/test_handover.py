@@ -211,6 +211,48 @@ def test_a_target_with_too_few_blocks_takes_some_and_the_rest_stay_with_the_drai
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
+def test_a_target_whose_fetch_fails_frees_its_blocks_and_the_request_stays_with_the_drain(
+    spawn: td.Spawn, engines: td.Engines
+) -> None:
+    """T takes 2 requests but its fetch from D is refused (its pool's blocks are another size): T counts them adopt_failed and its reserved blocks come back, D keeps them and serves them to a receiver during its drain, byte-exact, and exits 0 with nothing moved."""
+    t = spawn(
+        "sender",
+        "t",
+        env(KVXFERD_HANDOVER__ADOPT_BLOCKS=64, KVXFERD_POOL__BLOCK_ELEMS=BLOCK_BYTES // 2),
+    )
+    t.wait_ready()
+    d = spawn("sender", "d", env(KVXFERD_HANDOVER__TARGETS=f'["{t.endpoint}"]'))
+    r = spawn("receiver", "r", env())
+    d.wait_ready(), r.wait_ready()
+    cd, pd = engines.client(d)
+    cr, pr = engines.client(r)
+    ids = ["fail-0", "fail-1"]
+    tokens = publish(cd, pd, ids)
+    d.signal(signal.SIGTERM)
+    wait_event(d, r"^handover: 2 requests offered and taken, 0 kept here", 60.0)
+    wait_until(
+        lambda: counter(t, "kvxferd_handover_requests", result="adopt_failed") == 2,
+        30.0,
+        "T's fetches failed",
+    )
+    wait_until(
+        lambda: counter(t, "kvxferd_adopt_blocks_returned") == 2 * BLOCKS,
+        10.0,
+        "T's reserved blocks are free again",
+    )
+    assert counter(t, "kvxferd_handover_requests", result="adopted") == 0
+    fetch_all(cr, pr, d.endpoint, ids, tokens)
+    code, _ = d.wait_exit(60.0)
+    assert code == 0, d.describe()
+    last = tdr.last_event(d)
+    assert re.match(
+        r"^drain complete: 0 published requests never fetched, 0 transfers cut, 0 in doubt; exit 0",
+        last,
+    ), last
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
 def test_with_no_target_reachable_the_drain_behaves_as_before_and_says_so(
     spawn: td.Spawn, engines: td.Engines
 ) -> None:
