@@ -25,6 +25,10 @@ Threads and what each owns::
                                                             receiver: a frozen receiver holds only its
                                                             own lane); exactly one notification or Result
                                                             per slice (see worker.py)
+    kvxferd-adopt       the adopted requests (adopt.py)     with ``[handover] adopt_blocks`` only: follows
+                        and an embedded receiver core       the fetches of requests another sender hands
+                                                            over, publishes each once done, frees its
+                                                            reserved blocks when that publish ended
     API callers         nothing long-lived                  publish / cancel / close / shutdown; publish
                                                             hands refusals to workers and never sends;
                                                             shutdown's parked refusals go through the
