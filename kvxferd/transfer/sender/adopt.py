@@ -17,7 +17,11 @@ One request's reserved blocks (``AdoptBlocks``; the ``kvxferd-adopt`` thread mov
     published --the publish ended (fetched, expired, cancelled) and drained--> free
 
 A request refused (not enough free blocks, a layer count or aux size this pool cannot
-take, already published here, this sender draining) stays with the draining sender.
+take, no aux slot free for its publish, already published here, this sender draining)
+stays with the draining sender. A request with aux holds one of the sender's aux slots
+from its acceptance; it goes back to the sender's free list just before the publish takes
+one (the list is last-in first-out: the same slot, unless an engine publish takes it in
+between while no other slot is free).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Adopted:
     fetch: RxHandle | None = None
     publish: TxHandle | None = None
     accepted_at: float = 0.0
+    aux_slot: int = -1  # a sender aux slot held for its publish (the request has aux), or -1
 
 
 class AdoptBlocks:
@@ -158,6 +163,13 @@ class Adopter:
         for item in msg.items:
             why = self._refusal(item, layout.num_layers, layout.aux_slot_bytes)
             blocks = None if why else self.blocks.take(item.blocks)
+            aux_slot = -1
+            if blocks is not None and item.aux_bytes > 0:
+                try:  # held for its publish: a move never ends for want of an aux slot
+                    aux_slot = int(s.aux_slots.take(1)[0])
+                except RejectedError:
+                    self.blocks.give_back(blocks)
+                    blocks, why = None, (Reason.BUSY, "no free aux slot for its publish")
             if blocks is None:
                 why = why or (
                     Reason.BUSY,
@@ -169,7 +181,7 @@ class Adopter:
                 self.stats.add("handover_adopt_refused")
                 continue
             self.stats.add("adopt_blocks_taken", int(blocks.size))
-            a = Adopted(item, blocks, accepted_at=time.monotonic())
+            a = Adopted(item, blocks, accepted_at=time.monotonic(), aux_slot=aux_slot)
             with self._lock:
                 self._adopted[item.request_id] = a
             accepted.append(item.request_id)
@@ -255,6 +267,9 @@ class Adopter:
         a.fetch.close(0)  # its aux slot back: the publish copies the aux into one of its own
         a.fetch = None
         ttl_s = item.ttl_ms / 1000 - (time.monotonic() - a.accepted_at)
+        if a.aux_slot >= 0:  # back just before the publish takes one: the slot it held
+            self._s.aux_slots.give_back([a.aux_slot])
+            a.aux_slot = -1
         try:
             if ttl_s <= 0:
                 raise RejectedError(Reason.EXPIRED, "its TTL passed while it moved")
@@ -275,6 +290,9 @@ class Adopter:
     def _end(self, a: Adopted, result: str, *, reusable: bool) -> None:
         with self._lock:
             self._adopted.pop(a.item.request_id, None)
+        if a.aux_slot >= 0:
+            self._s.aux_slots.give_back([a.aux_slot])
+            a.aux_slot = -1
         if result == "adopt_failed":
             self.stats.add("handover_adopt_failed")
         if reusable:
