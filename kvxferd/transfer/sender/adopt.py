@@ -16,6 +16,10 @@ One request's reserved blocks (``AdoptBlocks``; the ``kvxferd-adopt`` thread mov
     receiving --failed in doubt--> held until the receiver's fence resolves, then free
     published --the publish ended (fetched, expired, cancelled) and drained--> free
 
+When this sender drains, it first takes no new Handover and waits (within its drain
+deadline) for the fetches under way to publish (``finish_moves``): a request its source
+already counts as moved is published here before publishing is refused.
+
 A request refused (not enough free blocks, a layer count or aux size this pool cannot
 take, no aux slot free for its publish, already published here, this sender draining)
 stays with the draining sender. A request with aux holds one of the sender's aux slots
@@ -135,6 +139,7 @@ class Adopter:
         self._lock = threading.Lock()
         self._adopted: dict[str, Adopted] = {}  # request id -> its state
         self._stop = threading.Event()
+        self._closing = threading.Event()  # this sender drains: no new Handover is taken
         self.rx.start()
         self._thread = threading.Thread(target=self._run, name="kvxferd-adopt", daemon=True)
         self._thread.start()
@@ -202,7 +207,7 @@ class Adopter:
         self, item: wire.HandoverItem, layers: int, aux_bytes: int
     ) -> tuple[Reason, str] | None:
         s = self._s
-        if s.draining:
+        if s.draining or self._closing.is_set():
             return Reason.DRAINING, "this sender is draining too"
         if item.num_layers != layers:
             return Reason.INCOMPATIBLE, f"{item.num_layers} layers, this pool has {layers}"
@@ -298,6 +303,23 @@ class Adopter:
         if reusable:
             self.blocks.give_back(a.blocks)
             self.stats.add("adopt_blocks_returned", int(a.blocks.size))
+
+    def finish_moves(self, deadline: float) -> None:
+        """This sender starts draining: take no new Handover, and let each fetch under way
+        end and publish (within ``deadline``) before the drain refuses publishes."""
+        self._closing.set()
+        while time.monotonic() < deadline:
+            with self._lock:
+                moving = [
+                    a
+                    for a in self._adopted.values()
+                    if a.publish is None
+                    and a.fetch is not None
+                    and (not a.fetch.session.ended or a.fetch.session.state is RxState.DONE)
+                ]
+            if not moving:
+                return
+            time.sleep(_TICK_S)  # poll: the kvxferd-adopt thread publishes them
 
     def close(self, timeout: float) -> None:
         """Stop the thread and shut the embedded receiver down, within ``timeout``."""

@@ -4,7 +4,8 @@ Publish is refused with ``draining`` from the moment it starts, and so is a Requ
 for a request not published here (parked ones get it at once); Registers are still taken
 and a fetch of a request published before the drain is attached and served::
 
-    0. draining set (under the registry lock: publish and parking check it there)
+    0. requests another sender is handing over here published (adopt.py), then draining
+       set (under the registry lock: publish and parking check it there)
     1. parked fetches refused ``draining`` (the SharedDealerPool, bounded by the deadline);
        then the handover: requests no fetch touched offered to ``[handover] targets``
        (handover.py), which fetch them from here
@@ -133,6 +134,8 @@ class Drain:
         deadline = t0 + total
         join_reserve = min(1.0, 0.2 * total)  # the drain must leave time to join the threads
         drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline - join_reserve)
+        if s.adopt is not None:  # requests moving here publish before publishing is refused
+            s.adopt.finish_moves(drain_deadline)
         with s._lock:  # publish and parking check the flag under this lock: none slips past
             s._draining.set()
             parked = s.parked.clear()
