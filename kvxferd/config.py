@@ -497,6 +497,11 @@ class HandoverSettings(_Frozen):
         description="listen endpoints of senders of this group to hand unfetched requests to"
         " when this sender drains, tried in order; empty: none (the drain drops them as before)",
     )
+    discover: bool = Field(
+        False,
+        description="also offer to the other senders discovery lists ([discovery], after"
+        " targets); off: only targets",
+    )
     adopt_blocks: int = Field(
         0,
         ge=0,

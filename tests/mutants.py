@@ -2084,6 +2084,12 @@ MUTANTS: tuple[Mutant, ...] = (
             + "test_a_target_whose_fetch_fails_frees_its_blocks_and_the_request_stays_with_the_drain",
         ),
     ),
+    Mutant(
+        "issue26-discovered-target-is-itself",
+        "a sender with handover.discover offers its requests to its own discovery record too",
+        (Edit("kvxferd/service/daemon.py", "if n != name", "if n"),),
+        (HANDOVER + "test_a_target_found_through_discovery_takes_the_requests",),
+    ),
 )
 
 

@@ -253,6 +253,47 @@ def test_a_target_whose_fetch_fails_frees_its_blocks_and_the_request_stays_with_
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
+def test_a_target_found_through_discovery_takes_the_requests(
+    spawn: td.Spawn, engines: td.Engines, sock_dir: str
+) -> None:
+    """With no target configured and handover.discover on, D hands its requests to the sender its discovery file lists (and not to itself), and a receiver gets them byte-exact via D's endpoint."""
+    t = spawn("sender", "t", env(KVXFERD_HANDOVER__ADOPT_BLOCKS=16, KVXFERD_NAME="tx-t"))
+    t.wait_ready()
+    peers = f"{sock_dir}/peers.toml"
+    with open(peers, "w") as f:
+        # D's own record first, at an address nothing answers: asking it would take the
+        # whole reply_timeout_ms.
+        for name, endpoint in [("tx-d", "tcp://127.0.0.1:1"), ("tx-t", t.endpoint)]:
+            f.write(f'[[peers]]\nrole = "sender"\nname = "{name}"\n')
+            f.write(f'endpoints = {{ listen = "{endpoint}" }}\n')
+    d = spawn(
+        "sender",
+        "d",
+        env(
+            KVXFERD_NAME="tx-d",
+            KVXFERD_HANDOVER__DISCOVER="true",
+            KVXFERD_DISCOVERY__BACKEND="static",
+            KVXFERD_DISCOVERY__STATIC_FILE=peers,
+            KVXFERD_HANDOVER__REPLY_TIMEOUT_MS=25_000,
+        ),
+    )
+    r = spawn("receiver", "r", env())
+    d.wait_ready(), r.wait_ready()
+    cd, pd = engines.client(d)
+    cr, pr = engines.client(r)
+    ids = ["disc-0", "disc-1"]
+    tokens = publish(cd, pd, ids)
+    d.signal(signal.SIGTERM)
+    m = wait_event(d, r"^handover: (\d+) requests? moved", 20.0)
+    assert int(m.group(1)) == 2, m.group(0)
+    fetch_all(cr, pr, d.endpoint, ids, tokens)
+    assert counter(t, "kvxferd_handover_requests", result="adopted") == 2
+    code, _ = d.wait_exit(60.0)
+    assert code == 0, d.describe()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
 def test_with_no_target_reachable_the_drain_behaves_as_before_and_says_so(
     spawn: td.Spawn, engines: td.Engines
 ) -> None:

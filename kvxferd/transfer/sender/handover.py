@@ -4,7 +4,8 @@ Run by the drain (drain.py), between refusing the parked fetches and waiting for
 published requests. One offered request::
 
     candidate (published, live, no fetch attached, every layer ready, no allowed_receivers)
-      --Handover (to each ``[handover] targets`` endpoint in turn, until one takes it)-->
+      --Handover (to each ``[handover] targets`` endpoint in turn, then each sender
+        discovery lists with ``[handover] discover``, until one takes it)-->
     offered   the target answered HandoverReply with it accepted: the target fetches it
               from here as any receiver would (Register, RequestData with its token); the
               session stays published and is served as usual
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import zmq
@@ -59,6 +61,9 @@ class Handover:
         self.started_at = 0.0
         self.moved_at = 0.0  # when the last offered request settled
         self.moved_bytes = 0
+        # Listen endpoints of the other senders discovery lists (``[handover] discover``:
+        # the daemon sets it, service/daemon.py); tried after the configured targets.
+        self.discovered: Callable[[], list[str]] = list
 
     @property
     def moved(self) -> int:
@@ -98,11 +103,13 @@ class Handover:
         left = self.candidates()
         if not left:
             return
-        targets = [t for t in s.settings.handover.targets if t != s.endpoint]
+        targets = list(s.settings.handover.targets)
+        targets += [t for t in self.discovered() if t not in targets]
+        targets = [t for t in targets if t and t != s.endpoint]
         if not targets:
             self.stats.add("handover_no_target", len(left))
             log.info(
-                "handover: no target configured ([handover] targets): %d unfetched request%s "
+                "handover: no target (configured or discovered): %d unfetched request%s "
                 "stay here; the drain drops what is not fetched by drain_timeout_ms",
                 len(left),
                 "" if len(left) == 1 else "s",
