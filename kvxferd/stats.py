@@ -434,6 +434,11 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         "Reserved blocks free again (the adopted publish ended, or its fetch failed)",
     ),
     _c("moved_redirects", _S, "Fetches of a moved request answered with its new sender (moved)"),
+    _c(
+        "fetches_held_moving",
+        _S,
+        "Fetches held while their request moved to another sender (then answered moved or served)",
+    ),
     _c("moved_told", _S, "Moved messages a draining sender sent to its receivers"),
     _c("fetches_redirected", _R, "Fetches re-sent to the sender a moved request went to"),
     _c("moved_learned", _R, "Moved requests learnt from a draining sender (Moved, moved Results)"),

@@ -2090,6 +2090,30 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("kvxferd/service/daemon.py", "if n != name", "if n"),),
         (HANDOVER + "test_a_target_found_through_discovery_takes_the_requests",),
     ),
+    Mutant(
+        "issue26-fetch-during-the-move-attached",
+        "a receiver's fetch of a request the target is taking attaches at the draining sender",
+        (
+            Edit(
+                "kvxferd/transfer/sender/listener.py",
+                "if s.handover.hold(routing_id, msg, identity, peer.receiver_id):",
+                "if False:",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_fetch_that_comes_while_its_request_moves_is_held_then_sent_to_the_new_sender",
+        ),
+    ),
+    Mutant(
+        "issue26-held-fetch-never-released",
+        "a fetch held while its request moved is never handled again",
+        (Edit("kvxferd/transfer/sender/listener.py", "self._on_request(*held[:3])", "pass"),),
+        (
+            HANDOVER
+            + "test_a_fetch_that_comes_while_its_request_moves_is_held_then_sent_to_the_new_sender",
+        ),
+    ),
 )
 
 

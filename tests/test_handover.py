@@ -18,9 +18,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import zmq
 
+from kvxferd.config import load_receiver_settings
 from kvxferd.engine.client import Client, EngineRejected
 from kvxferd.engine.engine_protocol import EngineReason
+from kvxferd.transfer import protocol as wire
+from kvxferd.transfer.receiver import Receiver
 from kvxferd.transfer.receiver.moved import MovedTable
 from kvxferd.transfer.sender.adopt import AdoptBlocks
 from tests import test_daemon as td
@@ -290,6 +294,67 @@ def test_a_target_found_through_discovery_takes_the_requests(
     assert counter(t, "kvxferd_handover_requests", result="adopted") == 2
     code, _ = d.wait_exit(60.0)
     assert code == 0, d.describe()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_fetch_that_comes_while_its_request_moves_is_held_then_sent_to_the_new_sender(
+    spawn: td.Spawn, engines: td.Engines
+) -> None:
+    """A receiver asks D for a request the target is taking: D holds the fetch (nothing attached, no duplicate), and once the target's fetch of it is done answers moved, and the receiver follows to the target (here the test plays the target: its ROUTER takes the Handover, an in-process receiver core fetches the request)."""
+    target = zmq.Context.instance().socket(zmq.ROUTER)
+    target.linger = 0
+    target.bind("tcp://127.0.0.1:*")
+    target_ep = target.getsockopt_string(zmq.LAST_ENDPOINT)
+    d = spawn("sender", "d", env(KVXFERD_HANDOVER__TARGETS=f'["{target_ep}"]'))
+    r = spawn("receiver", "r", env())
+    d.wait_ready(), r.wait_ready()
+    mover = Receiver(
+        load_receiver_settings(
+            pool={
+                "num_layers": LAYERS,
+                "num_blocks": POOL_BLOCKS,
+                "block_elems": BLOCK_BYTES,
+                "dtype": "uint8",
+            },
+            result_endpoint="tcp://127.0.0.1:0",
+        )
+    ).start()
+    try:
+        cd, pd = engines.client(d)
+        cr, pr = engines.client(r)
+        tokens = publish(cd, pd, ["held-0"])
+        d.signal(signal.SIGTERM)
+        assert target.poll(20_000), "no Handover came"
+        routing_id, frame = target.recv_multipart()
+        handover = wire.decode_to_sender([frame], 1 << 22)
+        assert isinstance(handover, wire.Handover), handover
+        assert [i.request_id for i in handover.items] == ["held-0"]
+        reply = wire.HandoverReply(receiver_id=mover.receiver_id, accepted=["held-0"])
+        target.send_multipart([routing_id, wire.encode(reply)])
+        wait_event(d, r"^handover: 1 request offered and taken, 0 kept here", 20.0)
+        # The receiver asks D while the move is under way: held, not attached.
+        h = cr.fetch("held-0", d.endpoint, blocks_of(0), token=tokens["held-0"])
+        wait_until(
+            lambda: counter(d, "kvxferd_fetches_held_moving") == 1, 10.0, "D holds the fetch"
+        )
+        assert cr.poll(h) is None
+        # The target's fetch: done, so the move is; the held fetch is answered moved.
+        got = mover.fetch("held-0", d.endpoint, blocks_of(0), token=tokens["held-0"])
+        out = got.wait(CALL_S)
+        assert out is not None and out.state == "done", out
+        assert target.poll(20_000), "the receiver did not follow the move"
+        _, frame = target.recv_multipart()
+        register = wire.decode_to_sender([frame], 1 << 22)
+        assert isinstance(register, wire.Register), register
+        assert counter(r, "kvxferd_fetches_redirected") == 1
+        cr.cancel(h)
+        code, _ = d.wait_exit(60.0)
+        assert code == 0, d.describe()
+        assert re.search(r"0 in doubt, 1 moved; exit 0", tdr.last_event(d)), tdr.last_event(d)
+    finally:
+        mover.shutdown(5.0)
+        target.close()
 
 
 @pytest.mark.integration

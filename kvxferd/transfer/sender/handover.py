@@ -16,7 +16,8 @@ published requests. One offered request::
               as before (fetched here by its receiver, or dropped at drain_timeout_ms)
     refused by every target, or none reachable -> kept (``no_target`` when none answered)
 
-While the drain runs, a RequestData for a moved request is answered
+A receiver's RequestData for an offered request is held (``hold``) until its move
+settles, then handled again. While the drain runs, a RequestData for a moved request is answered
 ``Result{failed, moved, moved_to}`` (the listener asks ``moved_to``), toward a peer that
 speaks version 4. Once the drain's wait is over, every registered version-4 receiver is
 told ``Moved`` (ids -> endpoint) on its result endpoint, and the drain waits up to
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxferd.sender")
 
 MOVED_BATCH = 1024  # requests per Moved message
+MAX_HELD = 4096  # fetches held while their request moves
+
+Held = tuple[bytes, wire.RequestData, str, str]  # (routing id, RequestData, identity, receiver id)
 
 
 class Handover:
@@ -58,6 +62,7 @@ class Handover:
         self._offered: dict[str, tuple[TxSession, str, str]] = {}
         self._moved: dict[str, tuple[str, float]] = {}  # request id -> (endpoint, until)
         self._redirected: set[str] = set()
+        self._held: list[Held] = []  # fetches of offered requests, until their move settles
         self.started_at = 0.0
         self.moved_at = 0.0  # when the last offered request settled
         self.moved_bytes = 0
@@ -78,6 +83,44 @@ class Handover:
                 return None
             self._redirected.add(request_id)
             return entry[0]
+
+    # -- fetches that come while their request moves (listener thread) ----------------------
+    def hold(
+        self, routing_id: bytes, msg: wire.RequestData, identity: str, receiver_id: str
+    ) -> bool:
+        """Hold a receiver's fetch of a request the target is fetching now; False: go on.
+
+        Attached here it would take the request's expected fetch from the target's (and
+        one of them would be refused ``duplicate``). Handled again once the move settled:
+        answered ``moved``, or served here if the request stayed.
+        """
+        with self._lock:
+            offered = self._offered.get(msg.request_id)
+            if offered is None or offered[2] == receiver_id or len(self._held) >= MAX_HELD:
+                return False
+            if any(h[3] == receiver_id and h[1].fetch_id == msg.fetch_id for h in self._held):
+                return False  # the same fetch again: refused as a duplicate fetch id
+            self._held.append((routing_id, msg, identity, receiver_id))
+            return True
+
+    def unhold(self, receiver_id: str, fetch_id: int) -> bool:
+        """A Cancel of a held fetch: forgotten (nothing was written); True if it was held."""
+        with self._lock:
+            kept = [
+                h for h in self._held if not (h[3] == receiver_id and h[1].fetch_id == fetch_id)
+            ]
+            found, self._held = len(kept) < len(self._held), kept
+        return found
+
+    def released(self) -> list[Held]:
+        """The held fetches whose request's move settled (listener's housekeeping)."""
+        with self._lock:
+            if not self._held:
+                return []
+            out = [h for h in self._held if h[1].request_id not in self._offered]
+            if out:
+                self._held = [h for h in self._held if h[1].request_id in self._offered]
+        return out
 
     # -- the offer ---------------------------------------------------------------------------
     def candidates(self) -> list[tuple[TxSession, str]]:

@@ -308,6 +308,9 @@ class Listener:
                 ),
             )
             return None
+        if s.handover.hold(routing_id, msg, identity, peer.receiver_id):  # its request moves
+            self.stats.add("fetches_held_moving")
+            return None
         outcome: WriteTask | wire.Result | None = None
         with s._lock:
             key = (peer.receiver_id, msg.fetch_id)
@@ -389,7 +392,7 @@ class Listener:
             return
         self.stats.add("cancels")
         if session is None:
-            if p is not None:
+            if p is not None or s.handover.unhold(peer.receiver_id, msg.fetch_id):
                 self.reply(
                     routing_id,
                     wire.Result(
@@ -448,6 +451,8 @@ class Listener:
             elif session.lease_pending():  # a reader still writing at the lease: look again soon
                 with s._lock:
                     s.published.look_again(session, now + 1.0)
+        for held in s.handover.released():  # their request's move settled (handover.py)
+            self._on_request(*held[:3])
         if len(s.streams) and now >= self._streams_at:  # streamed publishes with no mark
             self._streams_at = now + TICK_S
             s.streams.stalled(now)
