@@ -2114,6 +2114,22 @@ MUTANTS: tuple[Mutant, ...] = (
             + "test_a_fetch_that_comes_while_its_request_moves_is_held_then_sent_to_the_new_sender",
         ),
     ),
+    Mutant(
+        "issue26-target-that-never-fetches-holds-forever",
+        "an accepted request whose target never fetches it stays offered (its receivers' fetches"
+        " held) until the drain deadline",
+        (
+            Edit(
+                "kvxferd/transfer/sender/handover.py",
+                "or (not mine and now >= start_by)",
+                "or False",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_target_whose_fetch_fails_frees_its_blocks_and_the_request_stays_with_the_drain",
+        ),
+    ),
 )
 
 

@@ -306,7 +306,14 @@ def test_a_fetch_that_comes_while_its_request_moves_is_held_then_sent_to_the_new
     target.linger = 0
     target.bind("tcp://127.0.0.1:*")
     target_ep = target.getsockopt_string(zmq.LAST_ENDPOINT)
-    d = spawn("sender", "d", env(KVXFERD_HANDOVER__TARGETS=f'["{target_ep}"]'))
+    d = spawn(
+        "sender",
+        "d",
+        # the target's fetch must come within reply_timeout_ms: room for a loaded host
+        env(
+            KVXFERD_HANDOVER__TARGETS=f'["{target_ep}"]', KVXFERD_HANDOVER__REPLY_TIMEOUT_MS=30_000
+        ),
+    )
     r = spawn("receiver", "r", env())
     d.wait_ready(), r.wait_ready()
     mover = Receiver(

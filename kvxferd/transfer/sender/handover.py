@@ -12,7 +12,8 @@ published requests. One offered request::
       --the target's fetch of it DONE--> moved: ``moved[request_id] = target endpoint``
               until its publish TTL; a session expecting more fetches ends ``cancelled``
               (reason ``moved``): the target serves the rest
-      --the target's fetch failed / in doubt, or never came--> kept: the drain handles it
+      --the target's fetch failed / in doubt, or not come within reply_timeout_ms of the
+        reply--> kept: the drain handles it
               as before (fetched here by its receiver, or dropped at drain_timeout_ms)
     refused by every target, or none reachable -> kept (``no_target`` when none answered)
 
@@ -58,8 +59,9 @@ class Handover:
         self._s = sender
         self.stats = sender.stats
         self._lock = threading.Lock()
-        # request id -> (session, target endpoint, the target's receiver id)
-        self._offered: dict[str, tuple[TxSession, str, str]] = {}
+        # request id -> (session, target endpoint, the target's receiver id, by when the
+        # target's fetch must have come: its reply + reply_timeout_ms)
+        self._offered: dict[str, tuple[TxSession, str, str, float]] = {}
         self._moved: dict[str, tuple[str, float]] = {}  # request id -> (endpoint, until)
         self._redirected: set[str] = set()
         self._held: list[Held] = []  # fetches of offered requests, until their move settles
@@ -167,10 +169,11 @@ class Handover:
                 continue
             answered = True
             taken = set(reply.accepted)
+            start_by = time.monotonic() + s.settings.handover.reply_timeout_ms / 1000
             with self._lock:
                 for x, _ in left:
                     if x.request_id in taken:
-                        self._offered[x.request_id] = (x, target, reply.receiver_id)
+                        self._offered[x.request_id] = (x, target, reply.receiver_id, start_by)
             for r in reply.refused[:3]:
                 log.info("handover: %s refused %s: %s %s", target, r.request_id, r.reason, r.detail)
             left = [(x, t) for x, t in left if x.request_id not in taken]
@@ -251,7 +254,8 @@ class Handover:
             offered = list(self._offered.items())
         if not offered:
             return
-        for rid, (x, target, receiver_id) in offered:
+        now = time.monotonic()
+        for rid, (x, target, receiver_id, start_by) in offered:
             mine = [sl for sl in x.slices() if sl.peer_id == receiver_id]
             if any(sl.state is SliceState.DONE for sl in mine):
                 if not x.ended:  # more fetches expected: the target serves them now
@@ -262,8 +266,10 @@ class Handover:
                     self.moved_bytes += sum(sl.nbytes for sl in mine)  # aux included
                 self.moved_at = time.monotonic()
                 self.stats.add("handover_moved")
-            elif x.ended or any(
-                sl.state in (SliceState.FAILED, SliceState.IN_DOUBT) for sl in mine
+            elif (
+                x.ended
+                or (not mine and now >= start_by)  # the target's fetch never came
+                or any(sl.state in (SliceState.FAILED, SliceState.IN_DOUBT) for sl in mine)
             ):
                 with self._lock:
                     del self._offered[rid]
