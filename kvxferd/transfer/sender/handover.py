@@ -66,7 +66,10 @@ class Handover:
         self._redirected: set[str] = set()
         self._held: list[Held] = []  # fetches of offered requests, until their move settles
         self.started_at = 0.0
-        self.moved_at = 0.0  # when the last offered request settled
+        self.moved_at = 0.0  # when the last request moved
+        # Set once a drain offers something: until then the listener's look-ups per
+        # RequestData (``moved_to``, ``hold``) cost one attribute read, no lock.
+        self.active = False
         self.moved_bytes = 0
         # Listen endpoints of the other senders discovery lists (``[handover] discover``:
         # the daemon sets it, service/daemon.py); tried after the configured targets.
@@ -79,6 +82,8 @@ class Handover:
 
     def moved_to(self, request_id: str) -> str | None:
         """The endpoint a moved request went to (listener thread), or None."""
+        if not self.active:
+            return None
         with self._lock:
             entry = self._moved.get(request_id)
             if entry is None or entry[1] <= time.monotonic():
@@ -96,6 +101,8 @@ class Handover:
         one of them would be refused ``duplicate``). Handled again once the move settled:
         answered ``moved``, or served here if the request stayed.
         """
+        if not self.active:
+            return False
         with self._lock:
             offered = self._offered.get(msg.request_id)
             if offered is None or offered[2] == receiver_id or len(self._held) >= MAX_HELD:
@@ -116,6 +123,8 @@ class Handover:
 
     def released(self) -> list[Held]:
         """The held fetches whose request's move settled (listener's housekeeping)."""
+        if not self.active:
+            return []
         with self._lock:
             if not self._held:
                 return []
@@ -136,7 +145,13 @@ class Handover:
             grant = grants.get(x.session_id)
             if grant is not None and grant.allowed:
                 continue  # only the receivers it names may fetch it: not the target
-            if x.ended or x.slices() or x.expected_fetches < 1 or x.streaming:
+            if (
+                x.ended
+                or x.slices()
+                or x.expected_fetches < 1
+                or x.streaming
+                or not x.block_ids.size
+            ):
                 continue
             out.append((x, grant.token.decode() if grant is not None and grant.token else ""))
         return out
@@ -160,6 +175,7 @@ class Handover:
                 "" if len(left) == 1 else "s",
             )
             return
+        self.active = True
         answered = False
         for target in targets:
             if not left or time.monotonic() >= deadline:
