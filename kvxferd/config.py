@@ -512,8 +512,42 @@ class _RoleSettings(BaseSettings):
         return (init_settings, env_settings, *threads) + ((toml,) if toml else ())
 
 
+class HandoverSettings(_Frozen):
+    """Scale-down without loss: a draining sender hands its unfetched requests to another."""
+
+    targets: tuple[str, ...] = Field(
+        (),
+        max_length=16,
+        description="listen endpoints of senders of this group to hand unfetched requests to"
+        " when this sender drains, tried in order; empty: none (the drain drops them as before)",
+    )
+    discover: bool = Field(
+        False,
+        description="also offer to the other senders discovery lists ([discovery], after"
+        " targets); off: only targets",
+    )
+    adopt_blocks: int = Field(
+        0,
+        ge=0,
+        le=1 << 22,
+        description="the top N blocks of this sender's pool, reserved for requests another"
+        " sender hands over (an engine publish naming them is refused bad_blocks); 0: never adopt",
+    )
+    redirect_window_ms: int = Field(
+        5_000,
+        ge=0,
+        description="after a handover, how long the drain still answers fetches of moved"
+        " requests with their new sender (ends early once each was redirected)",
+    )
+    reply_timeout_ms: int = Field(
+        2_000, ge=1, description="how long a draining sender waits for a target's HandoverReply"
+    )
+
+
 class SenderSettings(_RoleSettings):
     """The context-side process: a ROUTER listener, N workers, the published requests."""
+
+    handover: HandoverSettings = HandoverSettings()
 
     name: str = Field("kvxferd-sender", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     listen: str = Field("tcp://127.0.0.1:5555", pattern=r"^(tcp|ipc)://.{1,240}$")

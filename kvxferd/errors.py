@@ -55,6 +55,7 @@ class Reason(StrEnum):
     BAD_PROGRESS = "bad_progress"  # a streamed publish's progress mark was refused (local only)
     STREAM_STALLED = "stream_stalled"  # no progress mark for stream_stall_timeout_ms (local only)
     DIGEST_MISMATCH = "digest_mismatch"  # what landed is not what the sender wrote (digest.py)
+    MOVED = "moved"  # a draining sender handed the request to another one (Result.moved_to)
 
 
 class KvxferdError(Exception):

@@ -107,6 +107,15 @@ HANDSHAKE_KINDS: tuple[str, ...] = ("protocol", "auth", "no_detail")
 
 # How a link probe ended (kvxferd/transfer/link_probes.py).
 LINK_PROBE_RESULTS: tuple[str, ...] = ("ok", "failed", "timeout", "dropped")
+# sender/handover.py and sender/adopt.py: what became of each request of a handover.
+HANDOVER_RESULTS: tuple[str, ...] = (
+    "moved",
+    "kept",
+    "no_target",
+    "adopted",
+    "adopt_refused",
+    "adopt_failed",
+)
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -424,6 +433,32 @@ CATALOGUE: tuple[CounterSpec, ...] = (
         _SERVICE,
         "Requests or fetches with a write possibly in flight when the shutdown ended",
     ),
+    # -- the handover (sender/handover.py, sender/adopt.py, receiver/moved.py) ------------
+    _c(
+        "handover_{result}",
+        _S,
+        "Requests of a drain's handover, by result (draining sender: moved, kept: refused or "
+        "not taken by the target, no_target: none reachable; adopting sender: adopted, "
+        "adopt_refused, adopt_failed)",
+        metric="kvxferd_handover_requests",
+        values=HANDOVER_RESULTS,
+    ),
+    _c("adopt_blocks_taken", _S, "Reserved blocks taken for adopted requests (adopt_blocks)"),
+    _c(
+        "adopt_blocks_returned",
+        _S,
+        "Reserved blocks free again (the adopted publish ended, or its fetch failed)",
+    ),
+    _c("moved_redirects", _S, "Fetches of a moved request answered with its new sender (moved)"),
+    _c(
+        "fetches_held_moving",
+        _S,
+        "Fetches held while their request moved to another sender (then answered moved or served)",
+    ),
+    _c("moved_told", _S, "Moved messages a draining sender sent to its receivers"),
+    _c("fetches_redirected", _R, "Fetches re-sent to the sender a moved request went to"),
+    _c("moved_learned", _R, "Moved requests learnt from a draining sender (Moved, moved Results)"),
+    _c("moved_followed", _R, "Fetches sent straight to the sender a request moved to"),
     # -- messages ------------------------------------------------------------------------
     _c(
         "sent_{message}",

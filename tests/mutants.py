@@ -89,6 +89,7 @@ JOURNAL = "tests/test_journal.py::"
 READINESS = "tests/test_readiness.py::"
 DRAIN = "tests/test_drain.py::"
 DISCOVERY_DAEMONS = "tests/test_discovery_daemons.py::"
+HANDOVER = "tests/test_handover.py::"
 INCARNATIONS = "tests/test_incarnations.py::"
 FUZZ = "tests/test_fuzz_frames.py::"
 
@@ -2141,6 +2142,183 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             "tests/test_rolling_upgrade.py::test_a_fleet_upgraded_one_process_at_a_time_under_traffic_loses_nothing",
+        ),
+    ),
+    Mutant(
+        "issue26-moved-fetch-not-redirected",
+        "a draining sender serves (or refuses) a fetch of a request it handed over instead of"
+        " answering moved with its new sender",
+        (
+            Edit(
+                "kvxferd/transfer/sender/listener.py",
+                "moved_to = s.handover.moved_to(msg.request_id) if peer.version >= 4 else None",
+                "moved_to = None",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_target_with_too_few_blocks_takes_some_and_the_rest_stay_with_the_draining_sender",
+        ),
+    ),
+    Mutant(
+        "issue26-receiver-ignores-moved",
+        "a receiver whose fetch is answered moved ends it failed instead of following it",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/messages.py",
+                'if msg.status == "failed" and msg.reason is Reason.MOVED and self.follow_moved(f, msg):',
+                "if False:",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_target_with_too_few_blocks_takes_some_and_the_rest_stay_with_the_draining_sender",
+        ),
+    ),
+    Mutant(
+        "issue26-adopted-without-token",
+        "the adopting sender publishes a moved request without its fetch token",
+        (
+            Edit(
+                "kvxferd/transfer/sender/adopt.py",
+                "token=item.token or None,",
+                "token=None,",
+            ),
+        ),
+        (HANDOVER + "test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0",),
+    ),
+    Mutant(
+        "issue26-engine-publishes-into-reserved-blocks",
+        "an engine publish naming a block reserved for adopted requests is taken",
+        (
+            Edit(
+                "kvxferd/transfer/sender/api.py",
+                "self.adopt.refuse_reserved(blocks)",
+                "pass",
+            ),
+        ),
+        (HANDOVER + "test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0",),
+    ),
+    Mutant(
+        "issue26-reserved-blocks-never-freed",
+        "the reserved blocks of an adopted request stay taken after its publish ended",
+        (
+            Edit(
+                "kvxferd/transfer/sender/adopt.py",
+                "if session.ended and session.drained:",
+                "if False:",
+            ),
+        ),
+        (HANDOVER + "test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0",),
+    ),
+    Mutant(
+        "issue26-moved-before-the-target-has-it",
+        "a request counts as moved once the target's fetch is attached, before its bytes are there",
+        (
+            Edit(
+                "kvxferd/transfer/sender/handover.py",
+                "if any(sl.state is SliceState.DONE for sl in mine):",
+                "if mine:",
+            ),
+        ),
+        (HANDOVER + "test_fifty_unfetched_requests_move_to_another_sender_and_the_drain_exits_0",),
+    ),
+    Mutant(
+        "issue26-no-target-claims-moved",
+        "with no target reachable the handover stops without saying so: the operator is not"
+        " told the drain keeps (and drops) the requests as before",
+        (
+            Edit(
+                "kvxferd/transfer/sender/handover.py",
+                "            if reply is None:\n                continue",
+                "            if reply is None:\n                return",
+            ),
+        ),
+        (HANDOVER + "test_with_no_target_reachable_the_drain_behaves_as_before_and_says_so",),
+    ),
+    Mutant(
+        "issue26-adopt-blocks-whole-pool-starts",
+        "a sender whose adopt_blocks leaves no block for the engine gets past the start-up checks",
+        (
+            Edit(
+                "kvxferd/service/preflight.py",
+                "if adopt >= settings.pool.num_blocks:",
+                "if False:",
+            ),
+        ),
+        (PREFLIGHT + "test_adopt_blocks_taking_the_whole_pool_exits_2",),
+    ),
+    Mutant(
+        "issue26-moved-entry-never-expires",
+        "a receiver keeps following a moved entry after its TTL",
+        (
+            Edit(
+                "kvxferd/transfer/receiver/moved.py",
+                "if entry[1] <= now:",
+                "if False:",
+            ),
+        ),
+        (HANDOVER + "test_the_moved_table_follows_an_entry_until_its_ttl_and_stays_bounded",),
+    ),
+    Mutant(
+        "issue26-failed-adopt-keeps-its-blocks",
+        "the reserved blocks of an adopt fetch that failed (no write in flight) never come back",
+        (
+            Edit(
+                "kvxferd/transfer/sender/adopt.py",
+                "elif f.blocks_reusable:",
+                "elif False:",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_target_whose_fetch_fails_frees_its_blocks_and_the_request_stays_with_the_drain",
+        ),
+    ),
+    Mutant(
+        "issue26-discovered-target-is-itself",
+        "a sender with handover.discover offers its requests to its own discovery record too",
+        (Edit("kvxferd/service/daemon.py", "if n != name", "if n"),),
+        (HANDOVER + "test_a_target_found_through_discovery_takes_the_requests",),
+    ),
+    Mutant(
+        "issue26-fetch-during-the-move-attached",
+        "a receiver's fetch of a request the target is taking attaches at the draining sender",
+        (
+            Edit(
+                "kvxferd/transfer/sender/listener.py",
+                "if s.handover.hold(routing_id, msg, identity, peer.receiver_id):",
+                "if False:",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_fetch_that_comes_while_its_request_moves_is_held_then_sent_to_the_new_sender",
+        ),
+    ),
+    Mutant(
+        "issue26-held-fetch-never-released",
+        "a fetch held while its request moved is never handled again",
+        (Edit("kvxferd/transfer/sender/listener.py", "self._on_request(*held[:3])", "pass"),),
+        (
+            HANDOVER
+            + "test_a_fetch_that_comes_while_its_request_moves_is_held_then_sent_to_the_new_sender",
+        ),
+    ),
+    Mutant(
+        "issue26-target-that-never-fetches-holds-forever",
+        "an accepted request whose target never fetches it stays offered (its receivers' fetches"
+        " held) until the drain deadline",
+        (
+            Edit(
+                "kvxferd/transfer/sender/handover.py",
+                "or (not mine and now >= start_by)",
+                "or False",
+            ),
+        ),
+        (
+            HANDOVER
+            + "test_a_target_whose_fetch_fails_frees_its_blocks_and_the_request_stays_with_the_drain",
         ),
     ),
 )

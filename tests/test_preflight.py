@@ -292,3 +292,15 @@ def test_a_killed_daemons_pool_segment_is_removed_by_its_successor(sock_dir: str
             second.kill()
         with contextlib.suppress(FileNotFoundError, UnboundLocalError):
             path.unlink()
+
+
+def test_adopt_blocks_taking_the_whole_pool_exits_2(sock_dir: str) -> None:
+    """A sender whose handover.adopt_blocks leaves no block for the engine exits 2 naming it."""
+    assert_fails_fast(
+        "sender",
+        sock_dir,
+        "handover.adopt_blocks",
+        ["64", "no block"],
+        KVXFERD_POOL__NUM_BLOCKS="64",
+        KVXFERD_HANDOVER__ADOPT_BLOCKS="64",
+    )

@@ -125,6 +125,7 @@ class EngineReason(StrEnum):
     BAD_PROGRESS = "bad_progress"  # a progress mark was refused: the streamed publish failed
     STREAM_STALLED = "stream_stalled"  # no progress mark for stream_stall_timeout_ms
     DIGEST_MISMATCH = "digest_mismatch"  # a failed load: what landed is not what was written
+    MOVED = "moved"  # the request moved to another sender and could not be followed there
     # The gateway's own.
     UNKNOWN_HANDLE = "unknown_handle"  # never issued, already closed, or another connection's
     WRONG_ROLE = "wrong_role"  # Publish on a receiver, Fetch on a sender

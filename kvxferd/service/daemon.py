@@ -212,7 +212,8 @@ class Daemon:
         sys.stdout.flush()
 
     def _start_discovery(self, probe: Any, endpoint: str) -> None:
-        """Advertise this daemon (its advertised endpoint, this incarnation); a receiver also watches senders.
+        """Advertise this daemon (its advertised endpoint, this incarnation); a receiver also
+        watches senders, and so does a sender with ``[handover] discover`` (its targets).
 
         The registrar's ``registered`` feeds readiness (``discovery: not registered``);
         backend ``none`` changes nothing. The watcher's events reach the receiver's io
@@ -239,6 +240,16 @@ class Daemon:
             self.watcher = make_watcher(disc, "sender", self.service.on_peer_event)
             if self.watcher is not None:
                 self.watcher.start()
+        elif isinstance(self.settings, SenderSettings) and self.settings.handover.discover:
+            # the senders it may hand its unfetched requests to (sender/handover.py)
+            self.watcher = make_watcher(disc, "sender")
+            if self.watcher is not None:
+                watcher, name = self.watcher.start(), self.settings.name
+                self.service.handover.discovered = lambda: [
+                    r.endpoints.get("listen", "")
+                    for n, r in watcher.snapshot().peers.items()
+                    if n != name
+                ]
 
     # -- serve ---------------------------------------------------------------------------
     async def _watchdog(self) -> None:

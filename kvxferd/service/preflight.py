@@ -25,6 +25,7 @@ set-up would do later:
   the same socket string keeps its own): without that, each restart after a kill needs
   room for one more pool; a configured ``pool.shm_name`` that a live daemon holds is
   refused, one that nobody holds is removed like them;
+* ``handover.adopt_blocks`` (a sender) leaves blocks of the pool for the engine;
 * the pool's host part (aux slots, plus the KV blocks on ``device = "cpu"``)
   fits in the free bytes of /dev/shm;
 * ``security.mode = "curve"``: the key file exists, is a secret certificate
@@ -62,6 +63,12 @@ def check(settings: SenderSettings | ReceiverSettings) -> None:
     if isinstance(settings, SenderSettings):
         _endpoint("listen", settings.listen)
         advertised(settings.listen, host, "listen")
+        adopt = settings.handover.adopt_blocks
+        if adopt >= settings.pool.num_blocks:
+            raise ConfigError(
+                f"handover.adopt_blocks = {adopt}: leaves no block of the pool's "
+                f"{settings.pool.num_blocks} (pool.num_blocks) for the engine"
+            )
     else:
         _endpoint("result_endpoint", settings.result_endpoint)
         advertised(settings.result_endpoint, host, "result_endpoint")

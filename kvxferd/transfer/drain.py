@@ -7,6 +7,7 @@ it runs), the report each ``shutdown`` returns, and the counts as the daemon's l
 line says them (daemon.py)::
 
     sender    3 published requests never fetched, 1 transfer cut, 0 in doubt
+    sender    0 published requests never fetched, 0 transfers cut, 0 in doubt, 50 moved
     receiver  1 fetch cut, 0 in doubt
 
 A report is *complete* when nothing was dropped, nothing is in doubt and every thread
@@ -46,6 +47,7 @@ class ShutdownReport:
     never_fetched: int = 0  # published, no fetch attached when the drain ended it
     transfers_cut: int = 0  # a fetch attached, not finished when the drain ended it
     requests_in_doubt: int = 0  # requests with a write still in flight at the end
+    moved: int = 0  # requests handed over to another sender (sender/handover.py)
 
     @property
     def complete(self) -> bool:
@@ -54,14 +56,18 @@ class ShutdownReport:
 
     def counts(self) -> str:
         """The drain's counts as the daemon's last log line says them."""
-        return drain_counts(self.never_fetched, self.transfers_cut, self.requests_in_doubt)
+        return drain_counts(
+            self.never_fetched, self.transfers_cut, self.requests_in_doubt, self.moved
+        )
 
 
-def drain_counts(never_fetched: int, cut: int, in_doubt: int) -> str:
-    """``"3 published requests never fetched, 1 transfer cut, 0 in doubt"``."""
+def drain_counts(never_fetched: int, cut: int, in_doubt: int, moved: int = 0) -> str:
+    """``"3 published requests never fetched, 1 transfer cut, 0 in doubt"`` (and
+    ``", 50 moved"`` after a handover moved some)."""
     return (
         f"{never_fetched} published request{'' if never_fetched == 1 else 's'} never fetched, "
         f"{cut} transfer{'' if cut == 1 else 's'} cut, {in_doubt} in doubt"
+        + (f", {moved} moved" if moved else "")
     )
 
 

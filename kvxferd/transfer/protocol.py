@@ -23,7 +23,8 @@ Direction and socket::
 
     receiver DEALER -> sender ROUTER   Register, RequestData, Cancel
     sender ROUTER  -> receiver DEALER  RegisterReply, Result (listener refusals), CancelAck, Reject
-    sender worker DEALER -> receiver ROUTER (result endpoint)   Result, CancelAck
+    sender worker DEALER -> receiver ROUTER (result endpoint)   Result, CancelAck, Moved
+    draining sender DEALER -> sender ROUTER   Handover (answered HandoverReply)
 """
 
 from __future__ import annotations
@@ -47,7 +48,16 @@ MIN_PROTOCOL_VERSION = 3  # the previous release's: a daemon speaks every versio
 SUPPORTED_VERSIONS = frozenset(range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
 # "Message" or "Message.field" names that exist from version 4 on: ``encode`` refuses a
 # frame toward a version-3 peer that carries one (a field set, i.e. not at its default).
-V4_ONLY: frozenset[str] = frozenset({"Register.scratch_base", "Register.scratch_bytes"})
+V4_ONLY: frozenset[str] = frozenset(
+    {
+        "Register.scratch_base",
+        "Register.scratch_bytes",
+        "Result.moved_to",
+        "Handover",
+        "HandoverReply",
+        "Moved",
+    }
+)
 MAGIC = b"KX"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 
@@ -232,6 +242,8 @@ class Result(_Msg, tag="result", omit_defaults=True):
     nbytes: U63 = 0
     aux_bytes: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
     digest: Annotated[bytes, Meta(max_length=DIGEST_BYTES)] = b""
+    # With reason ``moved``: the sender endpoint that holds the request now (version 4).
+    moved_to: Endpoint | Literal[""] = ""
 
 
 class CancelAck(_Msg, tag="cancel_ack"):
@@ -249,8 +261,63 @@ class Reject(_Msg, tag="reject"):
     detail: Text = ""
 
 
-ToSender = Register | RequestData | Cancel
-ToReceiver = RegisterReply | Result | CancelAck | Reject
+class HandoverItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One published, unfetched request a draining sender offers (``Handover``)."""
+
+    request_id: RequestId
+    token: FetchToken = ""  # the fetch token it was published with ("" when none)
+    blocks: Annotated[int, Meta(ge=1, le=1 << 20)] = 1
+    num_layers: Annotated[int, Meta(ge=1, le=4096)] = 1
+    aux_bytes: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    ttl_ms: Annotated[int, Meta(ge=1, le=2**31 - 1)] = 1  # what is left of its publish TTL
+    expected_fetches: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
+
+
+class Handover(_Msg, tag="handover", omit_defaults=True):
+    """Draining sender -> another sender's listener: please adopt these requests (version 4).
+
+    The adopting sender fetches each one it accepts from ``sender_endpoint`` with the
+    normal protocol (Register, RequestData with the token) and publishes it again under
+    the same id and token (kvxferd/transfer/sender/adopt.py).
+    """
+
+    sender_endpoint: Endpoint
+    items: Annotated[list[HandoverItem], Meta(max_length=4096)]
+
+
+class HandoverRefusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: RequestId
+    reason: Reason
+    detail: Text = ""
+
+
+class HandoverReply(_Msg, tag="handover_reply", omit_defaults=True):
+    """Adopting sender -> draining sender (on its DEALER): what it takes (version 4).
+
+    ``receiver_id``: the id its fetches register with, so the draining sender knows
+    which fetch of each request is the move.
+    """
+
+    receiver_id: PeerId
+    accepted: Annotated[list[RequestId], Meta(max_length=4096)] = []
+    refused: Annotated[list[HandoverRefusal], Meta(max_length=4096)] = []
+
+
+class MovedItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: RequestId
+    ttl_ms: Annotated[int, Meta(ge=1, le=2**31 - 1)]  # how long the entry holds
+
+
+class Moved(_Msg, tag="moved"):
+    """Draining sender -> receiver result endpoint: these requests are at ``endpoint`` now
+    (version 4). The receiver sends a fetch of one of them there directly."""
+
+    endpoint: Endpoint
+    items: Annotated[list[MovedItem], Meta(max_length=4096)]
+
+
+ToSender = Register | RequestData | Cancel | Handover
+ToReceiver = RegisterReply | Result | CancelAck | Reject | Moved | HandoverReply
 
 _encoder = msgspec.msgpack.Encoder()
 _to_sender = msgspec.msgpack.Decoder(ToSender)

@@ -554,6 +554,7 @@ class RxSession:
     prefill_compat: str = ""
     # Asks its sender for a digest; done only once what landed matches it (receiver/digests.py).
     digest: bool = False
+    hops: int = 0  # how many times a moved Result sent it to another sender (receiver/moved.py)
     fence_done: Flag = field(default_factory=Flag)
     # Set once blocks_reusable is true (maybe long after the outcome: an in-doubt fence resolved).
     reusable: Flag = field(default_factory=Flag)
@@ -588,6 +589,12 @@ class RxSession:
     def mark_sent(self, sender_id: str = "") -> None:
         with self._lock:
             self.sent, self.sent_to = True, sender_id
+
+    def redirect(self, endpoint: str, sender_key: str) -> None:
+        """Its sender answered ``moved`` (nothing written): send it to ``endpoint`` instead."""
+        with self._lock:
+            self.sender_endpoint, self.sender_key = endpoint, sender_key
+            self.sent, self.sent_to, self.hops = False, "", self.hops + 1
 
     def on_result(
         self, status: str, reason: Reason | None, detail: str, nbytes: int, aux: bytes | None

@@ -9,6 +9,7 @@ One facade (:class:`Receiver`) over the tables its io thread keeps, one module e
     groups.py     fetches from a prefill instance: planned once rank 0's record is known
     links.py      one link per sender endpoint: LinkState, Register, monitor, down, closed
     messages.py   RegisterReplies, Results, CancelAcks, Rejects, NIXL notifications
+    moved.py      the moved table: requests a draining sender handed over, and where they went
     digests.py    the digest check of a done Result: on the io thread, or the kvxferd-rx-digest one
     shutdown.py   drain, cut what is left, ask about the doubt, deregister only when safe
 """

@@ -72,6 +72,7 @@ from kvxferd.transfer.receiver.handle import RxHandle
 from kvxferd.transfer.receiver.in_doubt import InDoubt
 from kvxferd.transfer.receiver.links import Links
 from kvxferd.transfer.receiver.messages import Messages
+from kvxferd.transfer.receiver.moved import MovedTable
 from kvxferd.transfer.receiver.shutdown import shut_down
 from kvxferd.transfer.reshard import declared
 from kvxferd.transfer.session import RxGroup, RxSession, RxState
@@ -223,6 +224,7 @@ class Receiver:
         self.links = Links(self)
         self.messages = Messages(self)
         self.digests = Digests(self)
+        self.moved = MovedTable()  # requests a draining sender handed over (moved.py)
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._shutdown_once: Once[RxShutdownReport] = Once()

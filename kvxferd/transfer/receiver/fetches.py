@@ -93,6 +93,11 @@ class Fetches:
         if not _REQUEST_ID.match(request_id):
             raise RejectedError(Reason.MALFORMED, "request id must be 1-256 printable ASCII chars")
         self.check_dialable(sender_endpoint)
+        moved_to = rx.moved.target(sender_endpoint, request_id)
+        if moved_to is not None:  # its sender drained and handed it over (moved.py)
+            self.check_dialable(moved_to)
+            sender_endpoint, sender_key = moved_to, rx.transport.server_key_for(moved_to, "")
+            rx.stats.add("moved_followed")
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if blocks.size > rx.settings.limits.max_blocks_per_request:
             raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")

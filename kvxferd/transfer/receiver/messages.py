@@ -6,6 +6,8 @@ All on the io thread. Who is heard about a fetch::
     -----------------------  ----------------------------------  ------------------------------
     RegisterReply            the link's DEALER only              the link ready (or dropped);
                                                                  a new sender_id: a restart
+    Moved                    the result ROUTER, from a sender     its requests' new sender
+                             this receiver registered with        (moved.py)
     Reject{not_authorized}   the link's DEALER                   every fetch toward it ends now
     Result / CancelAck       the result ROUTER: the ZAP identity  the fetch's outcome / fence
                              the fetch expects, still allowed;    (unknown_peer: Register again,
@@ -15,7 +17,8 @@ All on the io thread. Who is heard about a fetch::
                              incarnation's agent, its key still   blocks
                              allowed
 
-A RegisterReply with another sender_id is a new sender process: open fetches sent to
+A Result ``failed/moved`` sends the fetch again to the sender named in ``moved_to``
+(``follow_moved``). A RegisterReply with another sender_id is a new sender process: open fetches sent to
 the old one are sent again (same fetch id) while their deadline allows, else fail
 peer_restarted; fences toward the old one are released (it is gone).
 """
@@ -30,9 +33,10 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvxferd.auth import peer_identity
-from kvxferd.errors import ProtocolError, Reason
+from kvxferd.errors import ProtocolError, Reason, RejectedError
 from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.receiver.links import Link, LinkState
+from kvxferd.transfer.receiver.moved import MAX_HOPS
 from kvxferd.transfer.session import RxSession, RxState
 
 if TYPE_CHECKING:
@@ -97,6 +101,9 @@ class Messages:
             else:  # on the result socket: no sender sends one there
                 rx.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
             return
+        if isinstance(msg, wire.Moved | wire.HandoverReply):
+            self.on_moved(sock, msg, identity)
+            return
         if isinstance(msg, wire.Reject):
             rx.stats.add(f"peer_rejected_{msg.reason}")
             link = links.by_socket.get(sock)
@@ -150,9 +157,64 @@ class Messages:
             else:
                 fetches.fail(f, Reason.PEER_LOST, "REGISTER could not be sent")
             return
+        if msg.status == "failed" and msg.reason is Reason.MOVED and self.follow_moved(f, msg):
+            return
         self.apply_result(
             f, msg.status, msg.reason, msg.detail, msg.nbytes, msg.aux_bytes, msg.digest
         )
+
+    def on_moved(
+        self, sock: zmq.Socket[bytes], msg: wire.Moved | wire.HandoverReply, identity: str
+    ) -> None:
+        """A draining sender says where its requests went: remember them (moved.py).
+
+        Taken only on the result socket, from a sender this receiver registered with (a
+        link at some endpoint whose server key is ``identity``; with security off, any
+        link): the entries are keyed by that link's endpoint, so nobody can redirect
+        another sender's requests. A HandoverReply is for a draining sender's own DEALER.
+        """
+        rx = self.rx
+        if not isinstance(msg, wire.Moved) or sock is not rx._router:
+            rx.stats.add(f"rejected_{Reason.UNKNOWN_MESSAGE}")
+            return
+        olds = [
+            link.endpoint
+            for link in rx.links.links.values()
+            if link.sender_id and link.server_key == identity
+        ]
+        if not olds:
+            rx.stats.add("results_unsolicited")
+            return
+        for item in msg.items:
+            for old in olds:
+                rx.moved.learn(old, item.request_id, msg.endpoint, item.ttl_ms / 1000)
+        rx.stats.add("moved_learned", len(msg.items))
+        log.info("%d request(s) moved from %s to %s", len(msg.items), olds[0], msg.endpoint)
+
+    def follow_moved(self, f: RxSession, msg: wire.Result) -> bool:
+        """A fetch answered ``moved``: send it to the request's new sender; False to end it.
+
+        Nothing was written by the sender that answered it. The same fetch (id, blocks,
+        token, deadline) goes to ``moved_to``, at most ``MAX_HOPS`` times.
+        """
+        rx = self.rx
+        if f.ended or not msg.moved_to or f.hops >= MAX_HOPS or f.prefill_rank >= 0:
+            return False
+        try:
+            rx.fetches.check_dialable(msg.moved_to)
+            key = rx.transport.server_key_for(msg.moved_to, "")
+        except RejectedError:
+            return False
+        old = f.sender_endpoint
+        rx.moved.learn(old, f.request_id, msg.moved_to, max(1.0, f.deadline - time.monotonic()))
+        f.redirect(msg.moved_to, key)
+        rx.fetches.reregistered.discard(f.fetch_id)
+        rx.stats.add("fetches_redirected")
+        log.info(
+            "fetch %d of %s moved from %s to %s", f.fetch_id, f.request_id, old, f.sender_endpoint
+        )
+        rx.fetches.start(f)
+        return True
 
     def on_register_reply(self, link: Link, msg: wire.RegisterReply) -> None:
         rx = self.rx

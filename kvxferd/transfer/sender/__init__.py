@@ -11,6 +11,8 @@ sender's registry lock, ``Sender._lock``) and keeps its own counts in step::
     parked.py     fetches parked before their publish: park, take, cancel, drop, expire
     streams.py    streamed publishes: their readers, progress marks, the stall bound
     drain.py      the bounded drain: shutdown in steps, what it dropped
+    handover.py   the drain's handover: unfetched requests offered to another sender, redirects
+    adopt.py      adoption: requests handed over here, fetched into reserved blocks, re-published
 
 The workers live in kvxferd/transfer/worker.py and see the sender only through
 ``worker.WorkerHost``.

@@ -25,6 +25,10 @@ Threads and what each owns::
                                                             receiver: a frozen receiver holds only its
                                                             own lane); exactly one notification or Result
                                                             per slice (see worker.py)
+    kvxferd-adopt       the adopted requests (adopt.py)     with ``[handover] adopt_blocks`` only: follows
+                        and an embedded receiver core       the fetches of requests another sender hands
+                                                            over, publishes each once done, frees its
+                                                            reserved blocks when that publish ended
     API callers         nothing long-lived                  publish / cancel / close / shutdown; publish
                                                             hands refusals to workers and never sends;
                                                             shutdown's parked refusals go through the
@@ -88,7 +92,9 @@ from kvxferd.transfer.peer_agents import PeerAgents
 from kvxferd.transfer.pool import IdAllocator, KvPool
 from kvxferd.transfer.reshard import declared
 from kvxferd.transfer.sender.admission import Admission
+from kvxferd.transfer.sender.adopt import Adopter
 from kvxferd.transfer.sender.drain import Drain
+from kvxferd.transfer.sender.handover import Handover
 from kvxferd.transfer.sender.listener import Listener
 from kvxferd.transfer.sender.parked import Parked, ParkedFetches
 from kvxferd.transfer.sender.peers import PeerTable
@@ -206,6 +212,8 @@ class Sender:
         self._draining = threading.Event()
         self._stopping = threading.Event()
         self.drain = Drain(self)
+        self.handover = Handover(self)  # this drain's offer and redirects (handover.py)
+        self.adopt = Adopter.of(self)  # requests other senders hand over here (adopt.py)
         self.streams = Streams(  # streamed publishes (streams.py)
             self.stats,
             lambda t: self._lane_for(t.session, t.peer.receiver_id).put(t),
@@ -369,6 +377,7 @@ class Sender:
         token: str | None = None,
         allowed_receivers: Sequence[str] = (),
         streamed: bool = False,
+        adopted_ttl_s: float | None = None,
     ) -> TxHandle:
         """Offer a finished request's blocks to receivers; RejectedError with a reason if refused.
 
@@ -376,7 +385,8 @@ class Sender:
         lives as long as the request). ``allowed_receivers``: only receivers whose
         identity (CURVE key) or receiver id is listed may fetch it. Either refusal is
         ``not_authorized``. ``streamed``: published with no layer ready; ``progress``
-        marks them as prefill computes them (streams.py, session.py).
+        marks them as prefill computes them (streams.py, session.py). ``adopted_ttl_s``:
+        a request handed over by a draining sender, in blocks reserved for that (adopt.py).
         """
         if self._draining.is_set():
             self.stats.add("rejected_draining")
@@ -389,6 +399,8 @@ class Sender:
         if blocks.size > self.settings.limits.max_blocks_per_request:
             raise RejectedError(Reason.TOO_LARGE, f"{blocks.size} blocks > max_blocks_per_request")
         check_blocks(self.pool.layout, blocks, "published blocks")
+        if adopted_ttl_s is None and self.adopt is not None:
+            self.adopt.refuse_reserved(blocks)  # bad_blocks: kept for adopted requests
         aux_slot, aux_len = -1, 0
         if aux:
             if len(aux) > self.pool.layout.aux_slot_bytes:
@@ -402,7 +414,7 @@ class Sender:
             expected_fetches=expected_fetches,
             aux_slot=aux_slot,
             aux_len=aux_len,
-            ttl_s=self.settings.deadlines.publish_ttl_ms / 1000,
+            ttl_s=adopted_ttl_s or self.settings.deadlines.publish_ttl_ms / 1000,
             on_end=self._session_ended,
             streamed=streamed,
             num_layers=self.pool.layout.num_layers,

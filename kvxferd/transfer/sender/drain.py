@@ -4,10 +4,14 @@ Publish is refused with ``draining`` from the moment it starts, and so is a Requ
 for a request not published here (parked ones get it at once); Registers are still taken
 and a fetch of a request published before the drain is attached and served::
 
-    0. draining set (under the registry lock: publish and parking check it there)
-    1. parked fetches refused ``draining`` (the SharedDealerPool, bounded by the deadline)
+    0. requests another sender is handing over here published (adopt.py), then draining
+       set (under the registry lock: publish and parking check it there)
+    1. parked fetches refused ``draining`` (the SharedDealerPool, bounded by the deadline);
+       then the handover: requests no fetch touched offered to ``[handover] targets``
+       (handover.py), which fetch them from here
     2. wait, up to ``drain_timeout_ms``, until every published request ended (fetched, or
-       expired by its TTL) and no slice is queued or writing
+       expired by its TTL, or moved) and no slice is queued or writing; the moved requests'
+       receivers are told (``Moved``) and redirects answered up to ``redirect_window_ms``
     3. what is still open ends ``failed``/``shutting_down``; workers refuse its queued writes
     4. threads stopped, each join bounded by what is left
     5. memory deregistered only when no write is in flight
@@ -115,7 +119,7 @@ class Drain:
             doubt,
         )
 
-    def _reply_shared(self, peer: Peer, msg: wire._Msg) -> None:
+    def reply_shared(self, peer: Peer, msg: wire._Msg) -> None:
         try:
             self._s._shared.send(
                 peer.result_endpoint, wire.encode(msg, peer.version), peer.identity
@@ -132,6 +136,8 @@ class Drain:
         deadline = t0 + total
         join_reserve = min(1.0, 0.2 * total)  # the drain must leave time to join the threads
         drain_deadline = min(t0 + d.drain_timeout_ms / 1000, deadline - join_reserve)
+        if s.adopt is not None:  # requests moving here publish before publishing is refused
+            s.adopt.finish_moves(drain_deadline)
         with s._lock:  # publish and parking check the flag under this lock: none slips past
             s._draining.set()
             parked = s.parked.clear()
@@ -141,7 +147,7 @@ class Drain:
                 self.stats.add("shutdown_refusals_skipped")
                 continue
             self.stats.add(f"rejected_{Reason.DRAINING}")
-            self._reply_shared(
+            self.reply_shared(
                 p.peer,
                 wire.Result(
                     request_id=p.msg.request_id,
@@ -151,6 +157,9 @@ class Drain:
                     detail="sender is draining: request not published here",
                 ),
             )
+        # 1b. hand what no fetch touched yet to another sender (handover.py)
+        handover = s.handover
+        handover.offer(drain_deadline)
         unfetched, attached = self.open_requests()
         if unfetched or attached:
             log.info(
@@ -175,7 +184,12 @@ class Drain:
         busy = open_work()  # checked once even when drain_timeout_ms is 0
         while busy and time.monotonic() < drain_deadline:
             time.sleep(0.01)  # poll: no event covers "every slice of every session"
+            handover.settle()
             busy = open_work()
+        handover.settle()
+        handover.give_up()
+        # 2b. moved requests: tell the receivers, answer redirects for a short window
+        handover.tell_and_wait(deadline - join_reserve)
         # 3. the drain deadline: end what is still open; workers refuse its queued writes
         with s._lock:
             sessions = list(s.published.sessions.values())
@@ -183,6 +197,8 @@ class Drain:
             if not x.ended:
                 self._drain_end(x, "still open at the drain deadline (drain_timeout_ms)")
         # 4. stop threads, each join bounded by what is left
+        if s.adopt is not None:  # requests adopted from another sender: its own receiver
+            s.adopt.close(max(0.0, deadline - time.monotonic() - join_reserve / 2))
         for w in s._workers:
             w.queue.put(STOP)
         s._stopping.set()
@@ -218,6 +234,7 @@ class Drain:
             never_fetched=never,
             transfers_cut=cut,
             requests_in_doubt=in_doubt,
+            moved=handover.moved,
         )
         log.info("sender shutdown: %s", report)
         return report

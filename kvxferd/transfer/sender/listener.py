@@ -8,7 +8,8 @@ and calls, iohooks.py), and drives the inline worker each turn. Each turn::
     the inline worker's step -> housekeeping -> the hooks' timers
 
 Message dispatch: REGISTER -> :class:`~kvxferd.transfer.sender.admission.Admission`;
-REQUEST_DATA -> its deadline (``timeout_ms``, ``deadline_unix_ms``), then attached to
+HANDOVER -> the adopter's reply (adopt.py); REQUEST_DATA of a request this drain moved
+-> ``Result{failed, moved, moved_to}`` (handover.py); REQUEST_DATA -> its deadline (``timeout_ms``, ``deadline_unix_ms``), then attached to
 its published request (published.py) or parked until publish (parked.py), queued on
 the pair's lane (``Sender._lane_for``); CANCEL -> admission ended, acked through the
 lane (after the slice's own Result). A key removed from the allow-list is answered
@@ -41,6 +42,7 @@ from kvxferd.transfer import protocol as wire
 from kvxferd.transfer.control import bind_router, router_reply
 from kvxferd.transfer.layout import Layout, check_blocks, check_layers
 from kvxferd.transfer.poller import Poller, tight_timers
+from kvxferd.transfer.sender.adopt import adopt_reply
 from kvxferd.transfer.sender.parked import Parked
 from kvxferd.transfer.worker import STOP, TICK_S, AckTask, Peer, WriteTask
 
@@ -259,6 +261,8 @@ class Listener:
                 self._s.admission.on_register(routing_id, msg, identity, offered)
             elif isinstance(msg, wire.RequestData):
                 self._on_request(routing_id, msg, identity)
+            elif isinstance(msg, wire.Handover):  # another sender drains (sender/adopt.py)
+                self.reply(routing_id, adopt_reply(self._s, msg))
             else:
                 self._on_cancel(routing_id, msg, identity)
         except Exception:  # a bug on one message must not kill the listener
@@ -318,6 +322,25 @@ class Listener:
                 Reason.TIMEOUT,
                 "the fetch's deadline passed before it was read",
             )
+        moved_to = s.handover.moved_to(msg.request_id) if peer.version >= 4 else None
+        if moved_to is not None:  # handed over by this drain (handover.py): nothing written
+            self.stats.add("moved_redirects")
+            self.stats.add(f"rejected_{Reason.MOVED}")
+            self.reply(
+                routing_id,
+                wire.Result(
+                    request_id=msg.request_id,
+                    fetch_id=msg.fetch_id,
+                    status="failed",
+                    reason=Reason.MOVED,
+                    detail="the draining sender handed this request over",
+                    moved_to=moved_to,
+                ),
+            )
+            return None
+        if s.handover.hold(routing_id, msg, identity, peer.receiver_id):  # its request moves
+            self.stats.add("fetches_held_moving")
+            return None
         outcome: WriteTask | wire.Result | None = None
         with s._lock:
             key = (peer.receiver_id, msg.fetch_id)
@@ -399,7 +422,7 @@ class Listener:
             return
         self.stats.add("cancels")
         if session is None:
-            if p is not None:
+            if p is not None or s.handover.unhold(peer.receiver_id, msg.fetch_id):
                 self.reply(
                     routing_id,
                     wire.Result(
@@ -458,6 +481,8 @@ class Listener:
             elif session.lease_pending():  # a reader still writing at the lease: look again soon
                 with s._lock:
                     s.published.look_again(session, now + 1.0)
+        for held in s.handover.released():  # their request's move settled (handover.py)
+            self._on_request(*held[:3])
         if len(s.streams) and now >= self._streams_at:  # streamed publishes with no mark
             self._streams_at = now + TICK_S
             s.streams.stalled(now)
