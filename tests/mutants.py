@@ -2151,8 +2151,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "kvxferd/transfer/sender/listener.py",
-                "moved_to = s.handover.moved_to(msg.request_id) if peer.version >= 4 else None",
-                "moved_to = None",
+                "moved = s.handover.redirect(msg) if peer.version >= 4 else None",
+                "moved = None",
             ),
         ),
         (

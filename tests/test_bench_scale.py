@@ -75,7 +75,9 @@ def test_tiny_scale_run_reports_every_figure_positive_and_sane() -> None:
     # a link is at least the receiver's DEALER connection; a done fetch adds at most the
     # data plane's (it is told by NIXL notification, not by a worker's Result connection)
     assert lk["per_link_register"]["fd_socket"] >= 1
-    assert lk["per_link_fetch"]["fds"] >= lk["per_link_register"]["fds"]
+    # (per link, over 2 links: another fd of the process may close meanwhile, so one fewer in
+    # all, -0.5 per link, is noise; failed once on a loaded host at 6.0 against 6.5)
+    assert lk["per_link_fetch"]["fds"] >= lk["per_link_register"]["fds"] - 0.5
 
     text = format_scale(json.loads(json.dumps(doc)))  # a --json file reads back
     for needle in (

@@ -188,11 +188,9 @@ class Sender:
         )
         # Receivers' NIXL agents: writes in flight, deferred removals, replaced incarnations.
         self.agents = PeerAgents(self.dataplane, self.stats)
-        # Each link's speed, measured by a probe WRITE into its receiver's scratch region.
         self.probes = LinkProbes.of(self.dataplane, self.agents, self.stats, self.guard, settings)
-        process_context(
-            sockets_needed(settings.num_threads, settings.limits.max_peers)
-        )  # before any socket
+        # Before any socket:
+        process_context(sockets_needed(settings.num_threads, settings.limits.max_peers))
         self.transport = Transport(settings.security, "sender", self.stats)  # ZAP: a socket
         self.public_key = self.transport.public_key  # what Publish/PoolInfo tell engines
         self.socket_limits = SocketLimits.of(
@@ -209,8 +207,7 @@ class Sender:
         )
         self.peers = PeerTable(self.ownership, settings.limits.max_peers)
         self.parked = ParkedFetches(self.ownership)  # fetches before their publish
-        self._draining = threading.Event()
-        self._stopping = threading.Event()
+        self._draining, self._stopping = threading.Event(), threading.Event()
         self.drain = Drain(self)
         self.handover = Handover(self)  # this drain's offer and redirects (handover.py)
         self.adopt = Adopter.of(self)  # requests other senders hand over here (adopt.py)
@@ -385,8 +382,8 @@ class Sender:
         lives as long as the request). ``allowed_receivers``: only receivers whose
         identity (CURVE key) or receiver id is listed may fetch it. Either refusal is
         ``not_authorized``. ``streamed``: published with no layer ready; ``progress``
-        marks them as prefill computes them (streams.py, session.py). ``adopted_ttl_s``:
-        a request handed over by a draining sender, in blocks reserved for that (adopt.py).
+        marks them as prefill computes them (streams.py, session.py). ``adopted_ttl_s``: a
+        request handed over by a draining sender, in blocks reserved for it (adopt.py).
         """
         if self._draining.is_set():
             self.stats.add("rejected_draining")

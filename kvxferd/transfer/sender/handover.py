@@ -91,6 +91,23 @@ class Handover:
             self._redirected.add(request_id)
             return entry[0]
 
+    def redirect(self, msg: wire.RequestData) -> wire.Result | None:
+        """``Result{failed, moved, moved_to}`` for a fetch of a request this drain handed over
+        (listener thread; nothing was written), counted; None when it was not moved."""
+        moved_to = self.moved_to(msg.request_id)
+        if moved_to is None:
+            return None
+        self.stats.add("moved_redirects")
+        self.stats.add(f"rejected_{Reason.MOVED}")
+        return wire.Result(
+            request_id=msg.request_id,
+            fetch_id=msg.fetch_id,
+            status="failed",
+            reason=Reason.MOVED,
+            detail="the draining sender handed this request over",
+            moved_to=moved_to,
+        )
+
     # -- fetches that come while their request moves (listener thread) ----------------------
     def hold(
         self, routing_id: bytes, msg: wire.RequestData, identity: str, receiver_id: str
@@ -110,7 +127,8 @@ class Handover:
             if any(h[3] == receiver_id and h[1].fetch_id == msg.fetch_id for h in self._held):
                 return False  # the same fetch again: refused as a duplicate fetch id
             self._held.append((routing_id, msg, identity, receiver_id))
-            return True
+        self.stats.add("fetches_held_moving")
+        return True
 
     def unhold(self, receiver_id: str, fetch_id: int) -> bool:
         """A Cancel of a held fetch: forgotten (nothing was written); True if it was held."""

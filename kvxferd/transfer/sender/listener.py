@@ -186,11 +186,8 @@ class Listener:
                 self._handle_one(routing_id, frame, identity, max_bytes)
                 continue
             # Answered in its frame's version (one that did not decode: the route's peer's).
-            self._answering = (
-                wire.answer_version(wire.frame_version(frame))
-                if frame is not None and msg is not None
-                else None
-            )
+            seen = wire.frame_version(frame) if frame is not None and msg is not None else 0
+            self._answering = wire.answer_version(seen) if seen else None
             if isinstance(msg, wire.RequestData):
                 self._refuse_fetch(routing_id, None, msg, Reason.NOT_AUTHORIZED, detail)
                 continue
@@ -236,8 +233,7 @@ class Listener:
     def _handle_one(
         self, routing_id: bytes, frame: bytes | None, identity: str, max_bytes: int
     ) -> None:
-        """One message; its answers go in its frame's version (the nearest one spoken here;
-        a frame without our header: the version of the peer on the route, if any)."""
+        """One message, answered in its frame's version (no header of ours: the route's peer's)."""
         ours = frame is not None and len(frame) > 2 and frame[:2] == wire.MAGIC
         offered = wire.frame_version(frame) if frame is not None and ours else 0
         self._answering = wire.answer_version(offered) if ours else None
@@ -322,24 +318,11 @@ class Listener:
                 Reason.TIMEOUT,
                 "the fetch's deadline passed before it was read",
             )
-        moved_to = s.handover.moved_to(msg.request_id) if peer.version >= 4 else None
-        if moved_to is not None:  # handed over by this drain (handover.py): nothing written
-            self.stats.add("moved_redirects")
-            self.stats.add(f"rejected_{Reason.MOVED}")
-            self.reply(
-                routing_id,
-                wire.Result(
-                    request_id=msg.request_id,
-                    fetch_id=msg.fetch_id,
-                    status="failed",
-                    reason=Reason.MOVED,
-                    detail="the draining sender handed this request over",
-                    moved_to=moved_to,
-                ),
-            )
+        moved = s.handover.redirect(msg) if peer.version >= 4 else None
+        if moved is not None:  # handed over by this drain (handover.py): nothing written
+            self.reply(routing_id, moved)
             return None
         if s.handover.hold(routing_id, msg, identity, peer.receiver_id):  # its request moves
-            self.stats.add("fetches_held_moving")
             return None
         outcome: WriteTask | wire.Result | None = None
         with s._lock:
