@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -465,8 +466,40 @@ def test_new_sender_old_receiver_fetch_byte_exact_and_nothing_newer_reaches_it(
     sender = debug_state(tx)
     assert [p["version"] for p in sender["peers"]] == [3]
     assert sender["stats"]["peers_registered_previous_version"] == 1
+    # It advertised no scratch region (a version-4 field): its link is never probed.
+    probes = {k: v for k, v in sender["stats"].items() if k.startswith("link_probes_") and v}
+    assert probes == {} and all(x.get("gbps") is None for x in sender["links"]), sender["links"]
     receiver = debug_state(rx)
     refused = {k: v for k, v in receiver["stats"].items() if k.startswith("rejected_") and v}
     assert refused == {}
     assert receiver["stats"]["fetches_done"] == N_REQ
     assert receiver["stats"].get("notifications", 0) >= 1  # done by KN\x03 notifications
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_draining_sender_hands_nothing_to_an_old_sender_and_says_so(
+    old: prev_release.Built, spawn: Spawn
+) -> None:
+    """A 0.2.0 sender whose handover target is a 0.1.0 sender: the old one refuses the
+    Handover (a version-4 message) by name and goes on unharmed; the draining sender logs the
+    refusal (``rejected it: unsupported_version``), drops its unfetched requests at drain_timeout_ms as
+    before, and exits 3."""
+    t = spawn("sender", "old-t", old_release=True)
+    d = spawn(
+        "sender",
+        "new-d",
+        old_release=False,
+        KVXFERD_HANDOVER__TARGETS=f'["{t.ready["endpoint"]}"]',
+    )
+    ids = ["kept-0", "kept-1"]
+    with Client(d.ready["engine_socket"], timeout_s=20) as c:
+        publish(c, attach_pool(c.describe()), ids)
+    d.terminate()
+    assert d.wait(time.monotonic() + 30) == 3, d.tail(40)
+    said = "\n".join(d.stderr_lines(400))
+    assert re.search(r"handover: \S+ rejected it: unsupported_version", said), said
+    assert "drain incomplete: 2 published requests never fetched" in said, said
+    stats = debug_state(t)["stats"]
+    assert stats["rejected_unsupported_version"] == 1, stats
+    assert t.alive() and stats.get("thread_errors", 0) == 0
