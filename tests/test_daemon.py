@@ -395,6 +395,7 @@ def test_readiness_drops_with_draining_while_liveness_stays_during_a_drain(
     except AssertionError as e:
         raise AssertionError(
             f"{e}; alive={rx.alive()}; the answers (s after SIGTERM): {seen[:3]} ... {seen[-3:]}"
+            f"; {rx.describe()}"
         ) from None
     _, r_status, r_body, h_status, h_body = seen[-1]
     assert "draining" in r_body.splitlines(), r_body
