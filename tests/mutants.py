@@ -541,7 +541,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the engine client sends calls without their absolute deadline (deadline_unix_ms 0)",
         (
             Edit(
-                "kvxferd/engine/client.py",
+                "kvxferd/engine/requests.py",
                 "return time.time_ns() // 1_000_000 + int(bound_s * 1000)",
                 "return 0",
             ),
@@ -553,7 +553,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "AsyncClient.close_client leaves a stopped loop's calls waiting until their own timeout",
         (
             Edit(
-                "kvxferd/engine/client.py",
+                "kvxferd/engine/async_client.py",
                 "pending, self.pending = self.pending, {}",
                 "pending: dict[int, Any] = {}",
             ),
@@ -765,7 +765,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "AsyncClient.close_client leaves open the socket of a loop that stops before closing it",
         (
             Edit(
-                "kvxferd/engine/client.py",
+                "kvxferd/engine/async_client.py",
                 "conn.loop.call_soon_threadsafe(conn.shutdown)\n                    handed.append(conn)",
                 "conn.loop.call_soon_threadsafe(conn.shutdown)",
             ),

@@ -11,7 +11,9 @@ shell or an integration (tests/test_layering.py checks it)::
     waits.py            the engine calls that wait, with their timers
     handles.py          the gateway's handle table: handles by id, the open Publish/Fetch of each key
     roles.py            what the gateway does differently for a sender and a receiver (an adapter each)
-    client.py           what engines import: Client, AsyncClient, attach_pool (re-exported)
+    client.py           what engines import: Client (AsyncClient, attach_pool re-exported)
+    async_client.py     AsyncClient: one connection per event loop, read on that loop
+    requests.py         what a client sends: each call's message for a call id and deadline
     dialect.py          the engine protocol version one Client connection speaks (the newest,
                         or the previous release's toward a daemon of that release)
     links.py            the ``links`` call on the engine side (Client.links, AsyncClient.links)

@@ -18,6 +18,8 @@ what the kernel does not take waits in the connection's outbox (bounded by
 ``MAX_OUTBOX_BYTES``; past it the connection is closed, counted by its owner) and is
 written when the socket turns writable. A frame longer than the reader's bound
 closes the connection (the length prefix cannot be trusted past it).
+
+``connect`` opens the engine side of either for both clients (client.py, async_client.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ import time
 from typing import Any
 
 import zmq
+
+from kvxferd.auth import Curve
+from kvxferd.engine import engine_protocol as ep
+from kvxferd.engine.engine_protocol import EngineReason
+from kvxferd.engine.errors import EngineUnavailable
+from kvxferd.transfer.control import process_context
 
 LENGTH = struct.Struct("<I")
 MAX_OUTBOX_BYTES = 64 << 20  # written-but-unread bytes a connection may hold before it is closed
@@ -306,3 +314,35 @@ class ZmqChannel:
         if not self.closed:
             self.closed = True
             self.sock.close(linger=0)
+
+
+def dealer_options(sock: zmq.Socket[Any], curve: Curve | None = None) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, ep.MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.RCVHWM, 10_000)
+    if curve is not None:  # a daemon's TCP engine socket: our keys, the daemon's public key
+        curve.apply_client(sock)
+
+
+# -- the connection under both clients (client.py, async_client.py) ------------------------------------------------------
+def connect(endpoint: str, timeout: float, curve: Curve | None) -> StreamChannel | ZmqChannel:
+    """A channel to the daemon's engine socket (channel.py): a unix stream for ipc://, a
+    ZMQ DEALER (CURVE when ``curve``) for tcp://; EngineUnavailable when nothing listens."""
+    if endpoint.startswith("ipc://"):
+        try:
+            return StreamChannel.connect(endpoint, ep.MAX_FRAME_BYTES, timeout)
+        except OSError as e:
+            raise EngineUnavailable(
+                EngineReason.PEER_LOST, f"cannot connect to {endpoint}: {e}"
+            ) from None
+    sock: zmq.Socket[bytes] = process_context().socket(zmq.DEALER)
+    try:
+        dealer_options(sock, curve)
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise EngineUnavailable(
+            EngineReason.PEER_LOST, f"cannot connect to {endpoint}: {e}"
+        ) from None
+    return ZmqChannel(sock)
